@@ -1,0 +1,83 @@
+"""The controller loop every process runs (SPMD; paper, Algorithm 1).
+
+A tick is a fixed list of stages that every rank walks through in the same order: a channel
+stage moves data between executors, a step stage runs the local executor's `step()` if its role
+matches. The asynchronous loop communicates first and then lets both executors step at once,
+so generation of batch k+1 overlaps training on batch k; the synchronous loop
+(`max_staleness=0`) puts the generator's step between the weight and rollout channels, so the
+trainer always trains on samples from its current policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .executor import Executor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Communicate:
+    """Stage: one channel communicates (`channel.communicate(executor)`)."""
+
+    channel: object
+
+
+@dataclass
+class Step:
+    """Stage: executors of `role` (or every executor when None) run `step()`."""
+
+    role: str | None = None
+
+
+def async_stages(channels: list) -> list:
+    return [Communicate(ch) for ch in channels] + [Step()]
+
+
+def sync_stages(weights_channel, rollouts_channel) -> list:
+    return [Communicate(weights_channel), Step("generator"), Communicate(rollouts_channel), Step("trainer")]
+
+
+class ExecutorController:
+    """Runs `num_ticks` ticks of `stages` on the local `executor`."""
+
+    def __init__(self, executor: Executor, stages: list, num_ticks: int, start_tick: int = 0):
+        self.executor, self.stages = executor, stages
+        self.num_ticks, self.start_tick = num_ticks, start_tick
+
+    def run(self) -> None:
+        executor = self.executor
+        try:
+            for tick in range(self.start_tick, self.num_ticks):
+                executor.set_step(tick)
+                for stage in self.stages:
+                    if isinstance(stage, Communicate):
+                        stage.channel.communicate_with(executor)
+                    elif stage.role is None or stage.role == executor.role:
+                        executor.step()
+                if executor.checkpoint_due():
+                    executor.save_checkpoint()
+        finally:
+            executor.close()
+
+
+def run_job(executor: Executor, backend, topology, num_batches: int, max_staleness: int) -> None:
+    """Build the job's two channels and run the loop for `num_batches` generation batches.
+
+    `max_staleness = s >= 1`: the trainer trains batch t-s at tick t while the generator samples
+    batch t, so there are `num_batches + s` ticks; `s = 0` runs the synchronous stage order.
+    """
+    from .channels import Channel, ChannelKind
+    from .generator import ROLLOUTS
+    from .weight_sync import WeightsChannel
+
+    weights = WeightsChannel(backend, topology)
+    rollouts = Channel(ROLLOUTS, ChannelKind.SCATTER, [topology.generator_ranks[0]], topology.trainer_ranks, topology)
+    if hasattr(executor, "weights_channel"):
+        executor.weights_channel = weights
+    executor.backend = backend
+    stages = sync_stages(weights, rollouts) if max_staleness == 0 else async_stages([weights, rollouts])
+    executor.init()
+    ExecutorController(executor, stages, num_ticks=num_batches + max_staleness).run()

@@ -1,0 +1,44 @@
+"""The executor interface every role implements (paper, Algorithm 1).
+
+An executor owns one role's work (generating, training). The controller drives it: once per
+tick it calls `set_step`, lets every channel move data in and out through `get_output` /
+`put_input`, calls `step`, and `save_checkpoint` when one is due.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Executor:
+    """Base class of the generator and trainer executors."""
+
+    role: str = "executor"
+
+    def init(self) -> None:
+        """Called once before the first tick: build the model, the engine, the optimizer."""
+
+    def set_step(self, tick: int) -> None:
+        """Called at the start of every tick, before any channel communicates."""
+        self.tick = tick
+
+    def get_output(self, channel: str) -> Any:
+        """Called on a channel's source ranks: the payload this executor sends this tick."""
+        raise KeyError(f"{type(self).__name__} has no output {channel!r}")
+
+    def put_input(self, channel: str, value: Any) -> None:
+        """Called on a channel's destination ranks with what arrived this tick."""
+        raise KeyError(f"{type(self).__name__} takes no input {channel!r}")
+
+    def step(self) -> None:
+        """Called once per tick after the channels before it: this executor's work for the tick."""
+
+    def checkpoint_due(self) -> bool:
+        """Called after every tick: whether `save_checkpoint` should run now."""
+        return False
+
+    def save_checkpoint(self) -> None:
+        """Called after a tick when `checkpoint_due()` said so."""
+
+    def close(self) -> None:
+        """Called once after the last tick (and on the way out of an error)."""

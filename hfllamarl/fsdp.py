@@ -1,0 +1,58 @@
+"""FSDP2 sharding of the policy over the trainer world (the same code on CPU/gloo and GPU/NCCL).
+
+Accelerate 1.15 does not do FSDP on the CPU (it falls back to one unsharded process per rank,
+silently), so the trainer shards the model itself with torch's `fully_shard`: one FSDP unit per
+decoder layer, then the root. The weight sync relies on this layout: every parameter is a
+DTensor sharded on dim 0 across the trainer ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ShardingError(RuntimeError):
+    """FSDP2 sharding was requested and cannot run; never a silent fallback."""
+
+
+def decoder_layer_classes(model: torch.nn.Module) -> set[type]:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ShardingError(
+            f"Cannot find the decoder layers of {type(model).__name__} to shard (its `_no_split_modules` is "
+            f"{sorted(names) or 'empty'}); FSDP2 sharding needs them."
+        )
+    return classes
+
+
+def shard_model(model: torch.nn.Module, device_type: str, mixed_precision: str | None = None) -> torch.nn.Module:
+    """Shard `model` in place with FSDP2 over the default process group (the trainer world)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        raise ShardingError("FSDP2 needs the trainer world (torch.distributed) initialized first.")
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    mp = None
+    if mixed_precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    try:
+        for cls in decoder_layer_classes(model):
+            for module in [m for m in model.modules() if isinstance(m, cls)]:
+                fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+    except ShardingError:
+        raise
+    except Exception as exc:
+        raise ShardingError(f"FSDP2 sharding of {type(model).__name__} failed: {type(exc).__name__}: {exc}") from exc
+    return model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole, unsharded state dict on CPU (a collective on the trainer world; every rank gets it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False))

@@ -1,0 +1,206 @@
+"""The generator executor: an embedded vLLM engine that samples rollouts for the trainer.
+
+vLLM runs in-process (`vllm.LLM`, no engine subprocess), with `external_launcher` when the
+generator world has several ranks (tensor parallelism across them). Each tick it samples one
+generation batch with the newest weights it holds and records, for every sampled token, the
+behaviour log-prob (after temperature, as the trainer computes pi) and the policy version.
+New weights are loaded in place with vLLM's `reload_weights`, streaming from the weight sync.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .executor import Executor
+from .prompts import PromptEncoder, batch_rows
+from .rollout import Rollout, RolloutGroup
+from .topology import Topology
+from .weight_sync import POLICY_WEIGHTS, build_backend
+
+logger = logging.getLogger(__name__)
+
+ROLLOUTS = "rollouts"
+
+
+@dataclass
+class GeneratorSpec:
+    """Everything a generator rank needs; picklable, so a child process can receive it."""
+
+    model_path: str
+    tokenizer_path: str
+    dataset: Any  # a `datasets.Dataset`, or the path of one saved with `save_to_disk`
+    num_batches: int
+    prompts_per_batch: int
+    num_generations: int
+    max_completion_length: int
+    max_model_len: int
+    seed: int = 0
+    shuffle: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict = field(default_factory=dict)
+    chat_template_kwargs: dict = field(default_factory=dict)
+    dtype: str = "auto"
+    enforce_eager: bool = True
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1
+    weight_sync_backend: str = "broadcast"
+    weight_sync_options: dict = field(default_factory=dict)
+    weights_digest: bool = False  # hash every received weight set (tests compare it with the trainer's)
+
+
+def tensor_digest(named_tensors) -> str:
+    """sha256 over (name, dtype, shape, bytes) of each tensor: equal digests mean bitwise-equal weights."""
+    h = hashlib.sha256()
+    for name, t in named_tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class GeneratorExecutor(Executor):
+    role = "generator"
+
+    def __init__(self, spec: GeneratorSpec, topology: Topology):
+        self.spec, self.topology = spec, topology
+        self.version = 0
+        self.pending: list[RolloutGroup] = []
+        self.weights_digest: str | None = None
+        self.weight_load_seconds = 0.0
+        self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
+
+    # ------------------------------------------------------------------ set-up
+    def init(self) -> None:
+        spec = self.spec
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine stays in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        dataset = spec.dataset
+        if isinstance(dataset, str):
+            from datasets import load_from_disk
+
+            dataset = load_from_disk(dataset)
+        self.dataset = dataset
+        from transformers import AutoTokenizer
+
+        self.encoder = PromptEncoder(AutoTokenizer.from_pretrained(spec.tokenizer_path), spec.chat_template_kwargs)
+        self.llm = self._build_engine()
+        if self.backend is None:
+            self.backend = build_backend(spec.weight_sync_backend, self.topology, **spec.weight_sync_options)
+        self.backend.setup_generator()
+
+    def _build_engine(self):
+        from vllm import LLM
+
+        spec, topo = self.spec, self.topology
+        kwargs: dict[str, Any] = dict(
+            model=spec.model_path,
+            tokenizer=spec.tokenizer_path,
+            dtype=spec.dtype,
+            seed=spec.seed,
+            enforce_eager=spec.enforce_eager,
+            max_model_len=spec.max_model_len,
+            tensor_parallel_size=spec.tensor_parallel_size,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature: the distribution sampled from
+        )
+        if topo.num_generators > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if topo.use_cpu:
+            kwargs["kv_cache_memory_bytes"] = spec.kv_cache_bytes or (256 << 20)
+        else:  # pragma: no cover - needs a GPU
+            kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+        return LLM(**kwargs)
+
+    def _sampling_params(self):
+        from vllm import SamplingParams
+
+        spec = self.spec
+        kw = dict(
+            n=spec.num_generations,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k if spec.top_k else -1,
+            repetition_penalty=spec.repetition_penalty,
+            max_tokens=spec.max_completion_length,
+            logprobs=0,  # the sampled token's log-prob at every position
+        )
+        if spec.min_p is not None:
+            kw["min_p"] = spec.min_p
+        kw.update(spec.generation_kwargs or {})
+        return SamplingParams(**kw)
+
+    # ------------------------------------------------------------------ channels
+    def put_input(self, channel: str, value) -> None:
+        if channel != POLICY_WEIGHTS:
+            return super().put_input(channel, value)
+        version, weights = value
+        start = time.perf_counter()
+        if self.spec.weights_digest:
+            received = [(name, t) for name, t in weights]  # keep them to hash after loading
+            weights = iter(received)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        if self.spec.weights_digest:
+            self.weights_digest = tensor_digest(received)
+        self.version = version
+        self.weight_load_seconds = time.perf_counter() - start
+
+    def get_output(self, channel: str):
+        if channel != ROLLOUTS:
+            return super().get_output(channel)
+        # Only the first rank of the engine sends: with tensor parallelism every rank holds the same output.
+        out, self.pending = (self.pending if self.topology.local_rank == 0 else []), []
+        return out
+
+    # ------------------------------------------------------------------ work
+    def step(self) -> None:
+        if self.tick >= self.spec.num_batches:
+            return
+        self.pending = self.generate_batch(self.tick)
+
+    def generate_batch(self, batch_index: int) -> list[RolloutGroup]:
+        from vllm.inputs import TokensPrompt
+
+        spec = self.spec
+        indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
+        rows = [self.dataset[i] for i in indices]
+        prompt_ids = [self.encoder.encode(row["prompt"]) for row in rows]
+        start = time.perf_counter()
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], self._sampling_params(), use_tqdm=False
+        )
+        seconds = time.perf_counter() - start
+        groups, tokens = [], 0
+        for index, row, ids, out in zip(indices, rows, prompt_ids, outputs):
+            columns = {k: v for k, v in row.items() if k != "prompt"}
+            rollouts = []
+            for comp in out.outputs:
+                comp_ids = list(comp.token_ids)
+                logprobs = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], comp_ids)]
+                tokens += len(comp_ids)
+                rollouts.append(
+                    Rollout(
+                        prompt=row["prompt"],
+                        prompt_ids=list(ids),
+                        completion_ids=comp_ids,
+                        behavior_logprobs=logprobs,
+                        versions=[self.version] * len(comp_ids),
+                        finish_reason=str(comp.finish_reason or "length"),
+                        completion_text=comp.text,
+                        columns=columns,
+                        row_index=int(index),
+                    )
+                )
+            groups.append(RolloutGroup(rollouts, batch_index, self.version, seconds, 0))
+        for g in groups:
+            g.batch_tokens = tokens
+        return groups

@@ -1,0 +1,91 @@
+"""Prompts: which dataset rows make up each generation batch, and how a row becomes token ids.
+
+Batch b takes rows `[b*P, (b+1)*P)` of an endless stream of epochs, each epoch a permutation of
+the dataset seeded by `(seed, epoch)`. The stream depends on nothing but the seed, so any rank,
+a resumed job included, can tell which prompts batch b holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def epoch_order(num_rows: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    import torch
+
+    if not shuffle:
+        return list(range(num_rows))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_rows, generator=g).tolist()
+
+
+def batch_rows(num_rows: int, prompts_per_batch: int, batch_index: int, seed: int, shuffle: bool = True) -> list[int]:
+    """Dataset row indices of generation batch `batch_index`."""
+    if num_rows <= 0:
+        raise ValueError("the training dataset is empty")
+    start = batch_index * prompts_per_batch
+    out: list[int] = []
+    cache: dict[int, list[int]] = {}
+    for pos in range(start, start + prompts_per_batch):
+        epoch, offset = divmod(pos, num_rows)
+        if epoch not in cache:
+            cache[epoch] = epoch_order(num_rows, epoch, seed, shuffle)
+        out.append(cache[epoch][offset])
+    return out
+
+
+def is_conversational(prompt: Any) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+class PromptEncoder:
+    """Turns a dataset row's `prompt` (text or chat messages) into token ids, as TRL does."""
+
+    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = chat_template_kwargs or {}
+
+    def encode(self, prompt: Any) -> list[int]:
+        if is_conversational(prompt):
+            ids = self.tokenizer.apply_chat_template(
+                prompt, tokenize=True, add_generation_prompt=True, **self.chat_template_kwargs
+            )
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return list(ids)
+        if not isinstance(prompt, str):
+            raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def validate_dataset(dataset, encoder: PromptEncoder, max_completion_length: int, max_model_len: int) -> int:
+    """Check every row before training starts; return the longest prompt in tokens.
+
+    Raises:
+        ValueError: a missing `prompt` column, an empty or malformed prompt, or a prompt that
+            leaves no room for `max_completion_length` tokens; the message names the row.
+    """
+    columns = getattr(dataset, "column_names", None)
+    if columns is None or "prompt" not in columns:
+        raise ValueError(
+            f"The training dataset needs a `prompt` column (text or chat messages), as for TRL's GRPOTrainer; "
+            f"it has columns {columns}. Rename your prompt column with `dataset.rename_column(old, 'prompt')`."
+        )
+    if len(dataset) == 0:
+        raise ValueError("The training dataset is empty.")
+    longest = 0
+    for i, prompt in enumerate(dataset["prompt"]):
+        try:
+            ids = encoder.encode(prompt)
+        except Exception as exc:
+            raise ValueError(f"Row {i} of the training dataset: cannot encode its prompt: {exc}") from exc
+        if not ids:
+            raise ValueError(f"Row {i} of the training dataset has an empty prompt.")
+        if len(ids) + max_completion_length > max_model_len:
+            raise ValueError(
+                f"Row {i} of the training dataset: its prompt is {len(ids)} tokens, and with max_completion_length="
+                f"{max_completion_length} that exceeds the model's context of {max_model_len} tokens. Shorten or "
+                "filter long prompts, or lower max_completion_length."
+            )
+        longest = max(longest, len(ids))
+    return longest

@@ -1,0 +1,102 @@
+"""Logging through transformers' Trainer machinery: `TrainerState`, callbacks, `report_to`.
+
+The trainer ranks drive the same callback events a `transformers.Trainer` fires (train begin,
+step begin/end, log, save, train end), so the tqdm bar, TensorBoard and any user callback work
+as they do with TRL's trainers, and `state.log_history` holds every logged step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from transformers.integrations import get_reporting_integration_callbacks
+from transformers.trainer_callback import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    PrinterCallback,
+    ProgressCallback,
+    TrainerControl,
+    TrainerState,
+)
+
+
+class Reporter:
+    """Holds the `TrainerState` and fires callbacks; one per trainer rank."""
+
+    def __init__(self, args, model, processing_class, optimizer, scheduler, callbacks, max_steps: int,
+                 is_world_zero: bool):
+        integrations = get_reporting_integration_callbacks(args.report_to)
+        default = [DefaultFlowCallback] + integrations
+        default.append(PrinterCallback if args.disable_tqdm else ProgressCallback)
+        self.handler = CallbackHandler(default + list(callbacks or []), model, processing_class, optimizer, scheduler)
+        self.args = args
+        self.state = TrainerState()
+        self.state.max_steps = max_steps
+        self.state.logging_steps = args.logging_steps
+        self.state.save_steps = args.save_steps
+        self.state.is_world_process_zero = is_world_zero
+        self.state.is_local_process_zero = is_world_zero
+        self.control = TrainerControl()
+        self._pending: list[dict] = []
+        self._start = None
+
+    def train_begin(self) -> None:
+        self._start = time.perf_counter()
+        self.control = self.handler.on_train_begin(self.args, self.state, self.control)
+
+    def step_begin(self) -> None:
+        self.control = self.handler.on_step_begin(self.args, self.state, self.control)
+
+    def step_end(self, step: int, metrics: dict) -> bool:
+        """Record a finished optimizer step; returns whether a checkpoint save is due."""
+        self.state.global_step = step
+        self._pending.append(metrics)
+        self.control = self.handler.on_step_end(self.args, self.state, self.control)
+        if self.control.should_log or step == self.state.max_steps:
+            self.log(_mean_of(self._pending))
+            self._pending = []
+        due = self.control.should_save
+        self.control.should_save = False
+        return due
+
+    def log(self, logs: dict) -> None:
+        logs = dict(logs)
+        output = {**logs, "step": self.state.global_step}
+        self.state.log_history.append(output)
+        self.control = self.handler.on_log(self.args, self.state, self.control, logs)
+        self.control.should_log = False
+
+    def saved(self) -> None:
+        self.control = self.handler.on_save(self.args, self.state, self.control)
+
+    def train_end(self) -> dict:
+        runtime = time.perf_counter() - (self._start or time.perf_counter())
+        summary = {"train_runtime": round(runtime, 4),
+                   "train_steps_per_second": round(self.state.global_step / runtime, 4) if runtime else 0.0}
+        self.log(summary)
+        self.control = self.handler.on_train_end(self.args, self.state, self.control)
+        return summary
+
+    def integration(self, cls_name: str):
+        for cb in self.handler.callbacks:
+            if type(cb).__name__ == cls_name:
+                return cb
+        return None
+
+
+def _mean_of(rows: list[dict]) -> dict:
+    """Average the steps since the last log (max for `*/max` keys, min for `*/min`)."""
+    out = {}
+    for key in rows[-1]:
+        vals = [r[key] for r in rows if key in r and isinstance(r[key], (int, float))]
+        if not vals:
+            continue
+        if key.endswith("/max"):
+            out[key] = max(vals)
+        elif key.endswith("/min"):
+            out[key] = min(vals)
+        elif key in ("learning_rate", "policy_version", "reward_errors"):
+            out[key] = vals[-1]
+        else:
+            out[key] = sum(vals) / len(vals)
+    return out

@@ -1,0 +1,154 @@
+"""Reward functions with TRL's contract, run on the trainer ranks.
+
+A reward function is called as
+
+    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)
+
+and returns one `float | None` per completion (`None`: this function does not score that sample).
+Completions are strings, or `[{"role": "assistant", "content": ...}]` when the prompts are chat
+messages. `async def` functions run concurrently. Rewards are summed with `reward_weights`,
+ignoring `None`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Callable, Sequence
+
+from .prompts import is_conversational
+from .registry import load_plugin
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or returned something other than one float|None per completion."""
+
+
+def resolve_reward_funcs(reward_funcs) -> list[Callable]:
+    """Turn a callable, a plugin name, or a list mixing them into a list of callables."""
+    if reward_funcs is None:
+        raise ValueError("reward_funcs is required: a callable, a reward plugin name, or a list of them.")
+    items = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not items:
+        raise ValueError("reward_funcs is an empty list: give at least one reward function.")
+    funcs = []
+    for item in items:
+        if isinstance(item, str):
+            item = load_plugin("rewards", item)
+        if hasattr(item, "forward") and hasattr(item, "config"):
+            raise TypeError(
+                "Reward models (a PreTrainedModel in reward_funcs) are not supported yet; wrap the model in a "
+                "function with TRL's reward signature."
+            )
+        if not callable(item):
+            raise TypeError(f"reward_funcs items must be callables or plugin names, got {type(item).__name__}")
+        funcs.append(item)
+    return funcs
+
+
+def reward_name(fn: Callable) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+class RewardRunner:
+    """Scores a batch of completions with every reward function and combines them."""
+
+    def __init__(self, funcs: list[Callable], weights: Sequence[float] | None = None, on_error: str = "raise"):
+        self.funcs = funcs
+        self.names = [reward_name(f) for f in funcs]
+        if weights is None:
+            weights = [1.0] * len(funcs)
+        if len(weights) != len(funcs):
+            raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(funcs)} reward functions.")
+        self.weights = [float(w) for w in weights]
+        self.on_error = on_error
+        self.error_count = 0
+
+    def __call__(self, prompts: list, completions: list[str], completion_ids: list[list[int]], columns: dict,
+                 trainer_state=None) -> tuple[list[float], dict[str, list[float | None]]]:
+        """Return (combined reward per completion, each function's scores by name)."""
+        n = len(completions)
+        if prompts and is_conversational(prompts[0]):
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                      trainer_state=trainer_state, **columns)
+        results = self._call_all(kwargs, n)
+        per_func = {}
+        for name, scores in zip(self.names, results):
+            per_func[name] = scores
+        total = []
+        for i in range(n):
+            vals = [w * s[i] for w, s in zip(self.weights, results) if s[i] is not None]
+            total.append(float(sum(vals)) if vals else 0.0)
+        return total, per_func
+
+    def _call_all(self, kwargs: dict, n: int) -> list[list[float | None]]:
+        results: list = [None] * len(self.funcs)
+        coros = {}
+        for i, fn in enumerate(self.funcs):
+            if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+                coros[i] = fn(**kwargs)
+            else:
+                results[i] = self._guard(i, lambda fn=fn: fn(**kwargs), n, kwargs)
+        if coros:
+            async def gather():
+                return await asyncio.gather(*coros.values(), return_exceptions=True)
+
+            for i, out in zip(coros, _run_async(gather())):
+                results[i] = self._guard(i, lambda out=out: _reraise(out), n, kwargs)
+        return results
+
+    def _guard(self, i: int, call: Callable, n: int, kwargs: dict) -> list[float | None]:
+        name = self.names[i]
+        try:
+            out = call()
+        except Exception as exc:
+            first = kwargs["prompts"][0] if kwargs["prompts"] else None
+            msg = (f"reward function {name!r} raised {type(exc).__name__}: {exc} (batch of {n} completions; "
+                   f"first prompt: {str(first)[:200]!r})")
+            if self.on_error == "zero":
+                self.error_count += 1
+                return [0.0] * n
+            raise RewardFunctionError(msg + ". Set reward_errors='zero' to score such batches 0 and go on.") from exc
+        return self._check(name, out, n)
+
+    @staticmethod
+    def _check(name: str, out, n: int) -> list[float | None]:
+        if not isinstance(out, (list, tuple)) and not hasattr(out, "tolist"):
+            raise RewardFunctionError(f"reward function {name!r} returned {type(out).__name__}; it must return a list "
+                                      f"of {n} floats (or None).")
+        out = out.tolist() if hasattr(out, "tolist") else list(out)
+        if len(out) != n:
+            raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions; it "
+                                      "must return exactly one float (or None) per completion.")
+        clean = []
+        for j, v in enumerate(out):
+            if v is None:
+                clean.append(None)
+                continue
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                raise RewardFunctionError(f"reward function {name!r} returned {v!r} for completion {j}; "
+                                          "expected a float or None.") from None
+            clean.append(None if math.isnan(v) else v)  # NaN is treated like None: not scored
+        return clean
+
+
+def _reraise(out):
+    if isinstance(out, BaseException):
+        raise out
+    return out
+
+
+def _run_async(coro):
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    # Called from inside a running loop (a notebook): run in a helper thread with its own loop.
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -1,0 +1,313 @@
+"""Process layout: who trains, who generates, and the process groups that join them.
+
+A job has N processes. Ranks `0 .. T-1` train, ranks `T .. N-1` generate. Each executor gets a
+world of its own (the default process group of a trainer process holds only the trainer ranks,
+that of a generator process only the generator ranks), so Accelerate/FSDP and vLLM each see only
+their own ranks. All N ranks are also joined by a *bridge*: two process groups built on their own
+store prefixes, one for picklable objects (always gloo) and one for tensors (gloo on CPU, NCCL on
+GPU), which the channels and the weight sync use.
+
+Everything is set up from the launcher's rendezvous alone (`MASTER_ADDR:MASTER_PORT`, as torchrun
+and `accelerate launch` give it). Started as a single process (`python script.py`), the process
+is the only trainer and starts the generators as child processes joined through a store it hosts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+
+ENV_STORE = "HFLLAMARL_STORE"  # host:port of the store a single-process parent hosts
+ENV_RANK = "HFLLAMARL_RANK"
+ENV_WORLD = "HFLLAMARL_WORLD_SIZE"
+ENV_PARENT = "HFLLAMARL_PARENT_PID"
+
+
+class TopologyError(RuntimeError):
+    """A launch that cannot form a job; the message says how to launch instead."""
+
+
+class PeerLostError(RuntimeError):
+    """Another rank of the job died or stopped answering."""
+
+
+@dataclass
+class Topology:
+    """Where this process sits in the job."""
+
+    mode: str  # "launcher" (torchrun / accelerate launch), "single" (python script.py), "child"
+    rank: int  # rank on the bridge, 0 .. world_size-1
+    world_size: int
+    num_generators: int
+    timeout_s: float
+    use_cpu: bool
+    store_addr: tuple[str, int] | None = None
+    _store: object = field(default=None, repr=False)
+    _bridge: dict = field(default_factory=dict, repr=False)
+    _children: list = field(default_factory=list, repr=False)
+
+    @property
+    def num_trainers(self) -> int:
+        return self.world_size - self.num_generators
+
+    @property
+    def trainer_ranks(self) -> list[int]:
+        return list(range(self.num_trainers))
+
+    @property
+    def generator_ranks(self) -> list[int]:
+        return list(range(self.num_trainers, self.world_size))
+
+    @property
+    def role(self) -> str:
+        return "trainer" if self.rank < self.num_trainers else "generator"
+
+    @property
+    def local_rank(self) -> int:
+        """Rank inside this executor's own world."""
+        return self.rank if self.role == "trainer" else self.rank - self.num_trainers
+
+    @property
+    def local_world_size(self) -> int:
+        return self.num_trainers if self.role == "trainer" else self.num_generators
+
+    @property
+    def device_type(self) -> str:
+        return "cpu" if self.use_cpu else "cuda"
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+    def describe(self, rank: int) -> str:
+        """Human name of a bridge rank, e.g. 'rank 2 (generator 0)'."""
+        if rank < self.num_trainers:
+            return f"rank {rank} (trainer {rank})"
+        return f"rank {rank} (generator {rank - self.num_trainers})"
+
+    # ---------------------------------------------------------------- store and worlds
+    def store(self):
+        """The job's key-value store (created on first use)."""
+        import torch.distributed as dist
+
+        if self._store is None:
+            if self.mode == "single":
+                # This process hosts the store; children connect to its port.
+                self._store = dist.TCPStore(
+                    "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=self.timeout
+                )
+                self.store_addr = ("127.0.0.1", self._store.port)
+            else:
+                host, port = self.store_addr
+                agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+                self._store = dist.TCPStore(
+                    host,
+                    port,
+                    is_master=(self.mode == "launcher" and not agent and self.rank == 0),
+                    wait_for_workers=False,
+                    timeout=self.timeout,
+                )
+        return self._store
+
+    def init_local_world(self) -> None:
+        """Make this executor's world the default process group (idempotent)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            if dist.get_world_size() != self.local_world_size:
+                raise TopologyError(
+                    f"torch.distributed was already initialized with {dist.get_world_size()} ranks, but this "
+                    f"{self.role}'s world has {self.local_world_size}. Create AsyncAIPOConfig before anything "
+                    "else initializes torch.distributed."
+                )
+            return
+        backend = "gloo" if self.use_cpu else "nccl"
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"hfllamarl/world/{self.role}", self.store()),
+            rank=self.local_rank,
+            world_size=self.local_world_size,
+            timeout=self.timeout,
+        )
+
+    def bridge(self, kind: str = "object"):
+        """The bridge process group across all ranks: kind "object" (gloo) or "tensor"."""
+        import torch.distributed as dist
+
+        if kind not in self._bridge:
+            store = dist.PrefixStore(f"hfllamarl/bridge/{kind}", self.store())
+            if kind == "object" or self.use_cpu:
+                pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+            else:  # pragma: no cover - needs GPUs
+                pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, dist.ProcessGroupNCCL.Options())
+            self._bridge[kind] = pg
+        return self._bridge[kind]
+
+    # ---------------------------------------------------------------- single-process mode
+    def start_children(self, spec_path: str) -> None:
+        """Single-process mode: start the generator ranks as child processes."""
+        host, port = self.store_addr or ("127.0.0.1", self.store().port)
+        for rank in self.generator_ranks:
+            env = dict(os.environ)
+            env.update(
+                {
+                    ENV_STORE: f"{host}:{port}",
+                    ENV_RANK: str(rank),
+                    ENV_WORLD: str(self.world_size),
+                    ENV_PARENT: str(os.getpid()),
+                    # vLLM's external launcher reads these; they describe the generator world.
+                    "RANK": str(rank - self.num_trainers),
+                    "LOCAL_RANK": str(rank - self.num_trainers),
+                    "WORLD_SIZE": str(self.num_generators),
+                    "LOCAL_WORLD_SIZE": str(self.num_generators),
+                }
+            )
+            cmd = [sys.executable, "-m", "hfllamarl.worker", spec_path]
+            self._children.append(subprocess.Popen(cmd, env=env))
+
+    def check_children(self) -> None:
+        """Raise `PeerLostError` naming a child generator that has exited."""
+        for rank, proc in zip(self.generator_ranks, self._children):
+            code = proc.poll()
+            if code is not None and code != 0:
+                raise PeerLostError(f"{self.describe(rank)} exited with code {code}.")
+
+    def stop_children(self, grace_s: float = 10.0) -> None:
+        """Wait briefly for the child generators to finish, then kill the ones still running."""
+        for proc in self._children:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._children.clear()
+
+
+_TOPOLOGY: Topology | None = None
+
+
+def current() -> Topology | None:
+    """The topology `init_topology` set up in this process, if any."""
+    return _TOPOLOGY
+
+
+def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool) -> Topology:
+    """Work out this process's place in the job and, under a launcher, split the worlds.
+
+    Called by `AsyncAIPOConfig.__post_init__`, before transformers sets up its distributed state,
+    so that Accelerate sees the trainer world only. Idempotent within a process.
+    """
+    global _TOPOLOGY
+    if _TOPOLOGY is not None:
+        if _TOPOLOGY.num_generators != num_generator_processes and _TOPOLOGY.mode != "single":
+            raise TopologyError(
+                f"This process already belongs to a job with {_TOPOLOGY.num_generators} generator processes; "
+                f"a second config asks for {num_generator_processes}."
+            )
+        _TOPOLOGY.num_generators = num_generator_processes
+        if _TOPOLOGY.mode == "single":
+            _TOPOLOGY.world_size = 1 + num_generator_processes
+        _TOPOLOGY.timeout_s = timeout_s
+        return _TOPOLOGY
+
+    if ENV_STORE in os.environ:  # a generator child of a single-process job
+        host, port = os.environ[ENV_STORE].rsplit(":", 1)
+        topo = Topology(
+            mode="child",
+            rank=int(os.environ[ENV_RANK]),
+            world_size=int(os.environ[ENV_WORLD]),
+            num_generators=num_generator_processes,
+            timeout_s=timeout_s,
+            use_cpu=use_cpu,
+            store_addr=(host, int(port)),
+        )
+        _watch_parent(int(os.environ[ENV_PARENT]))
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        topo = _launcher_topology(num_generator_processes, timeout_s, use_cpu)
+    else:
+        _refuse_single_process_accelerate_launch()
+        topo = Topology(
+            mode="single",
+            rank=0,
+            world_size=1 + num_generator_processes,
+            num_generators=num_generator_processes,
+            timeout_s=timeout_s,
+            use_cpu=use_cpu,
+        )
+    _TOPOLOGY = topo
+    if topo.mode != "single":
+        topo.init_local_world()
+    return topo
+
+
+def _launcher_topology(num_generators: int, timeout_s: float, use_cpu: bool) -> Topology:
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    if num_generators >= world:
+        raise TopologyError(
+            f"num_generator_processes={num_generators} but the launcher started {world} processes: no process "
+            f"is left to train. Launch more processes (e.g. --nproc_per_node {num_generators + 1}) or lower "
+            "num_generator_processes."
+        )
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise TopologyError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun or accelerate launch.")
+    topo = Topology(
+        mode="launcher",
+        rank=rank,
+        world_size=world,
+        num_generators=num_generators,
+        timeout_s=timeout_s,
+        use_cpu=use_cpu,
+        store_addr=(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+    )
+    # From here on, RANK/WORLD_SIZE describe this executor's own world (Accelerate, vLLM's external
+    # launcher and FSDP read them); LOCAL_RANK stays the device index on this node.
+    os.environ["HFLLAMARL_GLOBAL_RANK"] = str(rank)
+    os.environ["HFLLAMARL_GLOBAL_WORLD_SIZE"] = str(world)
+    os.environ["RANK"] = str(topo.local_rank)
+    os.environ["WORLD_SIZE"] = str(topo.local_world_size)
+    return topo
+
+
+def _refuse_single_process_accelerate_launch() -> None:
+    """`accelerate launch --num_processes N` without a GPU starts ONE process; say how to launch instead."""
+    if "ACCELERATE_USE_CPU" not in os.environ and "ACCELERATE_MIXED_PRECISION" not in os.environ:
+        return
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as fh:
+            argv = fh.read().decode(errors="replace").split("\0")
+    except OSError:
+        return
+    n = None
+    for i, arg in enumerate(argv):
+        if arg in ("--num_processes", "--num-processes") and i + 1 < len(argv):
+            n = argv[i + 1]
+        elif arg.startswith(("--num_processes=", "--num-processes=")):
+            n = arg.split("=", 1)[1]
+    if n is not None and n.isdigit() and int(n) > 1:
+        raise TopologyError(
+            f"`accelerate launch --num_processes {n}` started a single process: without a GPU (and without "
+            "--multi_gpu or a config file) Accelerate uses its single-process launcher. Launch with one of:\n"
+            f"  accelerate launch --multi_gpu --num_processes {n} script.py\n"
+            "  accelerate launch --config_file examples/accelerate/cpu_2proc.yaml script.py\n"
+            f"  torchrun --nproc_per_node {n} script.py\n"
+            "or simply `python script.py` (the generator then runs as a child process)."
+        )
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """A child generator exits as soon as its parent (the trainer) is gone."""
+
+    def watch():
+        import time
+
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="hfllamarl-parent-watch", daemon=True).start()

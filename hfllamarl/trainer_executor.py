@@ -1,0 +1,243 @@
+"""The trainer executor: scores rollouts, computes advantages and takes one optimizer step per batch.
+
+The policy is sharded with FSDP2 over the trainer world. At tick t the trainer trains on
+generation batch `t - max_staleness` (its rows arrived over the `rollouts` channel), and offers
+its newest weights on the `policy_weights` channel whenever the generator still has batches to
+sample.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .executor import Executor
+from .generator import ROLLOUTS
+from .rewards import RewardRunner
+from .rollout import Rollout, RolloutGroup
+from .topology import Topology
+from .weight_sync import POLICY_WEIGHTS, WeightSyncBackend
+
+
+@dataclass
+class TrainerJob:
+    """What the trainer executor needs, built by the `AsyncAIPOTrainer` front-end."""
+
+    model: torch.nn.Module  # already sharded with FSDP2
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    algorithm: Any
+    rewards: RewardRunner
+    backend: WeightSyncBackend
+    num_batches: int
+    max_staleness: int
+    num_generations: int
+    micro_batch_size: int
+    grad_accum: int
+    temperature: float
+    max_grad_norm: float | None
+    pad_token_id: int
+    device: torch.device
+    on_step: Callable[[int, dict], bool] = lambda step, metrics: False  # returns: is a checkpoint due
+    save_checkpoint: Callable[[int], None] = lambda step: None
+    trainer_state: Any = None
+    metrics_extra: dict = field(default_factory=dict)
+
+
+def pad_batch(rollouts: list[Rollout], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Left-pad prompts and right-pad completions so every completion starts at the same column.
+
+    Returns input_ids/attention_mask/position_ids `[B, P+T]`, completion_ids/mask/behavior `[B, T]`.
+    """
+    P = max(len(r.prompt_ids) for r in rollouts)
+    T = max(max(len(r.completion_ids) for r in rollouts), 1)
+    B = len(rollouts)
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    mu = torch.zeros((B, T), dtype=torch.float32)
+    for i, r in enumerate(rollouts):
+        p, c = len(r.prompt_ids), len(r.completion_ids)
+        input_ids[i, P - p:P] = torch.tensor(r.prompt_ids)
+        attn[i, P - p:P] = 1
+        if c:
+            input_ids[i, P:P + c] = torch.tensor(r.completion_ids)
+            attn[i, P:P + c] = 1
+            mask[i, :c] = 1.0
+            mu[i, :c] = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
+    position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
+    out = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+               completion_ids=input_ids[:, P:], mask=mask, behavior_logprobs=mu, prompt_width=P)
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in out.items()}
+
+
+def completion_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+    """log pi of every completion token, `[B, T]`, with logits divided by the sampling temperature."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], use_cache=False)
+    P = batch["prompt_width"]
+    T = batch["completion_ids"].shape[1]
+    logits = out.logits[:, P - 1:P - 1 + T, :].float() / temperature  # [B, T, V]
+    return torch.log_softmax(logits, dim=-1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+class TrainerExecutor(Executor):
+    role = "trainer"
+
+    def __init__(self, job: TrainerJob, topology: Topology):
+        self.job, self.topology = job, topology
+        self.version = 0  # optimizer steps taken = policy version of the current weights
+        self.sent_version = 0  # the generator starts from the initial weights (version 0)
+        self.inbox: dict[int, list[RolloutGroup]] = {}
+        self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
+        self.weights_channel = None  # set by the front-end; its `last_seconds` is logged
+        self.trained_rows: list[list[int]] = []
+        self._save_due = False  # dataset rows of each trained batch, in order
+
+    def init(self) -> None:
+        self.backend = self.backend or self.job.backend
+        self.backend.setup_trainer(self.job.model)
+
+    # ------------------------------------------------------------------ channels
+    def get_output(self, channel: str):
+        if channel != POLICY_WEIGHTS:
+            return super().get_output(channel)
+        # New weights go out when there are some and the generator still samples batches.
+        if self.version > self.sent_version and self.tick < self.job.num_batches:
+            self.sent_version = self.version
+            return self.job.model, self.version
+        return None
+
+    def put_input(self, channel: str, value) -> None:
+        if channel != ROLLOUTS:
+            return super().put_input(channel, value)
+        for group in value or []:
+            self.inbox.setdefault(group.batch_index, []).append(group)
+
+    # ------------------------------------------------------------------ work
+    def step(self) -> None:
+        batch_index = self.tick - self.job.max_staleness
+        if batch_index < 0 or batch_index >= self.job.num_batches:
+            return
+        groups = self.inbox.pop(batch_index, None)
+        if not groups:
+            raise RuntimeError(f"trainer: batch {batch_index} never arrived from the generator")
+        self.train_on(groups)
+
+    def train_on(self, groups: list[RolloutGroup]) -> dict:
+        job = self.job
+        start = time.perf_counter()
+        rollouts = [r for g in groups for r in g.rollouts]
+        metrics: dict[str, float] = {}
+        rewards_t0 = time.perf_counter()
+        columns = {k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns}
+        rewards, per_func = job.rewards(
+            prompts=[r.prompt for r in rollouts],
+            completions=[r.completion_text for r in rollouts],
+            completion_ids=[r.completion_ids for r in rollouts],
+            columns=columns,
+            trainer_state=job.trainer_state,
+        )
+        reward_seconds = time.perf_counter() - rewards_t0
+        rewards_t = torch.tensor(rewards, dtype=torch.float32)
+        advantages = job.algorithm.advantages(rewards_t, job.num_generations)  # [N]
+        n = len(rollouts)
+        mb = job.micro_batch_size
+        steps = math.ceil(n / mb)
+        stats = {"is_ratio_mean": [], "is_ratio_max": [], "is_ratio_min": [], "clipped_frac": []}
+        loss_total = 0.0
+        model = job.model
+        for k in range(steps):
+            chunk = rollouts[k * mb:(k + 1) * mb]
+            batch = pad_batch(chunk, job.pad_token_id, job.device)
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(k == steps - 1)  # reduce-scatter once per optimizer step
+            logprobs = completion_logprobs(model, batch, job.temperature)
+            loss, m = job.algorithm.loss(logprobs, batch["behavior_logprobs"],
+                                         advantages[k * mb:(k + 1) * mb].to(job.device), batch["mask"])
+            (loss / steps).backward()
+            loss_total += loss.item() / steps
+            for key in stats:
+                if key in m:
+                    stats[key].append(m[key])
+        grad_norm = None
+        if job.max_grad_norm and job.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        job.optimizer.step()
+        if job.scheduler is not None:
+            job.scheduler.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+        staleness = [self.version - 1 - min(r.versions) for r in rollouts if r.versions]
+        lengths = [len(r.completion_ids) for r in rollouts]
+        local = {
+            "reward_sum": sum(rewards), "reward_sq": sum(x * x for x in rewards), "count": n,
+            "staleness_sum": sum(staleness), "staleness_n": len(staleness),
+            "len_sum": sum(lengths), "truncated": sum(r.finish_reason == "length" for r in rollouts),
+            "loss": loss_total,
+            "is_ratio_mean": sum(stats["is_ratio_mean"]) / max(len(stats["is_ratio_mean"]), 1),
+            "clipped_frac": sum(stats["clipped_frac"]) / max(len(stats["clipped_frac"]), 1),
+        }
+        for name, scores in per_func.items():
+            vals = [s for s in scores if s is not None]
+            local[f"rf_sum/{name}"] = sum(vals)
+            local[f"rf_n/{name}"] = len(vals)
+        summed = _all_reduce(local, "sum")
+        maxed = _all_reduce({"staleness_max": max(staleness, default=0),
+                             "is_ratio_max": max(stats["is_ratio_max"], default=1.0),
+                             "neg_is_ratio_min": -min(stats["is_ratio_min"], default=1.0)}, "max")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        count = summed["count"]
+        mean = summed["reward_sum"] / count
+        metrics["reward"] = mean
+        metrics["reward_std"] = math.sqrt(max(summed["reward_sq"] / count - mean * mean, 0.0))
+        for name in per_func:
+            metrics[f"rewards/{name}/mean"] = summed[f"rf_sum/{name}"] / max(summed[f"rf_n/{name}"], 1)
+        metrics["loss"] = summed["loss"] / world
+        metrics["is_ratio/mean"] = summed["is_ratio_mean"] / world
+        metrics["is_ratio/max"] = maxed["is_ratio_max"]
+        metrics["is_ratio/min"] = -maxed["neg_is_ratio_min"]
+        metrics["clipped_frac"] = summed["clipped_frac"] / world
+        metrics["staleness/mean"] = summed["staleness_sum"] / max(summed["staleness_n"], 1)
+        metrics["staleness/max"] = maxed["staleness_max"]
+        metrics["completions/mean_length"] = summed["len_sum"] / count
+        metrics["completions/truncated_frac"] = summed["truncated"] / count
+        gen_seconds = max(g.generation_seconds for g in groups)
+        metrics["generation/seconds"] = gen_seconds
+        metrics["generation/tokens_per_s"] = groups[0].batch_tokens / gen_seconds if gen_seconds > 0 else 0.0
+        metrics["reward_seconds"] = reward_seconds
+        if job.rewards.error_count:
+            metrics["reward_errors"] = job.rewards.error_count
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        if job.scheduler is not None:
+            metrics["learning_rate"] = job.scheduler.get_last_lr()[0]
+        metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
+        metrics["train_step_seconds"] = time.perf_counter() - start
+        self.trained_rows.append([r.row_index for r in rollouts[:: job.num_generations]])
+        self._save_due = bool(job.on_step(self.version, metrics))
+        return metrics
+
+    def checkpoint_due(self) -> bool:
+        due, self._save_due = self._save_due, False
+        return due
+
+    def save_checkpoint(self) -> None:
+        self.job.save_checkpoint(self.version)
+
+
+def _all_reduce(values: dict[str, float], op: str) -> dict[str, float]:
+    """Reduce a dict of floats over the trainer world (identity with one trainer rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist()))

@@ -1,0 +1,32 @@
+"""Entry point of a generator child process in a single-process job (`python script.py`).
+
+    python -m hfllamarl.worker SPEC.pkl
+
+The parent (the trainer) writes the generator's spec and starts one such process per generator
+rank; the child joins the parent's store, runs the generator loop, and exits with its parent.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+
+def main(spec_path: str) -> int:
+    with open(spec_path, "rb") as fh:
+        job = pickle.load(fh)
+    from hfllamarl.controller import run_job
+    from hfllamarl.generator import GeneratorExecutor
+    from hfllamarl.topology import init_topology
+    from hfllamarl.weight_sync import build_backend
+
+    topo = init_topology(job["num_generators"], job["timeout_s"], job["use_cpu"])
+    topo.bridge("object"), topo.bridge("tensor")
+    spec = job["spec"]
+    backend = build_backend(spec.weight_sync_backend, topo)
+    run_job(GeneratorExecutor(spec, topo), backend, topo, spec.num_batches, job["max_staleness"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

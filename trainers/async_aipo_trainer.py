@@ -1,0 +1,196 @@
+"""`AsyncAIPOTrainer`: a TRL-style front-end over the asynchronous LlamaRL runtime.
+
+    trainer = AsyncAIPOTrainer(model="path/to/model", reward_funcs="math_sympy",
+                               args=AsyncAIPOConfig(...), train_dataset=dataset)
+    trainer.train()
+
+`train()` is called on every process. Trainer ranks train the policy (FSDP2) with the
+algorithm plugin (AIPO by default); generator ranks run vLLM. Started as one process, the
+trainer starts the generator ranks as child processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+import tempfile
+
+import torch
+from transformers.trainer_utils import TrainOutput
+
+from hfllamarl.controller import run_job
+from hfllamarl.generator import GeneratorExecutor, GeneratorSpec
+from hfllamarl.prompts import PromptEncoder, validate_dataset
+from hfllamarl.registry import load_plugin
+from hfllamarl.rewards import RewardRunner, resolve_reward_funcs
+from hfllamarl.weight_sync import build_backend
+
+from .config import AsyncAIPOConfig
+from .model_io import resolve_model, save_for_generator
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncAIPOTrainer:
+    """Asynchronous off-policy RL trainer with `GRPOTrainer`'s signature.
+
+    Args:
+        model: a local model directory (or hub id), or a `PreTrainedModel`.
+        reward_funcs: a reward function with TRL's signature, a reward plugin name, or a list mixing them.
+        args: an `AsyncAIPOConfig`.
+        train_dataset: a `datasets.Dataset` with a `prompt` column; other columns reach the reward functions.
+        processing_class: the tokenizer (default: loaded from the model directory).
+        callbacks: `transformers.TrainerCallback`s, fired on the trainer ranks.
+    """
+
+    def __init__(self, model, reward_funcs=None, args: AsyncAIPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), peft_config=None):
+        if args is None:
+            name = model if isinstance(model, str) else type(model).__name__
+            args = AsyncAIPOConfig(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-AIPO")
+        if not isinstance(args, AsyncAIPOConfig):
+            raise TypeError(
+                f"args must be an AsyncAIPOConfig, got {type(args).__name__}. AsyncAIPOConfig takes every GRPOConfig "
+                "field plus the generator settings (num_generator_processes, max_staleness, aipo_rho, ...)."
+            )
+        _reject("eval_dataset", eval_dataset, "evaluation during training is not supported; use `hfllamarl eval`")
+        _reject("reward_processing_classes", reward_processing_classes, "reward models are not supported yet")
+        _reject("peft_config", peft_config, "LoRA training is not supported yet")
+        if optimizers != (None, None):
+            raise ValueError("optimizers: the optimizer is built after FSDP2 sharding; set learning_rate, "
+                             "weight_decay, adam_* and lr_scheduler_type in AsyncAIPOConfig instead.")
+        if train_dataset is None:
+            raise ValueError("train_dataset is required: a datasets.Dataset with a `prompt` column.")
+        self.args, self.topology = args, args.topology
+        self.reward_funcs = resolve_reward_funcs(reward_funcs)
+        self.rewards = RewardRunner(self.reward_funcs, args.reward_weights, on_error=args.reward_errors)
+        self.algorithm = load_plugin("algorithms", args.algorithm)(rho=args.aipo_rho, scale_rewards=args.scale_rewards)
+        load_plugin("weight_sync", args.weight_sync_backend)  # an unknown name fails now, not mid-run
+        self.model_path, model_obj, model_config = resolve_model(model, args)
+        if processing_class is None:
+            from transformers import AutoTokenizer
+
+            processing_class = AutoTokenizer.from_pretrained(self.model_path)
+        if processing_class.pad_token_id is None:
+            processing_class.pad_token = processing_class.eos_token
+        self.processing_class = processing_class
+        self.train_dataset = train_dataset
+        self.max_model_len = args.vllm_max_model_length or getattr(model_config, "max_position_embeddings", None)
+        if not self.max_model_len:
+            raise ValueError("Cannot tell the model's context length; set vllm_max_model_length in AsyncAIPOConfig.")
+        encoder = PromptEncoder(processing_class, args.chat_template_kwargs)
+        validate_dataset(train_dataset, encoder, args.max_completion_length, self.max_model_len)
+        if args.max_steps and args.max_steps > 0:
+            self.num_batches = args.max_steps
+        else:
+            self.num_batches = math.ceil(args.num_train_epochs * len(train_dataset) / args.prompts_per_step)
+        self.callbacks = callbacks
+        self.model = None
+        if self.topology.role == "trainer":
+            self.model = model_obj if model_obj is not None else _load_policy(self.model_path, args)
+        self._model_obj = model_obj
+        self.state = None
+
+    # ------------------------------------------------------------------ public API
+    def train(self, resume_from_checkpoint=None, **kwargs) -> TrainOutput:
+        """Run the whole job; call it on every process."""
+        if resume_from_checkpoint:
+            raise NotImplementedError("resume_from_checkpoint is not supported yet.")
+        topo = self.topology
+        spec = self._generator_spec()
+        if topo.mode == "single":
+            self._start_children(spec)
+        try:
+            topo.init_local_world()
+            topo.bridge("object"), topo.bridge("tensor")  # every rank joins both bridge groups up front
+            backend = build_backend(self.args.weight_sync_backend, topo)
+            if topo.role == "generator":
+                if self._model_obj is not None and topo.mode == "launcher":
+                    where = os.path.join(self.args.output_dir, ".hfllamarl", f"generator-model-rank{topo.rank}")
+                    spec.model_path = spec.tokenizer_path = save_for_generator(
+                        self._model_obj, self.processing_class, where)
+                run_job(GeneratorExecutor(spec, topo), backend, topo, self.num_batches, self.args.max_staleness)
+                return TrainOutput(self.num_batches, 0.0, {})
+            from .learner import build_trainer_executor
+
+            run_job(build_trainer_executor(self, backend), backend, topo, self.num_batches, self.args.max_staleness)
+            summary = self._reporter.train_end()
+            return TrainOutput(self.state.global_step, self._last_loss(), summary)
+        finally:
+            if topo.mode == "single":
+                topo.stop_children()
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Save the full (unsharded) policy and the tokenizer; call it on every trainer rank."""
+        if self.topology.role != "trainer":
+            return
+        from .learner import save_policy
+
+        save_policy(self, output_dir or self.args.output_dir)
+
+    # ------------------------------------------------------------------ internals
+    def _generator_spec(self) -> GeneratorSpec:
+        a = self.args
+        return GeneratorSpec(
+            model_path=self.model_path,
+            tokenizer_path=self.model_path,
+            dataset=self.train_dataset,
+            num_batches=self.num_batches,
+            prompts_per_batch=a.prompts_per_step,
+            num_generations=a.num_generations,
+            max_completion_length=a.max_completion_length,
+            max_model_len=self.max_model_len,
+            seed=a.seed,
+            shuffle=a.shuffle_dataset,
+            temperature=a.temperature,
+            top_p=a.top_p,
+            top_k=a.top_k or 0,
+            min_p=a.min_p,
+            repetition_penalty=a.repetition_penalty,
+            generation_kwargs=a.generation_kwargs or {},
+            chat_template_kwargs=a.chat_template_kwargs or {},
+            dtype=a.generator_dtype,
+            enforce_eager=a.generator_enforce_eager,
+            kv_cache_bytes=a.generator_kv_cache_bytes,
+            gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+            tensor_parallel_size=a.generator_tensor_parallel_size,
+            weight_sync_backend=a.weight_sync_backend,
+        )
+
+    def _start_children(self, spec: GeneratorSpec) -> None:
+        """Single-process mode: hand the generator its model, tokenizer and data through files."""
+        workdir = tempfile.mkdtemp(prefix="hfllamarl-")
+        if self._model_obj is not None:
+            spec.model_path = spec.tokenizer_path = save_for_generator(self._model_obj, self.processing_class,
+                                                                       os.path.join(workdir, "model"))
+        data_dir = os.path.join(workdir, "dataset")
+        self.train_dataset.save_to_disk(data_dir)
+        spec.dataset = data_dir
+        spec_path = os.path.join(workdir, "generator_spec.pkl")
+        with open(spec_path, "wb") as fh:
+            pickle.dump({"spec": spec, "use_cpu": self.args.use_cpu, "timeout_s": self.args.collective_timeout_s,
+                         "num_generators": self.topology.num_generators, "max_staleness": self.args.max_staleness}, fh)
+        self.topology.store()
+        self.topology.start_children(spec_path)
+
+    def _last_loss(self) -> float:
+        for row in reversed(self.state.log_history if self.state else []):
+            if "loss" in row:
+                return float(row["loss"])
+        return 0.0
+
+
+def _reject(name: str, value, why: str) -> None:
+    if value is not None:
+        raise ValueError(f"{name}: {why}.")
+
+
+def _load_policy(path: str, args: AsyncAIPOConfig):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(args.model_init_kwargs or {})
+    kwargs.setdefault("dtype", torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)

@@ -1,0 +1,47 @@
+"""Where the policy comes from: a local directory, a hub id, or a model object."""
+
+from __future__ import annotations
+
+import os
+
+
+def resolve_model(model, args):
+    """Return (local model directory, model object or None, model config).
+
+    A string is a local directory or a hub id (resolved to its local snapshot); a model object
+    is used as is by the trainer and saved to a directory for the generator when it needs one.
+    """
+    from transformers import AutoConfig, PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        path = getattr(model.config, "_name_or_path", "") or ""
+        return path, model, model.config
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path, a hub id or a PreTrainedModel, got {type(model).__name__}")
+    path = os.fspath(model)
+    if not os.path.isdir(path):
+        if os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") != 1:
+            raise FileNotFoundError(
+                f"Model {path!r} does not exist: give the directory of a model saved with save_pretrained() "
+                "(it holds config.json and the weights), or a Hugging Face Hub id."
+            )
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.py"])
+        except Exception as exc:
+            raise FileNotFoundError(
+                f"Model {model!r} is not a local directory and could not be fetched from the Hugging Face Hub "
+                f"({type(exc).__name__}: {exc}). Download it first and pass its directory."
+            ) from exc
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"Model directory {path!r} has no config.json: is it a model saved with save_pretrained()?")
+    return path, None, AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+
+
+def save_for_generator(model, tokenizer, directory: str) -> str:
+    """Save a model object and its tokenizer where a generator process can load them; return the directory."""
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
