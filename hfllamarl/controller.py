@@ -32,6 +32,33 @@ class Step:
     role: str | None = None
 
 
+def _is_communication_error(exc: Exception) -> bool:
+    from .topology import PeerLostError
+
+    text = str(exc).lower()
+    return isinstance(exc, PeerLostError) or "Dist" in type(exc).__name__ or any(
+        word in text for word in ("connection", "timed out", "timeout", "peer", "gloo", "nccl"))
+
+
+def _name_lost_ranks(topology, exc: Exception, settle_s: float = 5.0) -> None:
+    """Turn a failed collective into an error that names the rank that died first, if one did."""
+    import time
+
+    from .topology import PeerLostError
+
+    deadline = time.monotonic() + settle_s
+    while True:  # a peer that just died has not missed its heartbeat yet: give it a few seconds
+        lost = topology.lost_ranks()
+        if lost or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if lost:
+        names = ", ".join(topology.describe(r) for r in lost)
+        raise PeerLostError(
+            f"{names} stopped (no heartbeat); {topology.describe(topology.rank)} gives up: {exc}"
+        ) from exc
+
+
 def async_stages(channels: list) -> list:
     return [Communicate(ch) for ch in channels] + [Step()]
 
@@ -49,6 +76,7 @@ class ExecutorController:
 
     def run(self) -> None:
         executor = self.executor
+        topology = getattr(executor, "topology", None)
         try:
             for tick in range(self.start_tick, self.num_ticks):
                 executor.set_step(tick)
@@ -59,8 +87,14 @@ class ExecutorController:
                         executor.step()
                 if executor.checkpoint_due():
                     executor.save_checkpoint()
+        except Exception as exc:
+            if topology is not None and _is_communication_error(exc):
+                _name_lost_ranks(topology, exc)
+            raise
         finally:
             executor.close()
+        if topology is not None:
+            topology.mark_done()
 
 
 def run_job(executor: Executor, backend, topology, num_batches: int, max_staleness: int) -> None:
@@ -78,6 +112,7 @@ def run_job(executor: Executor, backend, topology, num_batches: int, max_stalene
     if hasattr(executor, "weights_channel"):
         executor.weights_channel = weights
     executor.backend = backend
+    topology.start_heartbeat()
     stages = sync_stages(weights, rollouts) if max_staleness == 0 else async_stages([weights, rollouts])
     executor.init()
     ExecutorController(executor, stages, num_ticks=num_batches + max_staleness).run()

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 ENV_STORE = "HFLLAMARL_STORE"  # host:port of the store a single-process parent hosts
@@ -147,6 +148,60 @@ class Topology:
             self._bridge[kind] = pg
         return self._bridge[kind]
 
+    # ---------------------------------------------------------------- liveness
+    def start_heartbeat(self, period_s: float = 1.0) -> None:
+        """Publish this rank's heartbeat in the store, so others can tell who died (idempotent)."""
+        if getattr(self, "_heartbeat", None) is not None:
+            return
+        import torch.distributed as dist
+
+        self.store()  # make sure the store exists (single mode hosts it)
+        host, port = self.store_addr
+        client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=self.timeout)
+        key = f"hfllamarl/heartbeat/{self.rank}"
+        stop = threading.Event()
+
+        def beat():
+            while not stop.is_set():
+                try:
+                    client.set(key, repr(time.time()))
+                except Exception:  # the store is gone: the job is ending
+                    return
+                stop.wait(period_s)
+
+        self._heartbeat = stop
+        threading.Thread(target=beat, name="hfllamarl-heartbeat", daemon=True).start()
+
+    def mark_done(self) -> None:
+        """Tell the other ranks this rank finished normally (it is not lost when its heartbeat stops)."""
+        try:
+            self.store().set(f"hfllamarl/done/{self.rank}", "1")
+        except Exception:
+            pass
+        if getattr(self, "_heartbeat", None) is not None:
+            self._heartbeat.set()
+
+    def lost_ranks(self, stale_s: float = 4.0) -> list[int]:
+        """Ranks whose heartbeat stopped (and that did not finish), the longest silent first."""
+        if self._store is None:
+            return []
+        silent = []
+        now = time.time()
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            try:
+                if self._store.check([f"hfllamarl/done/{rank}"]):
+                    continue
+                if not self._store.check([f"hfllamarl/heartbeat/{rank}"]):
+                    continue  # never started beating: cannot tell
+                last = float(self._store.get(f"hfllamarl/heartbeat/{rank}").decode())
+            except Exception:
+                return []
+            if now - last > stale_s:
+                silent.append((last, rank))
+        return [rank for _, rank in sorted(silent)]
+
     # ---------------------------------------------------------------- single-process mode
     def start_children(self, spec_path: str) -> None:
         """Single-process mode: start the generator ranks as child processes."""
@@ -168,13 +223,6 @@ class Topology:
             )
             cmd = [sys.executable, "-m", "hfllamarl.worker", spec_path]
             self._children.append(subprocess.Popen(cmd, env=env))
-
-    def check_children(self) -> None:
-        """Raise `PeerLostError` naming a child generator that has exited."""
-        for rank, proc in zip(self.generator_ranks, self._children):
-            code = proc.poll()
-            if code is not None and code != 0:
-                raise PeerLostError(f"{self.describe(rank)} exited with code {code}.")
 
     def stop_children(self, grace_s: float = 10.0) -> None:
         """Wait briefly for the child generators to finish, then kill the ones still running."""

@@ -1,1 +1,1 @@
-"""Built-in reward functions (TRL reward-function contract), registered as ``hfllamarl.rewards`` entry points."""
+"""Built-in reward functions with TRL's reward-function contract."""

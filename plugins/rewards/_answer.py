@@ -129,7 +129,14 @@ def _last_math(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer a completion commits to (see the module docstring), or None."""
+    """The final answer a completion commits to, or None.
+
+    Chat/special tokens are removed first. Then: the content of the last ``\\boxed{...}`` /
+    ``\\fbox{...}`` (brace-matched; ``\\boxed 5``), and nothing else if that box is unclosed;
+    with no box at all, what follows the last "answer is" / "answer:" on its line (up to
+    the end of the sentence, or its ``$...$``); failing that, the last ``$...$``,
+    ``\\(...\\)`` or ``\\[...\\]``.
+    """
     text = strip_special_tokens(text)
     if "\\boxed" in text or "\\fbox" in text:
         return last_boxed(text)

@@ -39,8 +39,8 @@ from typing import Any, Callable
 
 __all__ = ["SandboxError", "SandboxTimeout", "SandboxWorker"]
 
-# Seconds the child keeps in reserve so its own "timeout" answer reaches the parent
-# before the parent's deadline (and the parent does not have to kill it).
+# Seconds (at most a third of the budget) the child keeps in reserve so that its own
+# "timeout" answer reaches the parent before the parent's deadline, sparing it a kill.
 _SOFT_MARGIN_S = 0.15
 
 
@@ -89,6 +89,7 @@ class SandboxWorker:
         self._conn: Any = None
         self._ready = False
         self._ids = itertools.count()
+        self._owner_pid = os.getpid()
         self.starts = 0  # child processes started, the first one included
 
     @property
@@ -99,6 +100,7 @@ class SandboxWorker:
     def start(self) -> None:
         """Starts a child if none is alive; does not wait for it to be ready."""
         with self._lock:
+            self._forget_if_forked()
             if self._proc is not None and self._proc.poll() is None:
                 return
             self._discard()
@@ -162,35 +164,46 @@ class SandboxWorker:
             SandboxError: ``fn`` raised in the child, or the child crashed.
         """
         deadline = time.monotonic() + timeout
-        with self._lock:
-            if not self.wait_ready(deadline - time.monotonic()):
-                raise SandboxTimeout("reward sandbox worker is still starting")
-            soft = max(deadline - time.monotonic() - _SOFT_MARGIN_S, 0.01)
-            request_id = next(self._ids)
-            try:
-                self._conn.send((request_id, soft, args))
-                answered = self._conn.poll(max(deadline - time.monotonic(), 0.0))
-                reply = self._conn.recv() if answered else None
-            except (EOFError, OSError) as exc:
-                self._discard()
-                raise SandboxError("reward sandbox worker crashed") from exc
-            if reply is None:
-                self._discard()  # stuck, most likely in C code: kill it ...
-                self.start()  # ... and let a replacement boot while the caller goes on
-                raise SandboxTimeout(f"no answer within {timeout:.2f} s")
-            reply_id, status, value = reply
-            if reply_id != request_id:  # cannot happen with one lock-held request in flight
-                self._discard()
-                raise SandboxError("reward sandbox protocol out of step")
-            if status == "ok":
-                return value
-            if status == "timeout":
-                raise SandboxTimeout(f"soft deadline of {soft:.2f} s reached in the worker")
-            raise SandboxError(value)
+        if not self._lock.acquire(timeout=max(timeout, 0.0)):  # another thread's call
+            raise SandboxTimeout("reward sandbox worker busy with another call")
+        try:
+            return self._call_locked(args, deadline)
+        finally:
+            self._lock.release()
+
+    def _call_locked(self, args: tuple, deadline: float) -> Any:
+        if not self.wait_ready(deadline - time.monotonic()):
+            raise SandboxTimeout("reward sandbox worker is still starting")
+        remaining = deadline - time.monotonic()
+        if remaining < 0.02:
+            raise SandboxTimeout("no time left to send the request")
+        soft = remaining - min(_SOFT_MARGIN_S, remaining / 3)
+        request_id = next(self._ids)
+        try:
+            self._conn.send((request_id, soft, args))
+            answered = self._conn.poll(max(deadline - time.monotonic(), 0.0))
+            reply = self._conn.recv() if answered else None
+        except (EOFError, OSError) as exc:
+            self._discard()
+            raise SandboxError("reward sandbox worker crashed") from exc
+        if reply is None:
+            self._discard()  # stuck, most likely in C code: kill it ...
+            self.start()  # ... and let a replacement boot while the caller goes on
+            raise SandboxTimeout("no answer in time; the worker was replaced")
+        reply_id, status, value = reply
+        if reply_id != request_id:  # cannot happen with one lock-held request in flight
+            self._discard()
+            raise SandboxError("reward sandbox protocol out of step")
+        if status == "ok":
+            return value
+        if status == "timeout":
+            raise SandboxTimeout(f"soft deadline of {soft:.2f} s reached in the worker")
+        raise SandboxError(value)
 
     def close(self) -> None:
         """Stops the child (politely, then by force)."""
         with self._lock:
+            self._forget_if_forked()
             if self._conn is not None and self._proc is not None and self._proc.poll() is None:
                 try:
                     self._conn.send(None)
@@ -198,6 +211,12 @@ class SandboxWorker:
                 except (OSError, ValueError, subprocess.TimeoutExpired):
                     pass
             self._discard()
+
+    def _forget_if_forked(self) -> None:
+        """In a forked copy of the owning process, drops (without killing) the owner's child."""
+        if self._owner_pid != os.getpid():
+            self._proc = self._conn = None
+            self._ready, self._owner_pid = False, os.getpid()
 
     def _discard(self) -> None:
         """Kills and forgets the current child, if any."""

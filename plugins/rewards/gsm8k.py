@@ -31,6 +31,7 @@ _MAX_NUMBER_CHARS = 100  # longer digit strings are not answers (and int() refus
 _NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 _EXACT_NUMBER_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
 _FRACTION_RE = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}")
+_WARNED = [False]
 
 
 def parse_number(text: str) -> Fraction | None:
@@ -108,7 +109,7 @@ def gsm8k(
 
     Returns:
         One score per completion; None where the gold answer is None, blank, or has no
-        number to compare with (a warning names it).
+        number to compare with (the first such gold answer is named in a warning).
 
     Raises:
         ValueError: The dataset has no ``answer`` column.
@@ -118,7 +119,8 @@ def gsm8k(
     for completion, gold in zip(completions, answers):
         gold_value = None if is_missing(gold) else _gold_number(gold)
         if gold_value is None:
-            if not is_missing(gold):
+            if not is_missing(gold) and not _WARNED[0]:
+                _WARNED[0] = True
                 warnings.warn(f"gsm8k: gold answer without a number, not scored: {str(gold)[:80]!r}")
             scores.append(None)
             continue

@@ -155,8 +155,11 @@ def _as_number(s: str) -> Fraction | None:
 
 
 def numbers_close(a: Fraction, b: Fraction) -> bool:
-    """Equal within a relative tolerance of ``REL_TOL``."""
-    return a == b or abs(a - b) <= REL_TOL * max(abs(a), abs(b))
+    """Equal: exactly when both are integers (1048575 is not 2^20), else within a relative
+    tolerance of ``REL_TOL`` (0.333333 is 1/3)."""
+    if a == b or (a.denominator == 1 and b.denominator == 1):
+        return a == b
+    return abs(a - b) <= REL_TOL * max(abs(a), abs(b))
 
 
 def _cheap_verdict(gold: str, pred: str) -> bool | None:
@@ -183,14 +186,20 @@ def _parse_latex(text: str) -> tuple:
 
 
 def _numeric_close(gold: Any, pred: Any) -> bool:
+    """Real constant expressions compared by value, as :func:`numbers_close` does."""
     import sympy
 
     if not (isinstance(gold, sympy.Expr) and isinstance(pred, sympy.Expr)):
         return False
     if not (gold.is_number and pred.is_number):
         return False
-    g, p = complex(gold.evalf(30)), complex(pred.evalf(30))
-    return abs(g - p) <= 1e-6 * max(abs(g), abs(p))
+    g, p = gold.evalf(30), pred.evalf(30)
+    if not (g.is_Float and p.is_Float):  # complex, infinite or not evaluable
+        return False
+    try:
+        return numbers_close(Fraction(str(g)), Fraction(str(p)))
+    except (ValueError, ZeroDivisionError):
+        return False
 
 
 def _worker_equivalent(gold: str, pred: str, gold_raw: str, pred_raw: str) -> bool:
@@ -277,6 +286,7 @@ def math_sympy(
     Raises:
         ValueError: The dataset has no ``answer`` column.
     """
+    call_deadline = time.monotonic() + CALL_BUDGET_S
     answers = gold_answers(kwargs, len(completions), "math_sympy")
     scores: list[float | None] = [None] * len(completions)
     pending: dict[tuple[str, str, str, str], list[int]] = {}  # same pair -> graded once
@@ -297,8 +307,9 @@ def math_sympy(
 
     timeouts = errors = 0
     if pending and not _STARTED[0]:
-        warmup()  # one-time start, outside the call budget
-    call_deadline = time.monotonic() + CALL_BUDGET_S
+        started = time.monotonic()
+        warmup()
+        call_deadline += time.monotonic() - started  # the one-time start is not budgeted
     for args, indices in pending.items():
         budget = min(SAMPLE_BUDGET_S, call_deadline - time.monotonic())
         try:

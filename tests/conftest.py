@@ -1,0 +1,58 @@
+"""Shared fixtures: a tiny local model (no hub), free ports, and a launcher for multi-process scripts."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A random-init tiny Llama with the answer format warmed up, saved with save_pretrained."""
+    from hfllamarl.tiny import build_tiny_model, warm_start_format
+
+    path = str(tmp_path_factory.mktemp("tiny") / "model")
+    build_tiny_model(path, seed=0)
+    warm_start_format(path, steps=40, seed=0)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_script(args: list[str], nproc: int | None = None, timeout: float = 600, env: dict | None = None,
+               launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    """Run a script as one process (`nproc=None`) or under torchrun / accelerate with `nproc` processes."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env.pop("WORLD_SIZE", None)
+    full_env.pop("RANK", None)
+    if nproc is None:
+        cmd = [sys.executable, *args]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher.split()[1:],
+               "--num_processes", str(nproc), "--main_process_port", str(free_port()), *args]
+    proc = subprocess.run(cmd, cwd=str(REPO), env=full_env, capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def tail(proc: subprocess.CompletedProcess, n: int = 4000) -> str:
+    return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-n:]}\n--- stderr ---\n{proc.stderr[-n:]}"

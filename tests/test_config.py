@@ -1,0 +1,57 @@
+"""AsyncAIPOConfig keeps GRPOConfig's fields and refuses what makes no sense here."""
+
+import dataclasses
+
+import pytest
+from trl import GRPOConfig
+
+from hfllamarl import AsyncAIPOConfig
+
+
+def make(**kw):
+    kw.setdefault("output_dir", "/tmp/hfllamarl-test-config")
+    kw.setdefault("report_to", "none")
+    return AsyncAIPOConfig(**kw)
+
+
+def test_is_a_grpo_config_with_every_field():
+    assert issubclass(AsyncAIPOConfig, GRPOConfig)
+    ours = {f.name for f in dataclasses.fields(AsyncAIPOConfig)}
+    assert {f.name for f in dataclasses.fields(GRPOConfig)} <= ours
+    assert {"num_generator_processes", "generator_tensor_parallel_size", "max_staleness", "aipo_rho",
+            "algorithm", "weight_sync_backend", "collective_timeout_s"} <= ours
+
+
+def test_defaults_and_derived_sizes():
+    c = make(per_device_train_batch_size=16, num_generations=4, gradient_accumulation_steps=2)
+    assert c.algorithm == "aipo" and c.max_staleness == 1 and c.num_generator_processes == 1
+    assert c.use_cpu  # no GPU here
+    assert c.num_trainer_processes == 1
+    assert c.completions_per_step == 32 and c.prompts_per_step == 8
+    assert c.generator_tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"num_iterations": 2}, "num_iterations"),
+    ({"vllm_mode": "server"}, "vllm_mode"),
+    ({"steps_per_generation": 2}, "steps_per_generation"),
+    ({"loss_type": "grpo"}, "loss_type"),
+    ({"epsilon": 0.3}, "only applies to algorithm"),
+    ({"num_generations": 1, "per_device_train_batch_size": 1}, "num_generations must be >= 2"),
+    ({"per_device_train_batch_size": 6, "num_generations": 4}, "multiple of num_generations"),
+    ({"aipo_rho": 0.5}, "aipo_rho"),
+    ({"aipo_rho": float("nan")}, "aipo_rho"),
+    ({"max_staleness": -1}, "max_staleness"),
+    ({"beta": 0.1}, "beta"),
+    ({"num_generator_processes": 0}, "num_generator_processes"),
+    ({"num_generator_processes": 3, "generator_tensor_parallel_size": 2}, "multiple of"),
+    ({"reward_errors": "ignore"}, "reward_errors"),
+    ({"collective_timeout_s": 0}, "collective_timeout_s"),
+])
+def test_bad_settings_are_explained(kw, match):
+    with pytest.raises(ValueError, match=match):
+        make(**kw)
+
+
+def test_epsilon_allowed_for_grpo_algorithm():
+    assert make(algorithm="grpo", epsilon=0.3).epsilon == 0.3

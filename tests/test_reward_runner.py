@@ -1,0 +1,118 @@
+"""TRL's reward contract as the trainer runs it."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from hfllamarl.rewards import RewardFunctionError, RewardRunner, resolve_reward_funcs
+
+
+def call(runner, prompts, completions, **columns):
+    return runner(prompts, completions, [[1, 2]] * len(completions), columns, trainer_state="STATE")
+
+
+def test_kwargs_columns_and_weights():
+    seen = {}
+
+    def exact(prompts, completions, completion_ids, trainer_state, answer, level, **kw):
+        seen.update(prompts=prompts, ids=completion_ids, state=trainer_state, level=level)
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    def half(completions, **kw):
+        return [0.5] * len(completions)
+
+    runner = RewardRunner([exact, half], weights=[2.0, 1.0])
+    total, per = call(runner, ["p1", "p2"], ["4", "5"], answer=["4", "6"], level=[1, 2])
+    assert total == [2.5, 0.5]
+    assert per == {"exact": [1.0, 0.0], "half": [0.5, 0.5]}
+    assert seen == {"prompts": ["p1", "p2"], "ids": [[1, 2], [1, 2]], "state": "STATE", "level": [1, 2]}
+
+
+def test_none_skips_a_function_for_a_sample_and_nan_is_none():
+    def sparse(completions, **kw):
+        return [None, 1.0, float("nan")]
+
+    def one(completions, **kw):
+        return [1.0, 1.0, 1.0]
+
+    total, per = call(RewardRunner([sparse, one]), ["a"] * 3, ["x"] * 3)
+    assert total == [1.0, 2.0, 1.0]
+    assert per["sparse"] == [None, 1.0, None]
+
+
+def test_chat_prompts_get_chat_completions():
+    got = []
+
+    def f(prompts, completions, **kw):
+        got.append(completions)
+        return [0.0] * len(completions)
+
+    call(RewardRunner([f]), [[{"role": "user", "content": "hi"}]], ["yo"])
+    assert got == [[[{"role": "assistant", "content": "yo"}]]]
+
+
+def test_async_functions_run_concurrently():
+    async def slow(completions, **kw):
+        await asyncio.sleep(0.3)
+        return [1.0] * len(completions)
+
+    async def slow2(completions, **kw):
+        await asyncio.sleep(0.3)
+        return [2.0] * len(completions)
+
+    start = time.perf_counter()
+    total, _ = call(RewardRunner([slow, slow2]), ["a"], ["b"])
+    assert total == [3.0]
+    assert time.perf_counter() - start < 0.55  # concurrent, not 0.6 s in a row
+
+
+def test_raising_function_is_named_or_zeroed():
+    def broken(completions, **kw):
+        raise KeyError("boom")
+
+    with pytest.raises(RewardFunctionError, match="'broken' raised KeyError.*first prompt: 'the prompt'"):
+        call(RewardRunner([broken]), ["the prompt"], ["c"])
+    runner = RewardRunner([broken], on_error="zero")
+    assert call(runner, ["p", "p"], ["c", "d"])[0] == [0.0, 0.0]
+    assert runner.error_count == 1
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda completions, **kw: [1.0], "returned 1 values for 2 completions"),
+    (lambda completions, **kw: 1.0, "must return a list"),
+    (lambda completions, **kw: ["x", 1.0], "returned 'x' for completion 0"),
+])
+def test_wrong_outputs_are_explained(bad, match):
+    with pytest.raises(RewardFunctionError, match=match):
+        call(RewardRunner([bad]), ["p", "p"], ["a", "b"])
+
+
+def test_resolution_of_names_and_callables():
+    def mine(completions, **kw):
+        return [0.0] * len(completions)
+
+    funcs = resolve_reward_funcs(["math_sympy", mine])
+    assert funcs[1] is mine and callable(funcs[0])
+    with pytest.raises(ValueError, match="No rewards plugin named 'nope'"):
+        resolve_reward_funcs("nope")
+    with pytest.raises(ValueError):
+        resolve_reward_funcs([])
+    with pytest.raises(ValueError, match="reward_weights has 1 entries"):
+        RewardRunner([mine, mine], weights=[1.0])
+
+
+def test_async_inside_running_loop():
+    async def f(completions, **kw):
+        return [1.0] * len(completions)
+
+    out = {}
+
+    async def main():
+        out["v"] = call(RewardRunner([f]), ["p"], ["c"])[0]
+
+    t = threading.Thread(target=lambda: asyncio.run(main()))
+    t.start()
+    t.join(10)
+    assert out["v"] == [1.0]
