@@ -152,13 +152,25 @@ class AsyncAIPOTrainer:
             repetition_penalty=a.repetition_penalty,
             generation_kwargs=a.generation_kwargs or {},
             chat_template_kwargs=a.chat_template_kwargs or {},
-            dtype=a.generator_dtype,
+            dtype=self._generator_dtype(),
             enforce_eager=a.generator_enforce_eager,
             kv_cache_bytes=a.generator_kv_cache_bytes,
             gpu_memory_utilization=a.vllm_gpu_memory_utilization,
             tensor_parallel_size=a.generator_tensor_parallel_size,
             weight_sync_backend=a.weight_sync_backend,
         )
+
+    def _generator_dtype(self) -> str:
+        """'auto' is the trainer's compute dtype (bf16 under bf16 mixed precision, else the parameters'
+        dtype), so that with max_staleness=0 the ratio pi/mu is 1 up to kernel differences."""
+        if self.args.generator_dtype != "auto":
+            return self.args.generator_dtype
+        if self.args.bf16:
+            return "bfloat16"
+        dtype = (self.args.model_init_kwargs or {}).get("dtype", torch.float32)
+        if self._model_obj is not None:
+            dtype = next(self._model_obj.parameters()).dtype
+        return str(dtype).replace("torch.", "")
 
     def _start_children(self, spec: GeneratorSpec) -> None:
         """Single-process mode: hand the generator its model, tokenizer and data through files."""

@@ -89,7 +89,9 @@ class AsyncAIPOConfig(GRPOConfig):
     )
     generator_dtype: str = field(
         default="auto",
-        metadata={"help": "dtype of the vLLM engine ('auto': the model's dtype; 'float32', 'bfloat16', ...)."},
+        metadata={"help": "dtype of the vLLM engine ('auto': the trainer's parameter dtype; or 'float32', "
+                  "'bfloat16', ...). A generator dtype other than the trainer's makes mu differ from pi; AIPO's "
+                  "importance weight corrects for it."},
     )
     generator_kv_cache_bytes: int | None = field(
         default=None,
@@ -114,6 +116,8 @@ class AsyncAIPOConfig(GRPOConfig):
 
             if not torch.cuda.is_available():
                 self.use_cpu = True
+        if self.bf16 is None and self.use_cpu:
+            self.bf16 = False  # TRL defaults to bf16; on the CPU fp32 is faster and keeps pi == mu exact
         # The launcher's processes must be split into a trainer world and a generator world
         # before TrainingArguments sets up the distributed state (it does so in __post_init__).
         from hfllamarl.topology import init_topology
