@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import pickle
+import shutil
 import tempfile
 
 import torch
@@ -122,6 +123,7 @@ class AsyncAIPOTrainer:
         finally:
             if topo.mode == "single":
                 topo.stop_children()
+                shutil.rmtree(getattr(self, "_workdir", ""), ignore_errors=True)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Save the full (unsharded) policy and the tokenizer; call it on every trainer rank."""
@@ -174,7 +176,9 @@ class AsyncAIPOTrainer:
 
     def _start_children(self, spec: GeneratorSpec) -> None:
         """Single-process mode: hand the generator its model, tokenizer and data through files."""
-        workdir = tempfile.mkdtemp(prefix="hfllamarl-")
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        workdir = tempfile.mkdtemp(prefix=".hfllamarl-generator-", dir=self.args.output_dir)
+        self._workdir = workdir
         if self._model_obj is not None:
             spec.model_path = spec.tokenizer_path = save_for_generator(self._model_obj, self.processing_class,
                                                                        os.path.join(workdir, "model"))

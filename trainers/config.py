@@ -100,6 +100,11 @@ class AsyncAIPOConfig(GRPOConfig):
     generator_enforce_eager: bool = field(
         default=True, metadata={"help": "Run vLLM without CUDA graphs / compilation."},
     )
+    scale_rewards: str = field(
+        default="none",
+        metadata={"help": "Advantage scaling, as in GRPOConfig, but defaulting to 'none': AIPO's advantage is "
+                  "r - mean(r of the group) (paper, section 5). 'group' or 'batch' divide by the std."},
+    )
     reward_errors: str = field(
         default="raise",
         metadata={"help": "What a reward function that raises does: 'raise' stops the job with an error naming "

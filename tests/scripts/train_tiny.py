@@ -1,0 +1,51 @@
+"""A user script: a few AIPO steps on the tiny model. Runs under python, torchrun or accelerate launch.
+
+    python tests/scripts/train_tiny.py MODEL_DIR OUTPUT_DIR [--steps 3] [--max-staleness 1]
+        [--num-generators 1] [--bad-reward raise|length] [--report-to tensorboard]
+"""
+
+import argparse
+import json
+
+from datasets import Dataset
+
+from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
+from hfllamarl.tiny import successor_rows
+
+
+def broken(completions, **kwargs):
+    raise RuntimeError("this reward is broken")
+
+
+def short(completions, **kwargs):
+    return [0.0] * (len(completions) - 1)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("output_dir")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--num-generators", type=int, default=1)
+    p.add_argument("--bad-reward", default=None)
+    p.add_argument("--report-to", default="tensorboard")
+    p.add_argument("--save-steps", type=int, default=500)
+    a = p.parse_args()
+    rewards = ["math_sympy"] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
+    config = AsyncAIPOConfig(
+        output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=16, num_generations=4,
+        max_completion_length=4, learning_rate=1e-3, logging_steps=1, report_to=a.report_to,
+        max_staleness=a.max_staleness, num_generator_processes=a.num_generators, seed=0,
+        collective_timeout_s=60, save_steps=a.save_steps,
+    )
+    trainer = AsyncAIPOTrainer(model=a.model, reward_funcs=rewards, args=config,
+                               train_dataset=Dataset.from_list(successor_rows(64, seed=2)))
+    out = trainer.train()
+    if trainer.state is not None and trainer.state.is_world_process_zero:
+        print("LOG_HISTORY " + json.dumps(trainer.state.log_history), flush=True)
+        print(f"TRAINED global_step={out.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Run under torchrun with T trainer ranks + 1 generator rank: after one weight sync the generator's
+weights equal the trainer's full weights bitwise, and vLLM's greedy output follows them.
+
+    torchrun --nproc_per_node 2|3 tests/scripts/weight_sync_check.py MODEL_DIR [BACKEND]
+"""
+
+import json
+import sys
+
+import torch
+
+from hfllamarl.channels import Channel, ChannelKind
+from hfllamarl.fsdp import full_state_dict, shard_model
+from hfllamarl.generator import GeneratorExecutor, GeneratorSpec, tensor_digest
+from hfllamarl.topology import init_topology
+from hfllamarl.weight_sync import WeightsChannel, build_backend
+
+model_dir = sys.argv[1]
+backend_name = sys.argv[2] if len(sys.argv) > 2 else "broadcast"
+topo = init_topology(num_generator_processes=1, timeout_s=120, use_cpu=True)
+topo.bridge("object"), topo.bridge("tensor")
+topo.start_heartbeat()
+backend = build_backend(backend_name, topo)
+channel = WeightsChannel(backend, topo)
+prompt = [7, 14, 5, 18]  # "3+1="
+report = Channel("report", ChannelKind.GATHER, topo.generator_ranks, [0], topo)
+
+
+class Offer:  # the trainer side of the weights channel: offers version 1 once
+    def __init__(self, model):
+        self.model = model
+
+    def get_output(self, name):
+        return self.model, 1
+
+
+if topo.role == "trainer":
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(123)
+    with torch.no_grad():  # new weights, as if the trainer had taken a large step
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    shard_model(model, "cpu")
+    backend.setup_trainer(model)
+    channel.communicate_with(Offer(model))
+    full = full_state_dict(model)
+    got = report.communicate(None)
+    if topo.rank == 0:
+        (gen,) = got
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        reference.load_state_dict(full)
+        hf_greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, len(prompt):].tolist()
+        result = {
+            "bitwise_equal": gen["digest"] == tensor_digest(full.items()),
+            "greedy_changed": gen["before"] != gen["after"],
+            "greedy_matches_hf": gen["after"] == hf_greedy,
+            "version": gen["version"],
+            "trainer_ranks": topo.num_trainers,
+        }
+        print("RESULT " + json.dumps(result), flush=True)
+else:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = GeneratorSpec(model_path=model_dir, tokenizer_path=model_dir, dataset=None, num_batches=0,
+                         prompts_per_batch=1, num_generations=1, max_completion_length=8, max_model_len=128,
+                         dtype="float32", weights_digest=True)
+    gen = GeneratorExecutor(spec, topo)
+    gen.backend = backend
+    gen.llm = gen._build_engine()
+    backend.setup_generator()
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run():
+        return list(gen.llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+
+    before = run()
+    channel.communicate_with(gen)
+    after = run()
+    report.communicate({"digest": gen.weights_digest, "before": before, "after": after, "version": gen.version})
+topo.mark_done()

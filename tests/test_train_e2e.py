@@ -1,0 +1,75 @@
+"""`AsyncAIPOTrainer.train()` end to end on the CPU: plain python and torchrun, async and sync."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from conftest import SCRIPTS, run_script, tail
+
+pytestmark = pytest.mark.slow
+
+STEP_KEYS = {"reward", "reward_std", "rewards/math_sympy/mean", "is_ratio/mean", "is_ratio/max", "clipped_frac",
+             "staleness/mean", "staleness/max", "generation/tokens_per_s", "weight_sync_seconds",
+             "train_step_seconds", "loss", "learning_rate"}
+
+
+def history(proc):
+    line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
+    return json.loads(line[len("LOG_HISTORY "):])
+
+
+def no_orphans(output_dir):
+    import psutil
+
+    return [p.info for p in psutil.process_iter(["pid", "cmdline"])
+            if any(output_dir in (c or "") for c in (p.info["cmdline"] or []))]
+
+
+def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
+    out = str(tmp_path / "run")
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "3"], timeout=400)
+    assert proc.returncode == 0, tail(proc)
+    steps = [h for h in history(proc) if "reward" in h]
+    assert [h["step"] for h in steps] == [1, 2, 3]
+    for h in steps:
+        assert STEP_KEYS <= set(h), STEP_KEYS - set(h)
+        assert 0.0 <= h["reward"] <= 1.0 and h["generation/tokens_per_s"] > 0
+    # Staleness 1: batch 0 is sampled by the initial policy and trained at version 0; later batches are one
+    # version behind.
+    assert [h["staleness/max"] for h in steps] == [0, 1, 1]
+    assert glob.glob(os.path.join(out, "runs", "*", "events.out.tfevents.*")), "no TensorBoard log"
+    assert "TRAINED global_step=3" in proc.stdout
+    assert not no_orphans(out)
+
+
+def test_synchronous_mode_is_exactly_on_policy_under_torchrun(tiny_model, tmp_path):
+    out = str(tmp_path / "sync")
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "3", "--max-staleness", "0",
+                       "--report-to", "none"], nproc=2, timeout=400)
+    assert proc.returncode == 0, tail(proc)
+    steps = [h for h in history(proc) if "reward" in h]
+    assert len(steps) == 3
+    for h in steps:
+        # The generator always samples with the trainer's current weights (bitwise, fp32): pi/mu == 1.
+        assert h["staleness/max"] == 0
+        assert abs(h["is_ratio/max"] - 1.0) < 1e-4 and abs(h["is_ratio/min"] - 1.0) < 1e-4, h
+
+
+@pytest.mark.parametrize("bad,message", [("raise", "reward function 'broken' raised RuntimeError"),
+                                         ("length", "reward function 'short' returned 15 values for 16")])
+def test_bad_reward_function_fails_cleanly(tiny_model, tmp_path, bad, message):
+    out = str(tmp_path / bad)
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--bad-reward", bad, "--report-to", "none"],
+                      timeout=300)
+    assert proc.returncode != 0
+    assert message in proc.stderr, tail(proc)
+    assert not no_orphans(out)
+
+
+def test_more_generators_than_processes_is_explained(tiny_model, tmp_path):
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, str(tmp_path / "x"), "--num-generators", "2"],
+                      nproc=2, timeout=120)
+    assert proc.returncode != 0
+    assert "num_generator_processes=2 but the launcher started 2 processes" in proc.stderr, tail(proc)
