@@ -63,7 +63,7 @@ class AsyncAIPOConfig(GRPOConfig):
     generator_tensor_parallel_size: int | None = field(
         default=None,
         metadata={"help": "Tensor-parallel size of the vLLM engine on the generator ranks (default: "
-                  "`vllm_tensor_parallel_size`)."},
+                  "`vllm_tensor_parallel_size` if set, else num_generator_processes: one engine over all of them)."},
     )
     max_staleness: int = field(
         default=1,
@@ -145,8 +145,9 @@ class AsyncAIPOConfig(GRPOConfig):
                 )
         if self.num_generator_processes < 1:
             raise ValueError("AsyncAIPOConfig: num_generator_processes must be >= 1.")
-        if self.generator_tensor_parallel_size is None:
-            self.generator_tensor_parallel_size = self.vllm_tensor_parallel_size
+        if self.generator_tensor_parallel_size is None:  # one engine across all generator ranks
+            tp = self.vllm_tensor_parallel_size
+            self.generator_tensor_parallel_size = tp if tp != 1 else self.num_generator_processes
         tp = self.generator_tensor_parallel_size
         if tp < 1 or self.num_generator_processes % tp:
             raise ValueError(

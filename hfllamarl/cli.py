@@ -1,0 +1,37 @@
+"""The `hfllamarl` command.
+
+    hfllamarl plugins list      every installed plugin: group, name, distribution, version (nothing imported)
+    hfllamarl version
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _plugins_list(args) -> int:
+    from .registry import list_plugins
+
+    rows = list_plugins()
+    header = ("group", "name", "distribution", "version", "entry point")
+    table = [header] + [(r["group"], r["name"], r["distribution"], r["version"], r["value"]) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hfllamarl", description="Asynchronous off-policy RL fine-tuning of LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="action", required=True)
+    plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
+    sub.add_parser("version", help="print the version").set_defaults(
+        func=lambda a: print(__import__("hfllamarl").__version__) or 0)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
