@@ -83,6 +83,22 @@ class RewardRunner:
             total.append(float(sum(vals)) if vals else 0.0)
         return total, per_func
 
+    def counters(self) -> dict[str, float]:
+        """Counters a reward function exposes through `.stats()` (e.g. math_sympy's timeouts), by name."""
+        out = {}
+        for name, fn in zip(self.names, self.funcs):
+            stats = getattr(fn, "stats", None)
+            if callable(stats):
+                try:
+                    for key, value in (stats() or {}).items():
+                        if key in ("timeouts", "worker_errors"):
+                            out[f"rewards/{name}/{key}"] = float(value)
+                except Exception:  # counters are informative only
+                    pass
+        if self.error_count:
+            out["reward_errors"] = float(self.error_count)
+        return out
+
     def _call_all(self, kwargs: dict, n: int) -> list[list[float | None]]:
         results: list = [None] * len(self.funcs)
         coros = {}

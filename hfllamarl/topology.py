@@ -26,6 +26,7 @@ ENV_STORE = "HFLLAMARL_STORE"  # host:port of the store a single-process parent 
 ENV_RANK = "HFLLAMARL_RANK"
 ENV_WORLD = "HFLLAMARL_WORLD_SIZE"
 ENV_PARENT = "HFLLAMARL_PARENT_PID"
+ENV_JOB = "HFLLAMARL_JOB_ID"
 
 
 class TopologyError(RuntimeError):
@@ -47,6 +48,7 @@ class Topology:
     timeout_s: float
     use_cpu: bool
     store_addr: tuple[str, int] | None = None
+    job_id: int = 0  # a single process may run train() several times (a notebook): one job each
     _store: object = field(default=None, repr=False)
     _bridge: dict = field(default_factory=dict, repr=False)
     _children: list = field(default_factory=list, repr=False)
@@ -140,7 +142,7 @@ class Topology:
         import torch.distributed as dist
 
         if kind not in self._bridge:
-            store = dist.PrefixStore(f"hfllamarl/bridge/{kind}", self.store())
+            store = dist.PrefixStore(f"hfllamarl/{self.job_id}/bridge/{kind}", self.store())
             if kind == "object" or self.use_cpu:
                 pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
             else:  # pragma: no cover - needs GPUs
@@ -158,7 +160,7 @@ class Topology:
         self.store()  # make sure the store exists (single mode hosts it)
         host, port = self.store_addr
         client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=self.timeout)
-        key = f"hfllamarl/heartbeat/{self.rank}"
+        key = f"hfllamarl/{self.job_id}/heartbeat/{self.rank}"
         stop = threading.Event()
 
         def beat():
@@ -175,7 +177,7 @@ class Topology:
     def mark_done(self) -> None:
         """Tell the other ranks this rank finished normally (it is not lost when its heartbeat stops)."""
         try:
-            self.store().set(f"hfllamarl/done/{self.rank}", "1")
+            self.store().set(f"hfllamarl/{self.job_id}/done/{self.rank}", "1")
         except Exception:
             pass
         if getattr(self, "_heartbeat", None) is not None:
@@ -191,11 +193,11 @@ class Topology:
             if rank == self.rank:
                 continue
             try:
-                if self._store.check([f"hfllamarl/done/{rank}"]):
+                if self._store.check([f"hfllamarl/{self.job_id}/done/{rank}"]):
                     continue
-                if not self._store.check([f"hfllamarl/heartbeat/{rank}"]):
+                if not self._store.check([f"hfllamarl/{self.job_id}/heartbeat/{rank}"]):
                     continue  # never started beating: cannot tell
-                last = float(self._store.get(f"hfllamarl/heartbeat/{rank}").decode())
+                last = float(self._store.get(f"hfllamarl/{self.job_id}/heartbeat/{rank}").decode())
             except Exception:
                 return []
             if now - last > stale_s:
@@ -203,6 +205,16 @@ class Topology:
         return [rank for _, rank in sorted(silent)]
 
     # ---------------------------------------------------------------- single-process mode
+    def new_job(self) -> None:
+        """Single-process mode: forget the previous job's bridge and heartbeat before starting children again."""
+        if self._children:
+            raise TopologyError("the previous job's generator processes are still running")
+        self.job_id += 1
+        self._bridge.clear()
+        if getattr(self, "_heartbeat", None) is not None:
+            self._heartbeat.set()
+            self._heartbeat = None
+
     def start_children(self, spec_path: str) -> None:
         """Single-process mode: start the generator ranks as child processes."""
         host, port = self.store_addr or ("127.0.0.1", self.store().port)
@@ -214,6 +226,7 @@ class Topology:
                     ENV_RANK: str(rank),
                     ENV_WORLD: str(self.world_size),
                     ENV_PARENT: str(os.getpid()),
+                    ENV_JOB: str(self.job_id),
                     # vLLM's external launcher reads these; they describe the generator world.
                     "RANK": str(rank - self.num_trainers),
                     "LOCAL_RANK": str(rank - self.num_trainers),
@@ -225,7 +238,7 @@ class Topology:
             self._children.append(subprocess.Popen(cmd, env=env))
 
     def stop_children(self, grace_s: float = 10.0) -> None:
-        """Wait briefly for the child generators to finish, then kill the ones still running."""
+        """Wait up to `grace_s` for the child generators to finish, then kill the ones still running."""
         for proc in self._children:
             try:
                 proc.wait(timeout=grace_s)
@@ -272,6 +285,7 @@ def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool)
             timeout_s=timeout_s,
             use_cpu=use_cpu,
             store_addr=(host, int(port)),
+            job_id=int(os.environ.get(ENV_JOB, "0")),
         )
         _watch_parent(int(os.environ[ENV_PARENT]))
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:

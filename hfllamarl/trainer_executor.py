@@ -213,8 +213,7 @@ class TrainerExecutor(Executor):
         metrics["generation/seconds"] = gen_seconds
         metrics["generation/tokens_per_s"] = groups[0].batch_tokens / gen_seconds if gen_seconds > 0 else 0.0
         metrics["reward_seconds"] = reward_seconds
-        if job.rewards.error_count:
-            metrics["reward_errors"] = job.rewards.error_count
+        metrics.update(job.rewards.counters())
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         if job.scheduler is not None:

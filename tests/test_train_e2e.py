@@ -28,9 +28,12 @@ def no_orphans(output_dir):
 
 
 def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
+    """`python script.py`: the generator is a child process. train() runs twice, as in a notebook."""
     out = str(tmp_path / "run")
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "3"], timeout=400)
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "3", "--repeat", "2"],
+                      timeout=400)
     assert proc.returncode == 0, tail(proc)
+    assert proc.stdout.count("TRAINED global_step=3") == 2
     steps = [h for h in history(proc) if "reward" in h]
     assert [h["step"] for h in steps] == [1, 2, 3]
     for h in steps:

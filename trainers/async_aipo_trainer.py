@@ -103,7 +103,9 @@ class AsyncAIPOTrainer:
         topo = self.topology
         spec = self._generator_spec()
         if topo.mode == "single":
+            topo.new_job()
             self._start_children(spec)
+        finished = False
         try:
             topo.init_local_world()
             topo.bridge("object"), topo.bridge("tensor")  # every rank joins both bridge groups up front
@@ -119,10 +121,11 @@ class AsyncAIPOTrainer:
 
             run_job(build_trainer_executor(self, backend), backend, topo, self.num_batches, self.args.max_staleness)
             summary = self._reporter.train_end()
+            finished = True
             return TrainOutput(self.state.global_step, self._last_loss(), summary)
         finally:
-            if topo.mode == "single":
-                topo.stop_children()
+            if topo.mode == "single":  # on an error, do not wait for children stuck in a channel
+                topo.stop_children(grace_s=60.0 if finished else 2.0)
                 shutil.rmtree(getattr(self, "_workdir", ""), ignore_errors=True)
 
     def save_model(self, output_dir: str | None = None) -> None:

@@ -31,6 +31,7 @@ def main():
     p.add_argument("--bad-reward", default=None)
     p.add_argument("--report-to", default="tensorboard")
     p.add_argument("--save-steps", type=int, default=500)
+    p.add_argument("--repeat", type=int, default=1, help="train() again in the same process, as a notebook would")
     a = p.parse_args()
     rewards = ["math_sympy"] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
     config = AsyncAIPOConfig(
@@ -39,12 +40,13 @@ def main():
         max_staleness=a.max_staleness, num_generator_processes=a.num_generators, seed=0,
         collective_timeout_s=60, save_steps=a.save_steps,
     )
-    trainer = AsyncAIPOTrainer(model=a.model, reward_funcs=rewards, args=config,
-                               train_dataset=Dataset.from_list(successor_rows(64, seed=2)))
-    out = trainer.train()
-    if trainer.state is not None and trainer.state.is_world_process_zero:
-        print("LOG_HISTORY " + json.dumps(trainer.state.log_history), flush=True)
-        print(f"TRAINED global_step={out.global_step}", flush=True)
+    for _ in range(a.repeat):
+        trainer = AsyncAIPOTrainer(model=a.model, reward_funcs=rewards, args=config,
+                                   train_dataset=Dataset.from_list(successor_rows(64, seed=2)))
+        out = trainer.train()
+        if trainer.state is not None and trainer.state.is_world_process_zero:
+            print("LOG_HISTORY " + json.dumps(trainer.state.log_history), flush=True)
+            print(f"TRAINED global_step={out.global_step}", flush=True)
 
 
 if __name__ == "__main__":
