@@ -1,6 +1,8 @@
 """The `hfllamarl` command.
 
     hfllamarl plugins list      every installed plugin: group, name, distribution, version (nothing imported)
+    hfllamarl eval ...          generate with vLLM on a JSONL data set and score with a reward (hfllamarl.evaluate)
+    hfllamarl bench weight-sync ...   time the weight-sync backends side by side (hfllamarl.bench)
     hfllamarl version
 """
 
@@ -27,6 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="action", required=True)
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
+    from . import bench, evaluate  # light modules: heavy imports happen inside their run()
+
+    ev = sub.add_parser("eval", help="generate on a JSONL data set and score it")
+    evaluate.add_arguments(ev)
+    ev.set_defaults(func=evaluate.run)
+    bench_parser = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
+    ws = bench_parser.add_parser("weight-sync", help="nccl_ddma vs broadcast vs disk, side by side")
+    bench.add_weight_sync_arguments(ws)
+    ws.set_defaults(func=bench.run_weight_sync)
     sub.add_parser("version", help="print the version").set_defaults(
         func=lambda a: print(__import__("hfllamarl").__version__) or 0)
     args = parser.parse_args(argv)
