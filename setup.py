@@ -58,6 +58,8 @@ setup(
         ],
         "hfllamarl.weight_sync": [
             "broadcast = hfllamarl.plugins.weight_sync.broadcast:BroadcastWeightSync",
+            "nccl_ddma = hfllamarl.plugins.weight_sync.ddma:DDMAWeightSync",
+            "disk = hfllamarl.plugins.weight_sync.disk:DiskWeightSync",
         ],
     },
 )

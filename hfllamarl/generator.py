@@ -59,9 +59,10 @@ class GeneratorSpec:
 
 
 def tensor_digest(named_tensors) -> str:
-    """sha256 over (name, dtype, shape, bytes) of each tensor: equal digests mean bitwise-equal weights."""
+    """sha256 over (name, dtype, shape, bytes) of each tensor, in name order: equal digests mean
+    bitwise-equal weight sets, whatever order they arrived in."""
     h = hashlib.sha256()
-    for name, t in named_tensors:
+    for name, t in sorted(named_tensors, key=lambda item: item[0]):
         t = t.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import time
 from collections.abc import Callable, Sequence
 
 from .prompts import is_conversational
@@ -106,7 +107,7 @@ class RewardRunner:
             if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
                 coros[i] = fn(**kwargs)
             else:
-                results[i] = self._guard(i, lambda fn=fn: fn(**kwargs), n, kwargs)
+                results[i] = self._guard(i, lambda fn=fn: fn(**kwargs), n, kwargs, fn=fn)
         if coros:
             async def gather():
                 return await asyncio.gather(*coros.values(), return_exceptions=True)
@@ -115,18 +116,21 @@ class RewardRunner:
                 results[i] = self._guard(i, lambda out=out: _reraise(out), n, kwargs)
         return results
 
-    def _guard(self, i: int, call: Callable, n: int, kwargs: dict) -> list[float | None]:
+    def _guard(self, i: int, call: Callable, n: int, kwargs: dict, fn: Callable | None = None) -> list[float | None]:
+        """Run `call`; when it raises, explain (naming the failing sample when `fn` is given) or score 0."""
         name = self.names[i]
         try:
             out = call()
         except Exception as exc:
-            first = kwargs["prompts"][0] if kwargs["prompts"] else None
-            msg = (f"reward function {name!r} raised {type(exc).__name__}: {exc} (batch of {n} completions; "
-                   f"first prompt: {str(first)[:200]!r})")
             if self.on_error == "zero":
                 self.error_count += 1
                 return [0.0] * n
-            raise RewardFunctionError(msg + ". Set reward_errors='zero' to score such batches 0 and go on.") from exc
+            first = kwargs["prompts"][0] if kwargs["prompts"] else None
+            msg = (f"reward function {name!r} raised {type(exc).__name__}: {exc} (batch of {n} completions; "
+                   f"first prompt: {_short(first)}).")
+            if fn is not None:
+                msg += " " + _find_failing_sample(fn, kwargs, n)
+            raise RewardFunctionError(msg + " Set reward_errors='zero' to score such batches 0 and go on.") from exc
         return self._check(name, out, n)
 
     @staticmethod
@@ -150,6 +154,46 @@ class RewardRunner:
                                           "expected a float or None.") from None
             clean.append(None if math.isnan(v) else v)  # NaN is treated like None: not scored
         return clean
+
+
+#: How many samples, and for how long, a raising reward function is re-run one sample at a time.
+PROBE_MAX_SAMPLES = 64
+PROBE_MAX_SECONDS = 60.0
+
+
+def _short(value, limit: int = 200) -> str:
+    text = str(value)
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def _find_failing_sample(fn: Callable, kwargs: dict, n: int) -> str:
+    """Call `fn` on each sample alone (every per-sample argument sliced to length 1) and describe the
+    first sample that raises. Bounded by PROBE_MAX_SAMPLES samples and PROBE_MAX_SECONDS seconds."""
+    per_sample = {k for k, v in kwargs.items()
+                  if not isinstance(v, (str, bytes, dict)) and hasattr(v, "__getitem__") and _len(v) == n}
+    deadline = time.monotonic() + PROBE_MAX_SECONDS
+    limit = min(n, PROBE_MAX_SAMPLES)
+    for j in range(limit):
+        if time.monotonic() > deadline:
+            return (f"Called on each sample alone, samples 0..{j - 1} did not raise; stopped after "
+                    f"{PROBE_MAX_SECONDS:.0f} s.")
+        one = {k: (v[j:j + 1] if k in per_sample else v) for k, v in kwargs.items()}
+        try:
+            fn(**one)
+        except Exception as exc:
+            prompt = kwargs["prompts"][j] if "prompts" in per_sample else None
+            return (f"Called on each sample alone, it first raises on sample {j} ({type(exc).__name__}: "
+                    f"{str(exc)[:200]}): prompt {_short(prompt)}, completion {_short(kwargs['completions'][j])}.")
+    scope = f"the first {limit} of {n}" if limit < n else f"all {n}"
+    return (f"Called on each sample alone ({scope} samples), no single sample raised: the error needs the "
+            "samples together (e.g. batch size or an interaction between samples).")
+
+
+def _len(value) -> int | None:
+    try:
+        return len(value)
+    except TypeError:
+        return None
 
 
 def _reraise(out):

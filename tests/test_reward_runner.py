@@ -79,6 +79,56 @@ def test_raising_function_is_named_or_zeroed():
     assert runner.error_count == 1
 
 
+def test_raising_function_names_the_failing_sample():
+    calls = []
+
+    def picky(prompts, completions, completion_ids, trainer_state, answer, **kw):
+        calls.append(len(completions))
+        assert trainer_state == "STATE" and len(prompts) == len(completion_ids) == len(answer) == len(completions)
+        if "bad" in completions:
+            raise ValueError("cannot parse")
+        return [1.0] * len(completions)
+
+    completions = ["ok0", "ok1", "bad", "ok3"]
+    with pytest.raises(RewardFunctionError) as err:
+        call(RewardRunner([picky]), [f"prompt {i}" for i in range(4)], completions, answer=["1", "2", "3", "4"])
+    msg = str(err.value)
+    assert "'picky' raised ValueError: cannot parse" in msg
+    assert "sample 2 (ValueError: cannot parse): prompt 'prompt 2', completion 'bad'" in msg
+    assert "reward_errors='zero'" in msg
+    assert calls == [4, 1, 1, 1]  # the batch, then samples 0..2 alone: the search stops at the first failure
+
+
+def test_failing_sample_search_is_bounded_and_truncates():
+    def batch_only(completions, **kw):
+        if len(completions) > 1:
+            raise RuntimeError("needs one at a time")
+        return [0.0]
+
+    with pytest.raises(RewardFunctionError, match="all 3 samples.*no single sample raised"):
+        call(RewardRunner([batch_only]), ["p"] * 3, ["c"] * 3)
+
+    seen = []
+
+    def always(completions, **kw):
+        seen.append(len(completions))
+        raise RuntimeError("x")
+
+    long = "y" * 1000
+    with pytest.raises(RewardFunctionError) as err:
+        call(RewardRunner([always]), [long] * 100, [long] * 100)
+    assert "sample 0" in str(err.value) and len(str(err.value)) < 1200
+
+    runner = RewardRunner([batch_only])
+    with pytest.raises(RewardFunctionError, match="the first 64 of 100 samples"):
+        call(runner, ["p"] * 100, ["c"] * 100)
+
+    zero = RewardRunner([always], on_error="zero")
+    seen.clear()
+    assert call(zero, ["p"] * 5, ["c"] * 5)[0] == [0.0] * 5
+    assert seen == [5] and zero.error_count == 1  # zero mode does not re-run the function per sample
+
+
 @pytest.mark.parametrize("bad,match", [
     (lambda completions, **kw: [1.0], "returned 1 values for 2 completions"),
     (lambda completions, **kw: 1.0, "must return a list"),

@@ -1,7 +1,7 @@
 """A user script: a few AIPO steps on the tiny model. Runs under python, torchrun or accelerate launch.
 
     python tests/scripts/train_tiny.py MODEL_DIR OUTPUT_DIR [--steps 3] [--max-staleness 1]
-        [--num-generators 1] [--bad-reward raise|length] [--report-to tensorboard]
+        [--num-generators 1] [--bad-reward raise|length] [--report-to tensorboard] [--reward math_sympy]
 """
 
 import argparse
@@ -29,11 +29,12 @@ def main():
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--num-generators", type=int, default=1)
     p.add_argument("--bad-reward", default=None)
+    p.add_argument("--reward", default="math_sympy", help="reward plugin name used in place of math_sympy")
     p.add_argument("--report-to", default="tensorboard")
     p.add_argument("--save-steps", type=int, default=500)
     p.add_argument("--repeat", type=int, default=1, help="train() again in the same process, as a notebook would")
     a = p.parse_args()
-    rewards = ["math_sympy"] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
+    rewards = [a.reward] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
     config = AsyncAIPOConfig(
         output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=16, num_generations=4,
         max_completion_length=4, learning_rate=1e-3, logging_steps=1, report_to=a.report_to,

@@ -1,7 +1,7 @@
 """Run under torchrun with T trainer ranks + 1 generator rank: after one weight sync the generator's
 weights equal the trainer's full weights bitwise, and vLLM's greedy output follows them.
 
-    torchrun --nproc_per_node 2|3 tests/scripts/weight_sync_check.py MODEL_DIR [BACKEND]
+    torchrun --nproc_per_node 2|3 tests/scripts/weight_sync_check.py MODEL_DIR [BACKEND [BUCKET_BYTES]]
 """
 
 import json
@@ -20,7 +20,8 @@ backend_name = sys.argv[2] if len(sys.argv) > 2 else "broadcast"
 topo = init_topology(num_generator_processes=1, timeout_s=120, use_cpu=True)
 topo.bridge("object"), topo.bridge("tensor")
 topo.start_heartbeat()
-backend = build_backend(backend_name, topo)
+options = {"bucket_bytes": int(sys.argv[3])} if len(sys.argv) > 3 else {}
+backend = build_backend(backend_name, topo, **options)
 channel = WeightsChannel(backend, topo)
 prompt = [7, 14, 5, 18]  # "3+1="
 report = Channel("report", ChannelKind.GATHER, topo.generator_ranks, [0], topo)

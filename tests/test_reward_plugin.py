@@ -1,0 +1,102 @@
+"""A third-party reward plugin (examples/reward_plugin): pip-installed, listed, loaded and trained with by name."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from conftest import REPO, SCRIPTS, run_script, tail
+from hfllamarl import load_plugin
+from hfllamarl.registry import PluginError
+
+EXAMPLE = REPO / "examples" / "reward_plugin"
+DIST = "hfllamarl-reward-example"
+PIP_ENV = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+def example_module():
+    """The example package imported from its source folder, without installing it."""
+    spec = importlib.util.spec_from_file_location(
+        "hfllamarl_reward_example_src", EXAMPLE / "hfllamarl_reward_example" / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_declares_its_entry_point_without_dependencies():
+    project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
+    assert project["name"] == DIST and project["version"] == "0.1.0"
+    assert not project.get("dependencies")
+    assert project["entry-points"]["hfllamarl.rewards"] == {"last_digit": "hfllamarl_reward_example:last_digit"}
+
+
+def test_example_last_digit_scores_strings_chat_and_none():
+    last_digit = example_module().last_digit
+    chat = [[{"role": "assistant", "content": "so it is 7"}], [{"role": "assistant", "content": "\\boxed{3}"}]]
+    assert last_digit(["p", "p"], chat, answer=["7", "4"]) == [1.0, 0.0]
+    assert last_digit(["p"] * 4, ["\\boxed{5}", "no digit", "12", "9"], [[1]] * 4, trainer_state=None,
+                      answer=["5", "1", "2", None]) == [1.0, 0.0, 1.0, None]
+
+
+def test_unknown_plugin_says_how_to_fix_it():
+    # test_registry.py checks that the installed names are listed; this checks the way out is named too.
+    with pytest.raises(PluginError) as err:
+        load_plugin("rewards", "surely_not_installed")
+    msg = str(err.value)
+    assert isinstance(err.value, ValueError)
+    assert "'surely_not_installed'" in msg and "Installed rewards plugins: " in msg and "math_sympy" in msg
+    assert "pip install" in msg and "hfllamarl plugins list" in msg
+
+
+def _installed(name: str) -> bool:
+    """Whether distribution `name` is installed, asked in a new process (this one caches metadata)."""
+    probe = "import importlib.metadata, sys; importlib.metadata.version(sys.argv[1])"
+    return subprocess.run([sys.executable, "-c", probe, name], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_pip_installed_plugin_is_listed_loaded_and_trains_by_name(tiny_model, tmp_path):
+    # Install from a copy, so the build leaves nothing (build/, *.egg-info) in the repository.
+    src = tmp_path / "reward_plugin"
+    shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    was_installed = _installed(DIST)
+    try:
+        pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", str(src)],
+                             capture_output=True, text=True, env=PIP_ENV, timeout=300)
+        assert pip.returncode == 0, tail(pip)
+
+        # New processes: entry points are read at start-up and load_plugin caches per process.
+        listed = subprocess.run([sys.executable, "-m", "hfllamarl.cli", "plugins", "list"], capture_output=True,
+                                text=True, timeout=120)
+        assert listed.returncode == 0, tail(listed)
+        rows = [line.split() for line in listed.stdout.splitlines()]
+        assert ["rewards", "last_digit", DIST, "0.1.0", "hfllamarl_reward_example:last_digit"] in rows, listed.stdout
+
+        load = subprocess.run([sys.executable, "-c", (
+            "from hfllamarl import load_plugin\n"
+            "f = load_plugin('rewards', 'last_digit')\n"
+            "print(f.__module__, f.__name__, f(['p'], ['\\\\boxed{4}'], answer=['4']))")],
+            capture_output=True, text=True, timeout=120)
+        assert load.returncode == 0, tail(load)
+        assert "hfllamarl_reward_example last_digit [1.0]" in load.stdout.splitlines(), tail(load)
+
+        proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, str(tmp_path / "run"), "--steps", "2",
+                           "--reward", "last_digit", "--report-to", "none"], timeout=400)
+        assert proc.returncode == 0, tail(proc)
+        assert "TRAINED global_step=2" in proc.stdout
+        line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
+        steps = [h for h in json.loads(line[len("LOG_HISTORY "):]) if "reward" in h]
+        assert len(steps) == 2
+        for h in steps:
+            assert "rewards/last_digit/mean" in h and "rewards/math_sympy/mean" not in h, h
+            assert 0.0 <= h["rewards/last_digit/mean"] <= 1.0
+    finally:
+        if not was_installed:
+            subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", DIST], capture_output=True, env=PIP_ENV,
+                           timeout=300)
+    assert _installed(DIST) == was_installed
