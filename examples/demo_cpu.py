@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--reward", default="math_sympy")
     parser.add_argument("--report-to", default="tensorboard")
-    parser.add_argument("--weight-sync", default="broadcast")
+    parser.add_argument("--weight-sync", default="nccl_ddma")
     args = parser.parse_args()
 
     model_dir = prepare_model(args.model or os.path.join(args.output_dir, "tiny-llama"))

@@ -79,8 +79,10 @@ class AsyncAIPOConfig(GRPOConfig):
         metadata={"help": "Name of the algorithm plugin (entry point group `hfllamarl.algorithms`)."},
     )
     weight_sync_backend: str = field(
-        default="broadcast",
-        metadata={"help": "Name of the weight-sync plugin (entry point group `hfllamarl.weight_sync`)."},
+        default="nccl_ddma",
+        metadata={"help": "Name of the weight-sync plugin (entry point group `hfllamarl.weight_sync`): "
+                  "'nccl_ddma' (every trainer rank sends its own shard to the generators), 'broadcast' (gather on "
+                  "trainer rank 0, then send), 'disk' (safetensors files)."},
     )
     collective_timeout_s: float = field(
         default=1800.0,

@@ -1,0 +1,137 @@
+"""One rank of `hfllamarl bench weight-sync` (started by `hfllamarl.bench`, never by hand).
+
+Trainer ranks build a Llama of the requested size and shard it with FSDP2; generator ranks
+receive. For each backend, every rank passes a barrier, then the trainers send and the
+generators receive the whole weight set; the time is the generator side's (the weights are
+ready there). A thread samples this process's RSS during each phase. Results go to rank 0,
+which prints them as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class RssPeak:
+    """Peak resident memory of this process while the context is open (sampled every 2 ms)."""
+
+    def __enter__(self):
+        self.start = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * PAGE
+
+
+def llama_config_for(params: float):
+    """A Llama config (hidden 768, 12 heads, vocab 32000) with enough layers for `params` parameters."""
+    from transformers import LlamaConfig
+
+    hidden, inter, vocab = 768, 2048, 32000
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    layers = max(1, -(-int(params - 2 * vocab * hidden) // per_layer))
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=False)
+
+
+def main(argv: list[str]) -> int:
+    opts = json.loads(argv[0])
+    from hfllamarl.channels import Channel, ChannelKind, recv_tensor, send_tensor
+    from hfllamarl.fsdp import shard_model
+    from hfllamarl.generator import tensor_digest
+    from hfllamarl.topology import init_topology
+    from hfllamarl.weight_sync import build_backend
+
+    torch.set_num_threads(1)
+    topo = init_topology(opts["generators"], timeout_s=600, use_cpu=True)
+    topo.bridge("object"), topo.bridge("tensor")
+    topo.start_heartbeat()
+    barrier = topo.bridge("object")
+    results: dict = {"rank": topo.rank, "role": topo.role}
+
+    model = None
+    if topo.role == "trainer":
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(llama_config_for(opts["params"]))
+        results["params"] = sum(p.numel() for p in model.parameters())
+        shard_model(model, "cpu")
+        digest = tensor_digest((n, t.full_tensor()) for n, t in model.state_dict().items())
+        results["digest"] = digest
+        total_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        results["bytes"] = total_bytes
+    sizes = Channel("sizes", ChannelKind.BROADCAST, [0], topo.generator_ranks, topo)
+    received = sizes.communicate(results.get("bytes"))
+    total_bytes = received if topo.role == "generator" else results["bytes"]
+
+    # The transport's bound: the same bytes, one message, one link, no copies.
+    times = []
+    for _ in range(opts["repeats"]):
+        buf = torch.empty(total_bytes, dtype=torch.uint8)
+        barrier.barrier().wait()
+        start = time.perf_counter()
+        if topo.rank == 0:
+            for dst in topo.generator_ranks:
+                send_tensor(topo, buf, dst, "bound")()
+        elif topo.role == "generator":
+            recv_tensor(topo, buf, 0, "bound")
+        times.append(time.perf_counter() - start)
+        del buf
+    results["bound_s"] = sorted(times)[len(times) // 2]
+
+    for name in opts["backends"]:
+        options = {"bucket_bytes": opts["bucket_mb"] << 20} if name == "nccl_ddma" else {}
+        backend = build_backend(name, topo, **options)
+        if topo.role == "trainer":
+            backend.setup_trainer(model)
+        else:
+            backend.setup_generator()
+        times, digest = [], None
+        with RssPeak() as mem:
+            for rep in range(opts["repeats"]):
+                barrier.barrier().wait()
+                start = time.perf_counter()
+                if topo.role == "trainer":
+                    backend.send(model)
+                    got = None
+                else:
+                    got = list(backend.receive())
+                times.append(time.perf_counter() - start)
+                if got is not None and rep == 0:
+                    digest = tensor_digest(got)
+                del got
+        results[name] = {"seconds": sorted(times)[len(times) // 2], "peak_rss_mb": mem.peak / 2**20,
+                         "growth_mb": (mem.peak - mem.start) / 2**20, "digest": digest}
+
+    gathered = Channel("results", ChannelKind.GATHER, list(range(topo.world_size)), [0], topo).communicate(results)
+    topo.mark_done()
+    if topo.rank == 0:
+        print("BENCH_RESULT " + json.dumps(gathered), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
