@@ -20,7 +20,7 @@ from .executor import Executor
 from .prompts import PromptEncoder, batch_rows
 from .rollout import Rollout, RolloutGroup
 from .topology import Topology
-from .weight_sync import POLICY_WEIGHTS, build_backend
+from .weight_sync import POLICY_WEIGHTS, build_backend, crop
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +150,9 @@ class GeneratorExecutor(Executor):
             weights = iter(received)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
-        if self.spec.weights_digest:
-            self.weights_digest = tensor_digest(received)
+        if self.spec.weights_digest:  # over the part of each weight this rank receives
+            me = self.topology.rank
+            self.weights_digest = tensor_digest((n, crop(t, self.backend.region(n, me))) for n, t in received)
         self.version = version
         self.weight_load_seconds = time.perf_counter() - start
 

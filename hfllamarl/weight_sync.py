@@ -37,9 +37,22 @@ class WeightSyncBackend:
         raise NotImplementedError
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Called on every generator rank each time new weights come in: yields (HF name, full tensor)
+        """Called on every generator rank each time new weights come in: yields (HF name, full-size tensor)
         for the whole weight set, in order, as the tensors arrive."""
         raise NotImplementedError
+
+    def region(self, name: str, generator_rank: int) -> tuple[int, int, int] | None:
+        """Called by checks: the part `(dim, start, end)` of weight `name` that `generator_rank` receives
+        (its tensor-parallel shard), or None when it receives the whole tensor."""
+        return None
+
+
+def crop(tensor: torch.Tensor, region: tuple[int, int, int] | None) -> torch.Tensor:
+    """The part of `tensor` a `region` (see `WeightSyncBackend.region`) names."""
+    if region is None:
+        return tensor
+    dim, start, end = region
+    return tensor.narrow(dim, start, end - start)
 
 
 def build_backend(name: str, topology: Topology, **options) -> WeightSyncBackend:

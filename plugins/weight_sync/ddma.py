@@ -6,8 +6,17 @@ to every generator rank itself, all links at once; each generator rank receives 
 every trainer rank directly into the rows of the full tensor they belong to, and streams the
 full tensors into vLLM's `reload_weights` as they complete.
 
-The plan (which rows of which parameter live on which trainer rank, and how parameters are
-grouped into buckets) is computed once at start-up from both sides' shapes and reused every sync.
+With tensor parallelism on the generators, each generator rank receives only the part of each
+weight its vLLM shard reads: the rows of column-parallel weights (`q/k/v_proj`, `gate/up_proj`,
+whose fused `qkv_proj` / `gate_up_proj` vLLM assembles from them), the columns of row-parallel
+ones (`o_proj`, `down_proj`), its slice of the (padded) vocabulary for `embed_tokens` and
+`lm_head`, and the whole of the rest (norms). The received part lands in a full-size tensor
+that vLLM's loader narrows to exactly that part (on the CPU vLLM repacks its weights, so they
+cannot be written in place).
+
+The plan (which rows of which parameter live on which trainer rank, which part each generator
+rank needs, how parameters are grouped into buckets) is computed once at start-up from both
+sides' shapes and reused every sync.
 Parameters at least `bucket_bytes` large travel alone, with no copy on either side (the local
 shard is contiguous, and so is a row range of the destination); smaller ones are packed into
 buckets of up to `bucket_bytes` so that a layer's norms and biases do not cost a message each.
@@ -68,6 +77,53 @@ def local_shard(t: torch.Tensor, trainer_rank: int) -> tuple[torch.Tensor, int]:
     return (t if trainer_rank == 0 else t[:0]), 0
 
 
+VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP ranks
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+
+
+def tp_region(name: str, shape: tuple[int, ...], tp_rank: int, tp_size: int) -> tuple[int, int, int] | None:
+    """(dim, start, end): the part of HF weight `name` that tensor-parallel rank `tp_rank` of vLLM
+    reads, or None for the whole tensor (replicated weights, TP size 1, or a layout not known here)."""
+    if tp_size == 1 or len(shape) != 2 or not name.endswith(".weight"):
+        return None
+    module = name.rsplit(".", 2)[-2]
+    rows, cols = shape
+    if module in COLUMN_PARALLEL and rows % tp_size == 0:
+        per = rows // tp_size
+        return 0, tp_rank * per, (tp_rank + 1) * per
+    if module in ROW_PARALLEL and cols % tp_size == 0:
+        per = cols // tp_size
+        return 1, tp_rank * per, (tp_rank + 1) * per
+    if module in VOCAB_PARALLEL:
+        padded = -(-rows // VOCAB_PADDING) * VOCAB_PADDING
+        per = padded // tp_size
+        return 0, min(tp_rank * per, rows), min((tp_rank + 1) * per, rows)
+    return None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows `[r0, r1)` (and columns `[c0, c1)` when `cols` is set) of weight `name`, from one trainer
+    rank to one generator rank."""
+
+    name: str
+    r0: int
+    r1: int
+    cols: tuple[int, int] | None = None
+
+
+def plan_pieces(shard: ShardInfo, region: tuple[int, int, int] | None) -> Piece | None:
+    """What of `shard` (one trainer rank's rows) a generator rank needing `region` receives."""
+    start, end = shard.row_offset, shard.row_offset + shard.rows
+    if region is not None and region[0] == 1:
+        return Piece(shard.name, start, end, (region[1], region[2])) if shard.rows else None
+    if region is not None:
+        start, end = max(start, region[1]), min(end, region[2])
+    return Piece(shard.name, start, end) if start < end else None
+
+
 def plan_buckets(names: list[str], sizes: dict[str, int], dtypes: dict[str, torch.dtype],
                  bucket_bytes: int) -> list[list[str]]:
     """Group consecutive parameters into buckets of <= bucket_bytes of one dtype; a large one travels alone."""
@@ -113,30 +169,46 @@ class DDMAWeightSync(WeightSyncBackend):
     def setup_generator(self) -> None:
         topo = self.topology
         self._set_plan({r: recv_object(topo, r, "nccl_ddma plan") for r in topo.trainer_ranks})
+        self._check_tiling()
+
+    def region(self, name: str, generator_rank: int) -> tuple[int, int, int] | None:
+        """The part of weight `name` generator rank `generator_rank` receives (see `tp_region`)."""
+        topo = self.topology
+        return tp_region(name, self.info[name].shape, generator_rank - topo.num_trainers, topo.num_generators)
 
     def _set_plan(self, per_rank: dict[int, list[ShardInfo]]) -> None:
+        topo = self.topology
         first = next(iter(per_rank.values()))
         self.names = [i.name for i in first]
         self.info = {i.name: i for i in first}
-        self.pieces = {name: [] for name in self.names}  # name -> [(trainer rank, offset, rows)]
-        for rank in sorted(per_rank):
-            for i in per_rank[rank]:
-                if i.rows:
-                    self.pieces[i.name].append((rank, i.row_offset, i.rows))
-        if len(per_rank) == self.topology.num_trainers:
-            for name in self.names:
-                rows = sorted((o, n) for _, o, n in self.pieces[name])
-                covered = 0
-                for o, n in rows:
-                    if o != covered:
-                        raise ValueError(f"nccl_ddma: the trainer shards of {name} do not tile it (gap at row {covered})")
-                    covered += n
-                if covered != self.info[name].shape[0]:
-                    raise ValueError(f"nccl_ddma: the trainer shards of {name} cover {covered} of "
-                                     f"{self.info[name].shape[0]} rows")
+        self.shards = per_rank
+        # pieces[(trainer, generator)][name] -> Piece: what travels on each link
+        self.pieces: dict[tuple[int, int], dict[str, Piece]] = {}
+        for t, infos in per_rank.items():
+            for g in topo.generator_ranks:
+                if t != topo.rank and g != topo.rank:
+                    continue  # each rank plans only its own links
+                link = {}
+                for i in infos:
+                    piece = plan_pieces(i, self.region(i.name, g))
+                    if piece is not None:
+                        link[i.name] = piece
+                self.pieces[(t, g)] = link
         sizes = {n: self.info[n].full_bytes for n in self.names}
         dtypes = {n: self.info[n].dtype for n in self.names}
         self.buckets = plan_buckets(self.names, sizes, dtypes, self.bucket_bytes)
+
+    def _check_tiling(self) -> None:
+        for name in self.names:
+            covered = 0
+            for o, n in sorted((i.row_offset, i.rows) for infos in self.shards.values() for i in infos
+                               if i.name == name and i.rows):
+                if o != covered:
+                    raise ValueError(f"nccl_ddma: the trainer shards of {name} do not tile it (gap at row {covered})")
+                covered += n
+            if covered != self.info[name].shape[0]:
+                raise ValueError(f"nccl_ddma: the trainer shards of {name} cover {covered} of "
+                                 f"{self.info[name].shape[0]} rows")
 
     # ------------------------------------------------------------------ every sync
     def _device(self):
@@ -146,18 +218,27 @@ class DDMAWeightSync(WeightSyncBackend):
     def send(self, model: torch.nn.Module) -> None:
         topo = self.topology
         state = model.state_dict()
+        locals_ = {}
+        for name in self.names:
+            local, offset = local_shard(state[name], topo.rank)
+            locals_[name] = (local.detach().to(self._device()), offset)
         waits = []
         for bucket in self.buckets:
-            locals_ = []
-            for name in bucket:
-                local, _ = local_shard(state[name], topo.rank)
-                if local.numel():
-                    locals_.append(local.detach().to(self._device()).contiguous().view(-1))
-            if not locals_:
-                continue
-            payload = locals_[0] if len(locals_) == 1 else torch.cat(locals_)
-            for dst in topo.generator_ranks:
-                waits.append(send_tensor(topo, payload, dst, f"nccl_ddma bucket {bucket[0]}"))
+            for g in topo.generator_ranks:
+                link = self.pieces[(topo.rank, g)]
+                parts = []
+                for name in bucket:
+                    if name in link:
+                        local, offset = locals_[name]
+                        p = link[name]
+                        part = local.reshape(local.shape[0], -1)[p.r0 - offset:p.r1 - offset]
+                        if p.cols is not None:
+                            part = part[:, p.cols[0]:p.cols[1]]
+                        parts.append(part)
+                if not parts:
+                    continue
+                payload = parts[0].contiguous() if len(parts) == 1 else torch.cat([x.reshape(-1) for x in parts])
+                waits.append(send_tensor(topo, payload, g, f"nccl_ddma bucket {bucket[0]}"))
             # Bound the bytes in flight: wait for the oldest buckets once the window is full.
             while len(waits) > self.max_inflight * len(topo.generator_ranks):
                 waits.pop(0)()
@@ -165,24 +246,29 @@ class DDMAWeightSync(WeightSyncBackend):
             wait()
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        topo = self.topology
+        topo, me = self.topology, self.topology.rank
         device = self._device()
         pending: list[tuple[list[str], dict[str, torch.Tensor], list]] = []
 
+        def dest(full: torch.Tensor, p: Piece) -> torch.Tensor:
+            view = full.view(full.shape[0], -1)[p.r0:p.r1]
+            return view if p.cols is None else view[:, p.cols[0]:p.cols[1]]
+
         def post(bucket: list[str]):
             fulls = {n: torch.empty(self.info[n].shape, dtype=self.info[n].dtype, device=device) for n in bucket}
-            works = []  # (wait, unpack) per source rank
-            for rank in topo.trainer_ranks:
-                parts = [(n, o, r) for n in bucket for (src, o, r) in self.pieces[n] if src == rank]
+            works = []  # (wait, parts to unpack or None)
+            for t in topo.trainer_ranks:
+                link = self.pieces[(t, me)]
+                parts = [link[n] for n in bucket if n in link]
                 if not parts:
                     continue
-                if len(parts) == 1:  # a single piece: receive straight into its rows of the full tensor
-                    n, o, r = parts[0]
-                    works.append((self._irecv(fulls[n].view(fulls[n].shape[0], -1)[o:o + r], rank, n), None))
-                else:
-                    flat = torch.empty(sum(r * self.info[n].row_numel for n, _, r in parts),
-                                       dtype=self.info[parts[0][0]].dtype, device=device)
-                    works.append((self._irecv(flat, rank, bucket[0]), (flat, parts)))
+                if len(parts) == 1 and dest(fulls[parts[0].name], parts[0]).is_contiguous():
+                    # A single piece that is a row range: it lands straight in the full tensor.
+                    works.append((self._irecv(dest(fulls[parts[0].name], parts[0]), t, parts[0].name), None))
+                    continue
+                total = sum(dest(fulls[p.name], p).numel() for p in parts)
+                flat = torch.empty(total, dtype=self.info[parts[0].name].dtype, device=device)
+                works.append((self._irecv(flat, t, bucket[0]), (flat, parts)))
             pending.append((bucket, fulls, works))
 
         queue = list(self.buckets)
@@ -195,14 +281,14 @@ class DDMAWeightSync(WeightSyncBackend):
                 if unpack is not None:
                     flat, parts = unpack
                     pos = 0
-                    for n, o, r in parts:
-                        k = r * self.info[n].row_numel
-                        fulls[n].view(fulls[n].shape[0], -1)[o:o + r].copy_(flat[pos:pos + k].view(r, -1))
-                        pos += k
+                    for p in parts:
+                        d = dest(fulls[p.name], p)
+                        d.copy_(flat[pos:pos + d.numel()].view(d.shape))
+                        pos += d.numel()
             if queue:
                 post(queue.pop(0))
             for n in bucket:
-                yield n, fulls[n].view(self.info[n].shape)
+                yield n, fulls[n]
 
     def _irecv(self, buf: torch.Tensor, src: int, what: str):
         """Post a receive into `buf` (contiguous: a row range of a full tensor, or a bucket); return its wait."""

@@ -5,6 +5,7 @@ weights equal the trainer's full weights bitwise, and vLLM's greedy output follo
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -13,11 +14,12 @@ from hfllamarl.channels import Channel, ChannelKind
 from hfllamarl.fsdp import full_state_dict, shard_model
 from hfllamarl.generator import GeneratorExecutor, GeneratorSpec, tensor_digest
 from hfllamarl.topology import init_topology
-from hfllamarl.weight_sync import WeightsChannel, build_backend
+from hfllamarl.weight_sync import WeightsChannel, build_backend, crop
 
 model_dir = sys.argv[1]
 backend_name = sys.argv[2] if len(sys.argv) > 2 else "broadcast"
-topo = init_topology(num_generator_processes=1, timeout_s=120, use_cpu=True)
+generators = int(os.environ.get("GENERATORS", "1"))  # > 1: one engine, tensor parallel over them
+topo = init_topology(num_generator_processes=generators, timeout_s=120, use_cpu=True)
 topo.bridge("object"), topo.bridge("tensor")
 topo.start_heartbeat()
 options = {"bucket_bytes": int(sys.argv[3])} if len(sys.argv) > 3 else {}
@@ -49,13 +51,16 @@ if topo.role == "trainer":
     full = full_state_dict(model)
     got = report.communicate(None)
     if topo.rank == 0:
-        (gen,) = got
+        gen = got[0]
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         reference.load_state_dict(full)
         hf_greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                                        pad_token_id=0)[0, len(prompt):].tolist()
+        expected = [tensor_digest((n, crop(t, backend.region(n, g))) for n, t in full.items())
+                    for g in topo.generator_ranks]
         result = {
-            "bitwise_equal": gen["digest"] == tensor_digest(full.items()),
+            "bitwise_equal": [r["digest"] for r in got] == expected,
+            "same_output_on_every_generator_rank": all(r["after"] == gen["after"] for r in got),
             "greedy_changed": gen["before"] != gen["after"],
             "greedy_matches_hf": gen["after"] == hf_greedy,
             "version": gen["version"],
@@ -68,7 +73,7 @@ else:
 
     spec = GeneratorSpec(model_path=model_dir, tokenizer_path=model_dir, dataset=None, num_batches=0,
                          prompts_per_batch=1, num_generations=1, max_completion_length=8, max_model_len=128,
-                         dtype="float32", weights_digest=True)
+                         dtype="float32", weights_digest=True, tensor_parallel_size=generators)
     gen = GeneratorExecutor(spec, topo)
     gen.backend = backend
     gen.llm = gen._build_engine()
