@@ -4,8 +4,8 @@
 
 Starts `trainers + generators` processes on this machine (gloo on loopback; NCCL is the same code
 on GPUs), builds a Llama of about `--params` parameters on the trainer ranks, shards it with FSDP2,
-and times one full weight sync with each backend, plus the transport's bound: the same number of
-bytes as one message over one link. It checks that every backend delivers the trainer's weights
+and times one full weight sync with each backend, plus the transport's bound: the model's bytes sent
+as one message from one trainer rank to every generator rank at once (one link per generator). It checks that every backend delivers the trainer's weights
 bitwise, reports peak memory per rank, prints a table, and as its last line one JSON object.
 The time is until the whole weight set is in the generator's memory (vLLM's own loading, the
 same for every backend, is not included).
@@ -63,7 +63,7 @@ def summarize(ranks: list[dict], opts: dict) -> dict:
     trainer0 = ranks[0]
     gens = [r for r in ranks if r["role"] == "generator"]
     seconds = {b: max(g[b]["seconds"] for g in gens) for b in opts["backends"]}
-    bitwise = all(g[b]["digest"] == trainer0["digest"] for g in gens for b in opts["backends"])
+    bitwise = all(g[b]["digest"] == trainer0[f"expected/{b}"][i] for i, g in enumerate(gens) for b in opts["backends"])
     summary = {
         "params": trainer0["params"],
         "bytes": trainer0["bytes"],
