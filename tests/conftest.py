@@ -56,3 +56,17 @@ def run_script(args: list[str], nproc: int | None = None, timeout: float = 600, 
 
 def tail(proc: subprocess.CompletedProcess, n: int = 4000) -> str:
     return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-n:]}\n--- stderr ---\n{proc.stderr[-n:]}"
+
+
+def launch_bare(n: int, args: list[str], env: dict) -> list[subprocess.Popen]:
+    """Start n ranks with only RANK/WORLD_SIZE/MASTER_* set (rank 0 hosts the store), as mpirun or
+    a batch scheduler would: unlike torchrun, nobody kills the survivors when one rank dies."""
+    port = free_port()
+    procs = []
+    for rank in range(n):
+        e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), **env)
+        e.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        procs.append(subprocess.Popen([sys.executable, *args], cwd=str(REPO), env=e, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return procs

@@ -1,11 +1,8 @@
 """Channels across 3 processes (gloo): BROADCAST, SCATTER, GATHER; a dead rank is named, nobody hangs."""
 
-import os
-import subprocess
-import sys
 import time
 
-from conftest import REPO, SCRIPTS, free_port, run_script, tail
+from conftest import SCRIPTS, launch_bare, run_script, tail
 
 
 def test_channels_across_three_processes():
@@ -13,20 +10,6 @@ def test_channels_across_three_processes():
     assert proc.returncode == 0, tail(proc)
     for r in range(3):
         assert f"CHANNELS OK rank {r}" in proc.stdout
-
-
-def launch_bare(n: int, args: list[str], env: dict) -> list[subprocess.Popen]:
-    """Start n ranks with only RANK/WORLD_SIZE/MASTER_* set (rank 0 hosts the store), as mpirun or
-    a batch scheduler would: unlike torchrun, nobody kills the survivors when one rank dies."""
-    port = free_port()
-    procs = []
-    for rank in range(n):
-        e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port), **env)
-        e.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        procs.append(subprocess.Popen([sys.executable, *args], cwd=str(REPO), env=e, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return procs
 
 
 def test_dead_rank_is_named_and_nobody_hangs():

@@ -1,10 +1,11 @@
 """After a weight sync the generator holds the trainer's weights bitwise and vLLM's output follows them."""
 
 import json
+import time
 
 import pytest
 
-from conftest import SCRIPTS, run_script, tail
+from conftest import SCRIPTS, launch_bare, run_script, tail
 
 pytestmark = pytest.mark.slow
 
@@ -26,3 +27,18 @@ def test_sync_is_bitwise_and_vllm_follows(tiny_model, backend, trainers, generat
     result = json.loads(line[len("RESULT "):])
     assert result == {"bitwise_equal": True, "greedy_changed": True, "greedy_matches_hf": True, "version": 1,
                       "trainer_ranks": trainers, "same_output_on_every_generator_rank": True}
+
+
+@pytest.mark.parametrize("dead,name", [(1, "rank 1 (trainer 1)"), (2, "rank 2 (generator 0)")])
+def test_rank_dying_mid_sync_is_named_by_the_others(tiny_model, dead, name):
+    """2 trainers + 1 generator; one rank exits in the middle of a nccl_ddma transfer. The others fail
+    within the timeout with an error naming it: no hang."""
+    start = time.monotonic()
+    procs = launch_bare(3, [str(SCRIPTS / "weight_sync_check.py"), tiny_model, "nccl_ddma", "8192"],
+                        {"DIE": str(dead), "GENERATORS": "1"})
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert procs[dead].returncode == 9
+    for rank in {0, 1, 2} - {dead}:
+        assert procs[rank].returncode != 0, outs[rank][1][-2000:]
+        assert name in outs[rank][1], outs[rank][1][-3000:]
+    assert time.monotonic() - start < 200
