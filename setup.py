@@ -49,6 +49,9 @@ setup(
         "console_scripts": ["hfllamarl = hfllamarl.cli:main"],
         "hfllamarl.algorithms": [
             "aipo = hfllamarl.plugins.algorithms.aipo:AIPO",
+            "grpo = hfllamarl.plugins.algorithms.grpo:GRPO",
+            "rloo = hfllamarl.plugins.algorithms.rloo:RLOO",
+            "on_policy_pg = hfllamarl.plugins.algorithms.on_policy_pg:OnPolicyPG",
         ],
         "hfllamarl.rewards": [
             "math_sympy = hfllamarl.plugins.rewards.math_sympy:math_sympy",

@@ -83,8 +83,6 @@ class GeneratorExecutor(Executor):
     # ------------------------------------------------------------------ set-up
     def init(self) -> None:
         spec = self.spec
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine stays in this process
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         dataset = spec.dataset
         if isinstance(dataset, str):
             from datasets import load_from_disk
@@ -100,6 +98,10 @@ class GeneratorExecutor(Executor):
         self.backend.setup_generator()
 
     def _build_engine(self):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine stays in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # No compile-worker pool: its spawned processes would re-import the user's script.
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         from vllm import LLM
 
         spec, topo = self.spec, self.topology

@@ -149,7 +149,7 @@ class TrainerExecutor(Executor):
         n = len(rollouts)
         mb = job.micro_batch_size
         steps = math.ceil(n / mb)
-        stats = {"is_ratio_mean": [], "is_ratio_max": [], "is_ratio_min": [], "clipped_frac": []}
+        stats = {"is_ratio_mean": [], "is_ratio_max": [], "is_ratio_min": [], "clipped_frac": [], "behavior_kl": []}
         loss_total = 0.0
         model = job.model
         for k in range(steps):
@@ -184,6 +184,7 @@ class TrainerExecutor(Executor):
             "loss": loss_total,
             "is_ratio_mean": sum(stats["is_ratio_mean"]) / max(len(stats["is_ratio_mean"]), 1),
             "clipped_frac": sum(stats["clipped_frac"]) / max(len(stats["clipped_frac"]), 1),
+            "behavior_kl": sum(stats["behavior_kl"]) / max(len(stats["behavior_kl"]), 1),
         }
         for name, scores in per_func.items():
             vals = [s for s in scores if s is not None]
@@ -205,6 +206,7 @@ class TrainerExecutor(Executor):
         metrics["is_ratio/max"] = maxed["is_ratio_max"]
         metrics["is_ratio/min"] = -maxed["neg_is_ratio_min"]
         metrics["clipped_frac"] = summed["clipped_frac"] / world
+        metrics["behavior_kl"] = summed["behavior_kl"] / world
         metrics["staleness/mean"] = summed["staleness_sum"] / max(summed["staleness_n"], 1)
         metrics["staleness/max"] = maxed["staleness_max"]
         metrics["completions/mean_length"] = summed["len_sum"] / count

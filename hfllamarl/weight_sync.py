@@ -22,9 +22,19 @@ POLICY_WEIGHTS = "policy_weights"
 class WeightSyncBackend:
     """What a weight-sync plugin implements. The entry point names a subclass."""
 
-    def __init__(self, topology: Topology, **options):
+    def __init__(self, topology: Topology, transfer_dtype: str | torch.dtype | None = None, **options):
         self.topology = topology
         self.options = options
+        # Weights travel in this dtype (e.g. bfloat16 for a bf16 generator of an fp32 trainer: half the
+        # bytes); None keeps the trainer's. The trainer casts before sending, so what a generator receives
+        # is bitwise the trainer's weights cast to it.
+        if isinstance(transfer_dtype, str):
+            transfer_dtype = None if transfer_dtype == "auto" else getattr(torch, transfer_dtype)
+        self.transfer_dtype = transfer_dtype
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a weight of `dtype` travels in."""
+        return self.transfer_dtype or dtype
 
     def setup_trainer(self, model: torch.nn.Module) -> None:
         """Called once on every trainer rank, after the policy is sharded, before the first send."""

@@ -23,7 +23,7 @@ def main(spec_path: str) -> int:
     topo = init_topology(job["num_generators"], job["timeout_s"], job["use_cpu"])
     topo.bridge("object"), topo.bridge("tensor")
     spec = job["spec"]
-    backend = build_backend(spec.weight_sync_backend, topo)
+    backend = build_backend(spec.weight_sync_backend, topo, **spec.weight_sync_options)
     run_job(GeneratorExecutor(spec, topo), backend, topo, spec.num_batches, job["max_staleness"])
     return 0
 

@@ -68,7 +68,8 @@ class AsyncAIPOTrainer:
         self.args, self.topology = args, args.topology
         self.reward_funcs = resolve_reward_funcs(reward_funcs)
         self.rewards = RewardRunner(self.reward_funcs, args.reward_weights, on_error=args.reward_errors)
-        self.algorithm = load_plugin("algorithms", args.algorithm)(rho=args.aipo_rho, scale_rewards=args.scale_rewards)
+        self.algorithm = load_plugin("algorithms", args.algorithm)(
+            rho=args.aipo_rho, scale_rewards=args.scale_rewards, epsilon=args.epsilon, epsilon_high=args.epsilon_high)
         load_plugin("weight_sync", args.weight_sync_backend)  # an unknown name fails now, not mid-run
         self.model_path, model_obj, model_config = resolve_model(model, args)
         if processing_class is None:
@@ -109,7 +110,7 @@ class AsyncAIPOTrainer:
         try:
             topo.init_local_world()
             topo.bridge("object"), topo.bridge("tensor")  # every rank joins both bridge groups up front
-            backend = build_backend(self.args.weight_sync_backend, topo)
+            backend = build_backend(self.args.weight_sync_backend, topo, **spec.weight_sync_options)
             if topo.role == "generator":
                 if self._model_obj is not None and topo.mode == "launcher":
                     where = os.path.join(self.args.output_dir, ".hfllamarl", f"generator-model-rank{topo.rank}")
@@ -163,6 +164,7 @@ class AsyncAIPOTrainer:
             gpu_memory_utilization=a.vllm_gpu_memory_utilization,
             tensor_parallel_size=a.generator_tensor_parallel_size,
             weight_sync_backend=a.weight_sync_backend,
+            weight_sync_options={"transfer_dtype": self._generator_dtype()},
         )
 
     def _generator_dtype(self) -> str:

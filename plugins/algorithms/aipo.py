@@ -43,6 +43,17 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+@torch.no_grad()
+def ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Importance-ratio statistics over the completion tokens, and the KL between the behaviour and the
+    current policy on the sampled tokens (k3 estimator: E[r - 1 - log r] with r = pi/mu)."""
+    r = ratio[mask.bool()].float()
+    if not r.numel():
+        return {"is_ratio_mean": 1.0, "is_ratio_max": 1.0, "is_ratio_min": 1.0, "behavior_kl": 0.0}
+    return {"is_ratio_mean": r.mean().item(), "is_ratio_max": r.max().item(), "is_ratio_min": r.min().item(),
+            "behavior_kl": (r - 1 - torch.log(r)).mean().item()}
+
+
 class AIPO:
     """The `aipo` algorithm plugin.
 
@@ -72,13 +83,7 @@ class AIPO:
         weight = ratio.clamp(max=self.rho)
         per_token = -weight * advantages[:, None] * logprobs
         loss = masked_mean(per_token, mask)
-        valid = mask.bool()
-        with torch.no_grad():
-            r = ratio[valid]
-            metrics = {
-                "is_ratio_mean": r.mean().item() if r.numel() else 1.0,
-                "is_ratio_max": r.max().item() if r.numel() else 1.0,
-                "is_ratio_min": r.min().item() if r.numel() else 1.0,
-                "clipped_frac": (r > self.rho).float().mean().item() if r.numel() else 0.0,
-            }
+        metrics = ratio_metrics(ratio, mask)
+        r = ratio[mask.bool()]
+        metrics["clipped_frac"] = (r > self.rho).float().mean().item() if r.numel() else 0.0
         return loss, metrics

@@ -27,7 +27,7 @@ class BroadcastWeightSync(WeightSyncBackend):
 
     def setup_trainer(self, model: torch.nn.Module) -> None:
         sd = model.state_dict()
-        self.plan = [(name, tuple(t.shape), t.dtype) for name, t in sd.items()]
+        self.plan = [(name, tuple(t.shape), self.wire_dtype(t.dtype)) for name, t in sd.items()]
         if self.topology.rank == 0:
             send_objects(self.topology, self.plan, self.topology.generator_ranks, "weight sync plan")
 
@@ -41,6 +41,7 @@ class BroadcastWeightSync(WeightSyncBackend):
             full = full_tensor(tensor)
             if topo.rank != 0:
                 continue
+            full = full.to(self.wire_dtype(full.dtype))
             if device is not None:
                 full = full.to(device)
             waits = [send_tensor(topo, full.contiguous(), dst, f"weight sync ({name})") for dst in topo.generator_ranks]

@@ -162,7 +162,8 @@ class DDMAWeightSync(WeightSyncBackend):
         infos = []
         for name, t in model.state_dict().items():
             local, offset = local_shard(t, topo.rank)
-            infos.append(ShardInfo(name, tuple(t.shape) or (1,), t.dtype, offset, local.shape[0] if local.dim() else 1))
+            infos.append(ShardInfo(name, tuple(t.shape) or (1,), self.wire_dtype(t.dtype), offset,
+                                   local.shape[0] if local.dim() else 1))
         self._set_plan({topo.rank: infos})  # buckets depend on global shapes only: the same on every rank
         send_objects(topo, infos, topo.generator_ranks, "nccl_ddma plan")
 
@@ -221,7 +222,7 @@ class DDMAWeightSync(WeightSyncBackend):
         locals_ = {}
         for name in self.names:
             local, offset = local_shard(state[name], topo.rank)
-            locals_[name] = (local.detach().to(self._device()), offset)
+            locals_[name] = (local.detach().to(self._device(), self.info[name].dtype), offset)
         waits = []
         for bucket in self.buckets:
             for g in topo.generator_ranks:

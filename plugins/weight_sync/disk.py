@@ -23,7 +23,7 @@ from .broadcast import full_tensor
 class DiskWeightSync(WeightSyncBackend):
     """Options: `directory` (default: a new temporary directory on trainer rank 0)."""
 
-    def __init__(self, topology, directory: str | None = None, **options):
+    def __init__(self, topology, directory: str | None = None, **options):  # options: see WeightSyncBackend
         super().__init__(topology, **options)
         self.directory = directory
         self.version = 0
@@ -32,7 +32,8 @@ class DiskWeightSync(WeightSyncBackend):
         from safetensors.torch import save_file
 
         topo = self.topology
-        tensors = {name: full_tensor(t).cpu().contiguous() for name, t in model.state_dict().items()}
+        tensors = {name: full_tensor(t).to(self.wire_dtype(t.dtype)).cpu().contiguous()
+                   for name, t in model.state_dict().items()}
         if topo.rank != 0:
             return
         if self.directory is None:

@@ -1,0 +1,41 @@
+"""GRPO with PPO's double-sided clip (DeepSeekMath; TRL's `GRPOTrainer` loss, token-level mean).
+
+Per completion token t with advantage A and ratio r_t = pi_t / mu_t (gradient flows through r_t):
+
+    loss = - mean_t( min(r_t * A, clip(r_t, 1 - epsilon, 1 + epsilon_high) * A) )
+
+A clipped token gets no gradient (unlike AIPO). Advantages: reward minus the group mean, divided
+by the group's std unless `scale_rewards="none"`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .aipo import group_advantages, masked_mean, ratio_metrics
+
+
+class GRPO:
+    """The `grpo` algorithm plugin. Args: epsilon (0.2), epsilon_high (default: epsilon), scale_rewards."""
+
+    def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, scale_rewards: str = "group",
+                 **unused):
+        self.epsilon = float(epsilon)
+        self.epsilon_high = float(epsilon_high) if epsilon_high is not None else self.epsilon
+        self.scale_rewards = scale_rewards
+
+    def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        return group_advantages(rewards, group_size, self.scale_rewards)
+
+    def loss(self, logprobs, behavior_logprobs, advantages, mask):
+        mask = mask.to(logprobs.dtype)
+        ratio = torch.exp(logprobs - behavior_logprobs)  # [B, T], with gradient
+        adv = advantages[:, None]
+        unclipped = ratio * adv
+        clipped = ratio.clamp(1 - self.epsilon, 1 + self.epsilon_high) * adv
+        loss = masked_mean(-torch.minimum(unclipped, clipped), mask)
+        metrics = ratio_metrics(ratio.detach(), mask)
+        valid = mask.bool()
+        out = ((ratio.detach() < 1 - self.epsilon) | (ratio.detach() > 1 + self.epsilon_high))[valid]
+        metrics["clipped_frac"] = out.float().mean().item() if out.numel() else 0.0
+        return loss, metrics

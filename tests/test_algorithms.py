@@ -1,0 +1,68 @@
+"""grpo, rloo and on_policy_pg against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from hfllamarl import load_plugin
+
+
+def test_rloo_leave_one_out_advantage():
+    rloo = load_plugin("algorithms", "rloo")(rho=4.0)
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 4.0])  # two groups of 4
+    # Group 1: 1 - 0 = 1; 0 - 1/3 = -1/3. Group 2: 2 - 8/3 = -2/3; 4 - 2 = 2.
+    expected = torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3, -2 / 3, -2 / 3, -2 / 3, 2.0])
+    assert torch.allclose(rloo.advantages(r, 4), expected)
+    assert torch.allclose(rloo.advantages(r, 4), 4 / 3 * (r.view(2, 4) - r.view(2, 4).mean(1, keepdim=True)).view(-1))
+
+
+def test_on_policy_pg_has_no_importance_weight():
+    pg = load_plugin("algorithms", "on_policy_pg")()
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    mu = torch.tensor([[-3.0, -0.5]])  # far off-policy: must not matter
+    loss, m = pg.loss(logp, mu, torch.tensor([2.0]), torch.ones(1, 2))
+    assert loss.item() == pytest.approx(-(2.0 * -1.0 + 2.0 * -2.0) / 2)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.0, -1.0]]))  # -A / num_tokens, weight 1
+    assert m["is_ratio_max"] == pytest.approx(math.exp(2.0), rel=1e-5)
+    assert pg.advantages(torch.tensor([1.0, 0.0]), 2).tolist() == [0.5, -0.5]
+
+
+def test_grpo_double_clip_values_and_gradients():
+    grpo = load_plugin("algorithms", "grpo")(epsilon=0.2, epsilon_high=0.3)
+    mu = torch.zeros(1, 4)
+    # ratios e^x: 1.0 (inside), 1.5 (above 1.3), 0.5 (below 0.8), 1.1 (inside)
+    x = torch.log(torch.tensor([[1.0, 1.5, 0.5, 1.1]]))
+    for A in (1.0, -1.0):
+        logp = x.clone().requires_grad_()
+        loss, m = grpo.loss(logp, mu, torch.tensor([A]), torch.ones(1, 4))
+        r = torch.exp(x)
+        per = -torch.minimum(r * A, r.clamp(0.8, 1.3) * A)
+        assert loss.item() == pytest.approx(per.mean().item(), rel=1e-6)
+        loss.backward()
+        g = logp.grad[0]
+        # d/dlogp of -r*A = -r*A when the unclipped term is the min; 0 when the clipped constant is.
+        if A > 0:  # ratio 1.5 > 1+eps_high is clipped (no grad); ratio 0.5 keeps its gradient
+            expected = torch.tensor([-1.0, 0.0, -0.5, -1.1]) / 4
+        else:  # ratio 0.5 < 1-eps is clipped; ratio 1.5 keeps its gradient
+            expected = torch.tensor([1.0, 1.5, 0.0, 1.1]) / 4
+        assert torch.allclose(g, expected, atol=1e-6), (A, g)
+        assert m["clipped_frac"] == pytest.approx(0.5)
+
+
+def test_grpo_group_scaled_advantages():
+    grpo = load_plugin("algorithms", "grpo")()
+    adv = grpo.advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4)
+    std = torch.tensor([1.0, 0.0, 1.0, 0.0]).std()
+    assert torch.allclose(adv, torch.tensor([0.5, -0.5, 0.5, -0.5]) / (std + 1e-4))
+
+
+def test_behavior_kl_metric_is_zero_on_policy_and_positive_off():
+    aipo = load_plugin("algorithms", "aipo")(rho=2.0)
+    logp = torch.tensor([[-1.0, -2.0]])
+    _, on = aipo.loss(logp, logp.clone(), torch.ones(1), torch.ones(1, 2))
+    _, off = aipo.loss(logp, logp - 0.5, torch.ones(1), torch.ones(1, 2))
+    assert on["behavior_kl"] == pytest.approx(0.0, abs=1e-7)
+    r = math.exp(0.5)
+    assert off["behavior_kl"] == pytest.approx(r - 1 - 0.5, rel=1e-5)
