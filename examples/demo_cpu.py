@@ -21,29 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
 
 from datasets import Dataset
 
 from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
-from hfllamarl.tiny import build_tiny_model, successor_rows, warm_start_format
-
-
-def prepare_model(directory: str) -> str:
-    """Build and warm up the tiny model once; concurrent processes race harmlessly (same bits, atomic rename)."""
-    if os.path.isfile(os.path.join(directory, "config.json")):
-        return directory
-    parent = os.path.dirname(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".building-")
-    build_tiny_model(tmp, seed=0)
-    warm_start_format(tmp, seed=0)
-    try:
-        os.rename(tmp, directory)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return directory
+from hfllamarl.tiny import prepare_demo_model, successor_rows
 
 
 def plot_rewards(log_history: list[dict], path: str) -> None:
@@ -76,7 +58,7 @@ def main() -> None:
     parser.add_argument("--weight-sync", default="nccl_ddma")
     args = parser.parse_args()
 
-    model_dir = prepare_model(args.model or os.path.join(args.output_dir, "tiny-llama"))
+    model_dir = prepare_demo_model(args.model or os.path.join(args.output_dir, "tiny-llama"))
     dataset = Dataset.from_list(successor_rows(4096, seed=1))
     config = AsyncAIPOConfig(
         output_dir=args.output_dir,

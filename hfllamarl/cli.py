@@ -3,6 +3,7 @@
     hfllamarl plugins list      every installed plugin: group, name, distribution, version (nothing imported)
     hfllamarl eval ...          generate with vLLM on a JSONL data set and score with a reward (hfllamarl.evaluate)
     hfllamarl bench weight-sync ...   time the weight-sync backends side by side (hfllamarl.bench)
+    hfllamarl bench learning ...      learning vs staleness on the demo task (hfllamarl.bench_learning)
     hfllamarl version
 """
 
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="action", required=True)
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
-    from . import bench, evaluate  # light modules: heavy imports happen inside their run()
+    from . import bench, bench_learning, evaluate  # light modules: heavy imports happen inside their run()
 
     ev = sub.add_parser("eval", help="generate on a JSONL data set and score it")
     evaluate.add_arguments(ev)
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     ws = bench_parser.add_parser("weight-sync", help="nccl_ddma vs broadcast vs disk, side by side")
     bench.add_weight_sync_arguments(ws)
     ws.set_defaults(func=bench.run_weight_sync)
+    learning = bench_parser.add_parser("learning", help="the demo task: sync vs AIPO at staleness 1 and 4 vs no IS")
+    bench_learning.add_arguments(learning)
+    learning.set_defaults(func=bench_learning.run)
     sub.add_parser("version", help="print the version").set_defaults(
         func=lambda a: print(__import__("hfllamarl").__version__) or 0)
     args = parser.parse_args(argv)

@@ -122,3 +122,26 @@ def warm_start_format(path: str, steps: int = 60, batch_size: int = 64, lr: floa
         last = loss.item()
     model.save_pretrained(path)
     return {"loss_first": first, "loss_last": last}
+
+
+def prepare_demo_model(directory: str) -> str:
+    """Build the tiny model and warm up its answer format once, into `directory`.
+
+    Several processes (a launcher's ranks) may call it at once: each builds in a temporary directory
+    (same seed, same bits) and renames it into place; the first rename wins.
+    """
+    import shutil
+    import tempfile
+
+    if os.path.isfile(os.path.join(directory, "config.json")):
+        return directory
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".building-")
+    build_tiny_model(tmp, seed=0)
+    warm_start_format(tmp, seed=0)
+    try:
+        os.rename(tmp, directory)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
