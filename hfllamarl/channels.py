@@ -154,3 +154,13 @@ class Channel:
         received = self.communicate(payload)
         if self.is_destination:
             executor.put_input(self.name, received)
+
+
+def bridge_barrier(topo: Topology, what: str) -> None:
+    """Wait until every rank of the job reaches this point (bounded by the job timeout)."""
+    try:
+        ok = topo.bridge("object").barrier().wait(topo.timeout)
+    except RuntimeError as exc:
+        raise PeerLostError(f"barrier ({what}) failed, seen from {topo.describe(topo.rank)}: {exc}") from exc
+    if ok is False:
+        raise PeerLostError(f"barrier ({what}): not every rank arrived within {topo.timeout_s:.0f} s.")

@@ -97,7 +97,7 @@ class ExecutorController:
             topology.mark_done()
 
 
-def run_job(executor: Executor, backend, topology, num_batches: int, max_staleness: int) -> None:
+def run_job(executor: Executor, backend, topology, num_batches: int, max_staleness: int, start_tick: int = 0) -> None:
     """Build the job's two channels and run the loop for `num_batches` generation batches.
 
     `max_staleness = s >= 1`: the trainer trains batch t-s at tick t while the generator samples
@@ -115,4 +115,4 @@ def run_job(executor: Executor, backend, topology, num_batches: int, max_stalene
     topology.start_heartbeat()
     stages = sync_stages(weights, rollouts) if max_staleness == 0 else async_stages([weights, rollouts])
     executor.init()
-    ExecutorController(executor, stages, num_ticks=num_batches + max_staleness).run()
+    ExecutorController(executor, stages, num_ticks=num_batches + max_staleness, start_tick=start_tick).run()

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import checkpoint
+from .checkpoint import load_generator_side
 from .executor import Executor
 from .prompts import PromptEncoder, batch_rows
 from .rollout import Rollout, RolloutGroup
@@ -56,6 +58,12 @@ class GeneratorSpec:
     weight_sync_backend: str = "broadcast"
     weight_sync_options: dict = field(default_factory=dict)
     weights_digest: bool = False  # hash every received weight set (tests compare it with the trainer's)
+    output_dir: str = ""
+    save_steps: int = 0  # checkpoint after every `save_steps` trainer steps (0: never)
+    save_total_limit: int | None = None
+    max_staleness: int = 1
+    initial_version: int = 0  # the policy version of `model_path` (> 0 when resuming from a checkpoint)
+    resume_dir: str | None = None
 
 
 def tensor_digest(named_tensors) -> str:
@@ -74,7 +82,8 @@ class GeneratorExecutor(Executor):
 
     def __init__(self, spec: GeneratorSpec, topology: Topology):
         self.spec, self.topology = spec, topology
-        self.version = 0
+        self.version = spec.initial_version
+        self.tick = -1
         self.pending: list[RolloutGroup] = []
         self.weights_digest: str | None = None
         self.weight_load_seconds = 0.0
@@ -96,6 +105,8 @@ class GeneratorExecutor(Executor):
         if self.backend is None:
             self.backend = build_backend(spec.weight_sync_backend, self.topology, **spec.weight_sync_options)
         self.backend.setup_generator()
+        if spec.resume_dir:
+            load_generator_side(self, spec.resume_dir)
 
     def _build_engine(self):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine stays in this process
@@ -164,6 +175,20 @@ class GeneratorExecutor(Executor):
         # Only the first rank of the engine sends: with tensor parallelism every rank holds the same output.
         out, self.pending = (self.pending if self.topology.local_rank == 0 else []), []
         return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _step_done(self) -> int:
+        """The trainer step completed at the end of this tick (the trainer trains batch t - s at tick t)."""
+        return self.tick - self.spec.max_staleness + 1
+
+    def checkpoint_due(self) -> bool:
+        step = self._step_done()
+        return 1 <= step <= self.spec.num_batches and checkpoint.due(step, self.spec.save_steps)
+
+    def save_checkpoint(self) -> None:
+        step = self._step_done()
+        checkpoint.save_generator_side(self, checkpoint.partial_dir(self.spec.output_dir, step))
+        checkpoint.commit(self.topology, self.spec.output_dir, step, self.tick, self.spec.save_total_limit)
 
     # ------------------------------------------------------------------ work
     def step(self) -> None:

@@ -44,7 +44,7 @@ class TrainerJob:
     pad_token_id: int
     device: torch.device
     on_step: Callable[[int, dict], bool] = lambda step, metrics: False  # returns: is a checkpoint due
-    save_checkpoint: Callable[[int], None] = lambda step: None
+    save_checkpoint: Callable[[int], None] = lambda step: None  # writes this rank's part, then commits
     trainer_state: Any = None
     metrics_extra: dict = field(default_factory=dict)
 
@@ -96,8 +96,8 @@ class TrainerExecutor(Executor):
         self.inbox: dict[int, list[RolloutGroup]] = {}
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.weights_channel = None  # set by the front-end; its `last_seconds` is logged
-        self.trained_rows: list[list[int]] = []
-        self._save_due = False  # dataset rows of each trained batch, in order
+        self.trained_rows: list[list[int]] = []  # dataset rows of each trained batch, in order
+        self._save_due = False
 
     def init(self) -> None:
         self.backend = self.backend or self.job.backend

@@ -24,7 +24,8 @@ def main(spec_path: str) -> int:
     topo.bridge("object"), topo.bridge("tensor")
     spec = job["spec"]
     backend = build_backend(spec.weight_sync_backend, topo, **spec.weight_sync_options)
-    run_job(GeneratorExecutor(spec, topo), backend, topo, spec.num_batches, job["max_staleness"])
+    run_job(GeneratorExecutor(spec, topo), backend, topo, spec.num_batches, job["max_staleness"],
+            start_tick=job.get("start_tick", 0))
     return 0
 
 

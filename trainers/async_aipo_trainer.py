@@ -21,6 +21,7 @@ import tempfile
 import torch
 from transformers.trainer_utils import TrainOutput
 
+from hfllamarl import checkpoint
 from hfllamarl.controller import run_job
 from hfllamarl.generator import GeneratorExecutor, GeneratorSpec
 from hfllamarl.prompts import PromptEncoder, validate_dataset
@@ -29,6 +30,7 @@ from hfllamarl.rewards import RewardRunner, resolve_reward_funcs
 from hfllamarl.weight_sync import build_backend
 
 from .config import AsyncAIPOConfig
+from .learner import save_every
 from .model_io import resolve_model, save_for_generator
 
 logger = logging.getLogger(__name__)
@@ -99,28 +101,43 @@ class AsyncAIPOTrainer:
     # ------------------------------------------------------------------ public API
     def train(self, resume_from_checkpoint=None, **kwargs) -> TrainOutput:
         """Run the whole job; call it on every process."""
-        if resume_from_checkpoint:
-            raise NotImplementedError("resume_from_checkpoint is not supported yet.")
         topo = self.topology
         spec = self._generator_spec()
+        resume = checkpoint.resolve(resume_from_checkpoint, self.args.output_dir)
+        start_tick, resume_dir = 0, None
+        if resume is not None:
+            resume_dir, marker = resume
+            if (marker["world_size"], marker["num_generators"]) != (topo.world_size, topo.num_generators):
+                raise ValueError(f"checkpoint {resume_dir!r} was written by {marker['world_size']} processes with "
+                                 f"{marker['num_generators']} generator(s); this job has {topo.world_size} with "
+                                 f"{topo.num_generators}. Resume with the same layout.")
+            if marker["step"] >= self.num_batches:
+                raise ValueError(f"checkpoint {resume_dir!r} is at step {marker['step']}, the end of a "
+                                 f"{self.num_batches}-step job: nothing left to train (raise max_steps).")
+            start_tick = marker["tick"] + 1
+            # The generator starts from the checkpoint's policy: what it would hold at the next tick.
+            spec.model_path = spec.tokenizer_path = resume_dir
+            spec.initial_version, spec.resume_dir = marker["step"], resume_dir
         if topo.mode == "single":
             topo.new_job()
-            self._start_children(spec)
+            self._start_children(spec, start_tick)
         finished = False
         try:
             topo.init_local_world()
             topo.bridge("object"), topo.bridge("tensor")  # every rank joins both bridge groups up front
             backend = build_backend(self.args.weight_sync_backend, topo, **spec.weight_sync_options)
             if topo.role == "generator":
-                if self._model_obj is not None and topo.mode == "launcher":
+                if self._model_obj is not None and topo.mode == "launcher" and not spec.resume_dir:
                     where = os.path.join(self.args.output_dir, ".hfllamarl", f"generator-model-rank{topo.rank}")
                     spec.model_path = spec.tokenizer_path = save_for_generator(
                         self._model_obj, self.processing_class, where)
-                run_job(GeneratorExecutor(spec, topo), backend, topo, self.num_batches, self.args.max_staleness)
+                run_job(GeneratorExecutor(spec, topo), backend, topo, self.num_batches, self.args.max_staleness,
+                        start_tick)
                 return TrainOutput(self.num_batches, 0.0, {})
             from .learner import build_trainer_executor
 
-            run_job(build_trainer_executor(self, backend), backend, topo, self.num_batches, self.args.max_staleness)
+            run_job(build_trainer_executor(self, backend, resume_dir), backend, topo, self.num_batches,
+                    self.args.max_staleness, start_tick)
             summary = self._reporter.train_end()
             finished = True
             return TrainOutput(self.state.global_step, self._last_loss(), summary)
@@ -128,6 +145,10 @@ class AsyncAIPOTrainer:
             if topo.mode == "single":  # on an error, do not wait for children stuck in a channel
                 topo.stop_children(grace_s=60.0 if finished else 2.0)
                 shutil.rmtree(getattr(self, "_workdir", ""), ignore_errors=True)
+
+    def add_callback(self, callback) -> None:
+        """Add a `transformers.TrainerCallback` (an instance or a class), as `Trainer.add_callback`."""
+        self.callbacks = list(self.callbacks or []) + [callback]
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Save the full (unsharded) policy and the tokenizer; call it on every trainer rank."""
@@ -165,6 +186,10 @@ class AsyncAIPOTrainer:
             tensor_parallel_size=a.generator_tensor_parallel_size,
             weight_sync_backend=a.weight_sync_backend,
             weight_sync_options={"transfer_dtype": self._generator_dtype()},
+            output_dir=a.output_dir,
+            save_steps=save_every(a, self.num_batches),
+            save_total_limit=a.save_total_limit,
+            max_staleness=a.max_staleness,
         )
 
     def _generator_dtype(self) -> str:
@@ -179,12 +204,12 @@ class AsyncAIPOTrainer:
             dtype = next(self._model_obj.parameters()).dtype
         return str(dtype).replace("torch.", "")
 
-    def _start_children(self, spec: GeneratorSpec) -> None:
+    def _start_children(self, spec: GeneratorSpec, start_tick: int = 0) -> None:
         """Single-process mode: hand the generator its model, tokenizer and data through files."""
         os.makedirs(self.args.output_dir, exist_ok=True)
         workdir = tempfile.mkdtemp(prefix=".hfllamarl-generator-", dir=self.args.output_dir)
         self._workdir = workdir
-        if self._model_obj is not None:
+        if self._model_obj is not None and not spec.resume_dir:
             spec.model_path = spec.tokenizer_path = save_for_generator(self._model_obj, self.processing_class,
                                                                        os.path.join(workdir, "model"))
         data_dir = os.path.join(workdir, "dataset")
@@ -193,7 +218,8 @@ class AsyncAIPOTrainer:
         spec_path = os.path.join(workdir, "generator_spec.pkl")
         with open(spec_path, "wb") as fh:
             pickle.dump({"spec": spec, "use_cpu": self.args.use_cpu, "timeout_s": self.args.collective_timeout_s,
-                         "num_generators": self.topology.num_generators, "max_staleness": self.args.max_staleness}, fh)
+                         "num_generators": self.topology.num_generators, "max_staleness": self.args.max_staleness,
+                         "start_tick": start_tick}, fh)
         self.topology.store()
         self.topology.start_children(spec_path)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
 import torch.distributed as dist
 
+from hfllamarl import checkpoint
 from hfllamarl.fsdp import full_state_dict, shard_model
 from hfllamarl.reporting import Reporter
 from hfllamarl.trainer_executor import TrainerExecutor, TrainerJob
@@ -39,8 +41,19 @@ def build_optimizer(model, args):
                              eps=args.adam_epsilon, weight_decay=args.weight_decay)
 
 
-def build_trainer_executor(trainer, backend) -> TrainerExecutor:
-    """Shard the policy, build optimizer, scheduler and reporter; return the trainer executor."""
+def save_every(args, num_batches: int) -> int:
+    """Trainer steps between checkpoints (0: none), as TrainingArguments' save_strategy/save_steps mean it."""
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "steps" or not args.save_steps:
+        return 0
+    steps = args.save_steps
+    return max(1, math.ceil(steps * num_batches)) if steps < 1 else int(steps)
+
+
+def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> TrainerExecutor:
+    """Shard the policy, build optimizer, scheduler and reporter; return the trainer executor.
+
+    With `resume_dir`, the policy, optimizer, scheduler, RNG, state and unconsumed rollouts come from
+    that checkpoint."""
     from transformers import get_scheduler
 
     args, topo = trainer.args, trainer.topology
@@ -53,6 +66,8 @@ def build_trainer_executor(trainer, backend) -> TrainerExecutor:
                 m.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+    if resume_dir:
+        checkpoint.load_model_weights(model, resume_dir)
     model.to(device)
     model.train()
     shard_model(model, topo.device_type, "bf16" if args.bf16 else None)
@@ -66,14 +81,25 @@ def build_trainer_executor(trainer, backend) -> TrainerExecutor:
     trainer.state, trainer._reporter = reporter.state, reporter
     trainer.optimizer, trainer.lr_scheduler = optimizer, scheduler
 
+    every = save_every(args, trainer.num_batches)
+    prompts_log = os.path.join(args.output_dir, f"trained_prompts-rank{topo.rank}.jsonl")
+    holder = {}
+
     def on_step(step: int, metrics: dict) -> bool:
-        due = reporter.step_end(step, metrics)
+        # Which dataset rows each step trained on (the last line for a step wins after a resume).
+        with open(prompts_log, "a") as fh:
+            fh.write(json.dumps({"step": step, "rows": holder["executor"].trained_rows[-1]}) + "\n")
+        reporter.step_end(step, metrics)
+        reporter.control.should_save = False  # checkpoints follow `every`, on every rank alike
         if step < trainer.num_batches:
             reporter.step_begin()
-        return due
+        return checkpoint.due(step, every)
 
     def on_save(step: int) -> None:
-        save_checkpoint(trainer, step)
+        directory = checkpoint.partial_dir(args.output_dir, step)
+        checkpoint.save_trainer_side(trainer, holder["executor"], step, directory)
+        checkpoint.commit(topo, args.output_dir, step, checkpoint.checkpoint_tick(step, args.max_staleness),
+                          args.save_total_limit)
         reporter.saved()
 
     job = TrainerJob(
@@ -85,7 +111,10 @@ def build_trainer_executor(trainer, backend) -> TrainerExecutor:
         pad_token_id=trainer.processing_class.pad_token_id, device=device, on_step=on_step,
         trainer_state=reporter.state, save_checkpoint=on_save,
     )
-    executor = TrainerExecutor(job, topo)
+    executor = holder["executor"] = TrainerExecutor(job, topo)
+    os.makedirs(args.output_dir, exist_ok=True)
+    if resume_dir:
+        checkpoint.load_trainer_side(trainer, executor, resume_dir)
     reporter.train_begin()
     reporter.step_begin()
     return executor
@@ -100,13 +129,3 @@ def save_policy(trainer, output_dir: str) -> None:
         trainer.processing_class.save_pretrained(output_dir)
     if dist.is_initialized():
         dist.barrier()
-
-
-def save_checkpoint(trainer, step: int) -> None:
-    """`output_dir/checkpoint-<step>`: the policy, the tokenizer and `trainer_state.json`."""
-    directory = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
-    save_policy(trainer, directory)
-    if trainer.topology.rank == 0:
-        trainer.state.save_to_json(os.path.join(directory, "trainer_state.json"))
-        with open(os.path.join(directory, "hfllamarl.json"), "w") as fh:
-            json.dump({"policy_version": step}, fh)

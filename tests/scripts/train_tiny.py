@@ -8,6 +8,7 @@ import argparse
 import json
 
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
 from hfllamarl.tiny import successor_rows
@@ -19,6 +20,20 @@ def broken(completions, **kwargs):
 
 def short(completions, **kwargs):
     return [0.0] * (len(completions) - 1)
+
+
+class KillAt(TrainerCallback):
+    """SIGKILL this process at the end of a given step (the generator child then dies with it)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main():
@@ -33,6 +48,8 @@ def main():
     p.add_argument("--report-to", default="tensorboard")
     p.add_argument("--save-steps", type=int, default=500)
     p.add_argument("--repeat", type=int, default=1, help="train() again in the same process, as a notebook would")
+    p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True)")
+    p.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL this process (and so the job) at this step")
     a = p.parse_args()
     rewards = [a.reward] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
     config = AsyncAIPOConfig(
@@ -44,7 +61,9 @@ def main():
     for _ in range(a.repeat):
         trainer = AsyncAIPOTrainer(model=a.model, reward_funcs=rewards, args=config,
                                    train_dataset=Dataset.from_list(successor_rows(64, seed=2)))
-        out = trainer.train()
+        if a.kill_at_step:
+            trainer.add_callback(KillAt(a.kill_at_step))
+        out = trainer.train(resume_from_checkpoint=True if a.resume else None)
         if trainer.state is not None and trainer.state.is_world_process_zero:
             print("LOG_HISTORY " + json.dumps(trainer.state.log_history), flush=True)
             print(f"TRAINED global_step={out.global_step}", flush=True)

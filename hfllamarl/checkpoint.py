@@ -1,0 +1,183 @@
+"""Checkpoints of the whole job, and resuming from one.
+
+`output_dir/checkpoint-<step>` holds, after trainer step `step` (policy version `step`):
+
+- the trainer side in transformers' Trainer format: the full policy (`model.safetensors`, config,
+  tokenizer), `optimizer.pt` (the full AdamW state), `scheduler.pt`, `rng_state_<rank>.pth`,
+  `trainer_state.json`;
+- `hfllamarl/trainer-<rank>.pt`: rollouts a trainer rank received but has not trained on yet;
+- `hfllamarl/generator.pt`: the batch the generator sampled but has not sent yet, its policy version;
+- `hfllamarl.json`, written last: the step and the tick. A directory without it is not a checkpoint.
+
+Every rank writes into `.checkpoint-<step>.partial`; after a barrier over the bridge, trainer rank 0
+renames it into place (atomic), then prunes to `save_total_limit`. The dataset position needs no
+saving: which rows batch b holds is a function of the seed and b.
+
+On resume the generator starts vLLM from the checkpoint's policy, which is exactly the policy it would
+have received at the next tick, and the loop restarts at the tick after the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+
+import torch
+
+MARKER = "hfllamarl.json"
+
+
+def checkpoint_tick(step: int, max_staleness: int) -> int:
+    """The tick at whose end trainer step `step` is complete (it trains batch t - s at tick t)."""
+    return step - 1 + max_staleness
+
+
+def due(step: int, save_steps: int) -> bool:
+    return save_steps > 0 and step > 0 and step % save_steps == 0
+
+
+def partial_dir(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f".checkpoint-{step}.partial")
+
+
+def final_dir(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f"checkpoint-{step}")
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints in `output_dir`, oldest first."""
+    out = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        path = os.path.join(output_dir, name)
+        if m and os.path.isfile(os.path.join(path, MARKER)):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def resolve(resume_from_checkpoint, output_dir: str) -> tuple[str, dict] | None:
+    """`True` -> the newest complete checkpoint in `output_dir`; a path -> that one. Returns (path, marker)."""
+    if not resume_from_checkpoint:
+        return None
+    if resume_from_checkpoint is True:
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise FileNotFoundError(f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint "
+                                    "(a `checkpoint-<step>` directory with hfllamarl.json).")
+        path = found[-1][1]
+    else:
+        path = os.fspath(resume_from_checkpoint)
+    marker = os.path.join(path, MARKER)
+    if not os.path.isfile(marker):
+        raise FileNotFoundError(f"{path!r} is not a complete hfllamarl checkpoint (no {MARKER}).")
+    with open(marker) as fh:
+        return path, json.load(fh)
+
+
+# ---------------------------------------------------------------------------- saving
+def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
+    """Called on every trainer rank (the model and optimizer gathers are collectives)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from hfllamarl.fsdp import full_state_dict
+
+    rank = trainer.topology.rank
+    os.makedirs(os.path.join(directory, "hfllamarl"), exist_ok=True)
+    model_state = full_state_dict(trainer.model)
+    optim_state = get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        trainer.model.save_pretrained(directory, state_dict=model_state)
+        trainer.processing_class.save_pretrained(directory)
+        torch.save(optim_state, os.path.join(directory, "optimizer.pt"))
+        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(directory, "scheduler.pt"))
+        trainer.state.save_to_json(os.path.join(directory, "trainer_state.json"))
+    torch.save({"python": random.getstate(), "torch": torch.get_rng_state()},
+               os.path.join(directory, f"rng_state_{rank}.pth"))
+    with open(os.path.join(directory, "hfllamarl", f"trainer-{rank}.pt"), "wb") as fh:
+        pickle.dump({"inbox": executor.inbox, "version": executor.version,
+                     "trained_rows": executor.trained_rows}, fh)
+
+
+def save_generator_side(executor, directory: str) -> None:
+    """Called on every generator rank; the first holds the batch not sent yet."""
+    if executor.topology.local_rank != 0:
+        return
+    os.makedirs(os.path.join(directory, "hfllamarl"), exist_ok=True)
+    with open(os.path.join(directory, "hfllamarl", "generator.pt"), "wb") as fh:
+        pickle.dump({"pending": executor.pending, "version": executor.version, "tick": executor.tick}, fh)
+
+
+def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: int | None) -> None:
+    """Every rank: wait until all have written, then trainer rank 0 makes the checkpoint visible at once."""
+    from hfllamarl.channels import bridge_barrier
+
+    bridge_barrier(topology, f"checkpoint {step}")
+    if topology.rank == 0:
+        partial = partial_dir(output_dir, step)
+        with open(os.path.join(partial, MARKER), "w") as fh:
+            json.dump({"step": step, "tick": tick, "world_size": topology.world_size,
+                       "num_generators": topology.num_generators}, fh)
+        final = final_dir(output_dir, step)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        if save_total_limit:
+            for _, old in list_checkpoints(output_dir)[:-save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    bridge_barrier(topology, f"checkpoint {step} committed")
+
+
+# ---------------------------------------------------------------------------- loading
+def load_model_weights(model: torch.nn.Module, directory: str) -> None:
+    """Load the policy saved in `directory` into an (unsharded) model."""
+    from safetensors.torch import load_file
+
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(single):
+        state = load_file(single)
+    else:
+        with open(os.path.join(directory, "model.safetensors.index.json")) as fh:
+            files = sorted(set(json.load(fh)["weight_map"].values()))
+        state = {}
+        for name in files:
+            state.update(load_file(os.path.join(directory, name)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if not m.endswith("rotary_emb.inv_freq")]:
+        raise ValueError(f"checkpoint {directory!r} does not match the model: missing {missing}, "
+                         f"unexpected {unexpected}")
+
+
+def load_trainer_side(trainer, executor, directory: str) -> None:
+    """After sharding and building the optimizer: restore optimizer, scheduler, RNG, state, inbox."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from transformers.trainer_callback import TrainerState
+
+    rank = trainer.topology.rank
+    optim = torch.load(os.path.join(directory, "optimizer.pt"), weights_only=False) if rank == 0 else {}
+    set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=optim,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(directory, "scheduler.pt"), weights_only=False))
+    rng = torch.load(os.path.join(directory, f"rng_state_{rank}.pth"), weights_only=False)
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    loaded = TrainerState.load_from_json(os.path.join(directory, "trainer_state.json"))
+    state = trainer.state
+    state.global_step, state.log_history, state.epoch = loaded.global_step, loaded.log_history, loaded.epoch
+    with open(os.path.join(directory, "hfllamarl", f"trainer-{rank}.pt"), "rb") as fh:
+        saved = pickle.load(fh)
+    executor.inbox = saved["inbox"]
+    executor.version = executor.sent_version = saved["version"]
+    executor.trained_rows = saved["trained_rows"]
+
+
+def load_generator_side(executor, directory: str) -> None:
+    if executor.topology.local_rank != 0:
+        return
+    with open(os.path.join(directory, "hfllamarl", "generator.pt"), "rb") as fh:
+        saved = pickle.load(fh)
+    executor.pending = saved["pending"]
