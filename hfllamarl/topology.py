@@ -27,6 +27,7 @@ ENV_RANK = "HFLLAMARL_RANK"
 ENV_WORLD = "HFLLAMARL_WORLD_SIZE"
 ENV_PARENT = "HFLLAMARL_PARENT_PID"
 ENV_JOB = "HFLLAMARL_JOB_ID"
+ENV_CPUS = "HFLLAMARL_CPUS"  # cores a generator child is pinned to
 
 
 class TopologyError(RuntimeError):
@@ -215,9 +216,27 @@ class Topology:
             self._heartbeat.set()
             self._heartbeat = None
 
+    def split_cpus(self) -> dict[int, list[int]]:
+        """Single-process mode on a CPU: disjoint cores for the trainer and each generator child, so that
+        generation and training overlap instead of fighting over the same cores (empty: no split)."""
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if not self.use_cpu or len(cpus) < self.world_size or "OMP_NUM_THREADS" in os.environ:
+            return {}
+        trainer_share = len(cpus) - self.num_generators
+        split = {0: cpus[:trainer_share]}
+        for i, rank in enumerate(self.generator_ranks):
+            split[rank] = [cpus[trainer_share + i]]
+        return split
+
     def start_children(self, spec_path: str) -> None:
         """Single-process mode: start the generator ranks as child processes."""
         host, port = self.store_addr or ("127.0.0.1", self.store().port)
+        split = self.split_cpus()
+        if split:  # the trainer (this process) keeps the first cores
+            import torch
+
+            os.sched_setaffinity(0, split[0])
+            torch.set_num_threads(len(split[0]))
         for rank in self.generator_ranks:
             env = dict(os.environ)
             env.update(
@@ -234,6 +253,9 @@ class Topology:
                     "LOCAL_WORLD_SIZE": str(self.num_generators),
                 }
             )
+            if split:
+                env["OMP_NUM_THREADS"] = str(len(split[rank]))
+                env[ENV_CPUS] = ",".join(map(str, split[rank]))
             cmd = [sys.executable, "-m", "hfllamarl.worker", spec_path]
             self._children.append(subprocess.Popen(cmd, env=env))
 
@@ -288,6 +310,8 @@ def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool)
             job_id=int(os.environ.get(ENV_JOB, "0")),
         )
         _watch_parent(int(os.environ[ENV_PARENT]))
+        if os.environ.get(ENV_CPUS) and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, [int(c) for c in os.environ[ENV_CPUS].split(",")])
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         topo = _launcher_topology(num_generator_processes, timeout_s, use_cpu)
     else:
