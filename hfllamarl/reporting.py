@@ -95,7 +95,7 @@ def _mean_of(rows: list[dict]) -> dict:
             out[key] = max(vals)
         elif key.endswith("/min"):
             out[key] = min(vals)
-        elif key in ("learning_rate", "reward_errors") or key.endswith(("/timeouts", "/worker_errors")):
+        elif key in ("learning_rate", "reward_errors", "reward_nonfinite") or key.endswith(("/timeouts", "/worker_errors")):
             out[key] = vals[-1]
         else:
             out[key] = sum(vals) / len(vals)

@@ -65,6 +65,7 @@ class RewardRunner:
         self.weights = [float(w) for w in weights]
         self.on_error = on_error
         self.error_count = 0
+        self.nonfinite_count = 0  # NaN/inf rewards, scored as None
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list[list[int]], columns: dict,
                  trainer_state=None) -> tuple[list[float], dict[str, list[float | None]]]:
@@ -98,6 +99,8 @@ class RewardRunner:
                     pass
         if self.error_count:
             out["reward_errors"] = float(self.error_count)
+        if self.nonfinite_count:
+            out["reward_nonfinite"] = float(self.nonfinite_count)
         return out
 
     def _call_all(self, kwargs: dict, n: int) -> list[list[float | None]]:
@@ -133,8 +136,7 @@ class RewardRunner:
             raise RewardFunctionError(msg + " Set reward_errors='zero' to score such batches 0 and go on.") from exc
         return self._check(name, out, n)
 
-    @staticmethod
-    def _check(name: str, out, n: int) -> list[float | None]:
+    def _check(self, name: str, out, n: int) -> list[float | None]:
         if not isinstance(out, (list, tuple)) and not hasattr(out, "tolist"):
             raise RewardFunctionError(f"reward function {name!r} returned {type(out).__name__}; it must return a list "
                                       f"of {n} floats (or None).")
@@ -142,7 +144,7 @@ class RewardRunner:
         if len(out) != n:
             raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions; it "
                                       "must return exactly one float (or None) per completion.")
-        clean = []
+        clean, nonfinite = [], []
         for j, v in enumerate(out):
             if v is None:
                 clean.append(None)
@@ -152,7 +154,11 @@ class RewardRunner:
             except (TypeError, ValueError):
                 raise RewardFunctionError(f"reward function {name!r} returned {v!r} for completion {j}; "
                                           "expected a float or None.") from None
-            clean.append(None if math.isnan(v) else v)  # NaN is treated like None: not scored
+            if math.isnan(v) or math.isinf(v):
+                nonfinite.append(j)
+                v = None  # treated like None (not scored), and counted
+            clean.append(v)
+        self.nonfinite_count += len(nonfinite)
         return clean
 
 

@@ -43,3 +43,19 @@ def test_list_plugins_names_distribution_without_import():
     aipo = [r for r in rows if r["group"] == "algorithms" and r["name"] == "aipo"]
     assert aipo and aipo[0]["distribution"] == "hfllamarl" and aipo[0]["version"]
     assert {r["group"] for r in rows} == set(GROUPS)
+
+
+def test_plugin_whose_import_fails_names_itself_and_its_distribution(monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    from hfllamarl import registry
+
+    broken = EntryPoint(name="broken_reward", value="hfllamarl_no_such_module_xyz:fn", group="hfllamarl.rewards")
+    monkeypatch.setattr(registry, "installed", lambda group: {"broken_reward": broken})
+    registry.load_plugin.cache_clear()
+    try:
+        with pytest.raises(PluginError, match="'broken_reward' .*hfllamarl_no_such_module_xyz:fn.*failed to import: "
+                                              "ModuleNotFoundError"):
+            registry.load_plugin("rewards", "broken_reward")
+    finally:
+        registry.load_plugin.cache_clear()

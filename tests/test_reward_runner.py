@@ -37,9 +37,11 @@ def test_none_skips_a_function_for_a_sample_and_nan_is_none():
     def one(completions, **kw):
         return [1.0, 1.0, 1.0]
 
-    total, per = call(RewardRunner([sparse, one]), ["a"] * 3, ["x"] * 3)
+    runner = RewardRunner([sparse, one])
+    total, per = call(runner, ["a"] * 3, ["x"] * 3)
     assert total == [1.0, 2.0, 1.0]
     assert per["sparse"] == [None, 1.0, None]
+    assert runner.counters()["reward_nonfinite"] == 1.0
 
 
 def test_chat_prompts_get_chat_completions():

@@ -113,3 +113,61 @@ def test_kill_and_resume_trains_exactly_the_same_prompts(tiny_model, tmp_path, s
     assert [h["staleness/max"] for h in steps] == [min(k - 1, staleness) for k in range(1, 7)]
     assert trained_rows(cut) == trained_rows(whole)  # no prompt skipped or trained twice
     assert {"checkpoint-4", "checkpoint-6"} <= set(os.listdir(cut))
+
+
+def _wait_for_first_step(out, proc, timeout=240):
+    log = os.path.join(out, "trained_prompts-rank0.jsonl")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.exists(log) and open(log).read().count("\n") >= 1:
+            return
+        time.sleep(0.5)
+    raise AssertionError("the run never finished its first step")
+
+
+def test_generator_killed_mid_run_is_named_by_the_trainer(tiny_model, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    out = str(tmp_path / "gen_killed")
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "200",
+                             "--report-to", "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_first_step(out, proc)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if "hfllamarl.worker" in " ".join(p.cmdline())]
+    assert len(workers) == 1
+    killed_at = time.monotonic()
+    workers[0].send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode not in (0, None)
+    assert "rank 1 (generator 0)" in err, err[-3000:]
+    assert time.monotonic() - killed_at < 60  # collective_timeout_s of the script
+    assert not no_orphans(out)
+
+
+def test_trainer_rank_killed_under_torchrun_ends_the_job(tiny_model, tmp_path):
+    """torchrun's agent stops the other ranks at once and names the failed one; nothing hangs or lingers."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from conftest import free_port
+
+    out = str(tmp_path / "trainer_killed")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
+           str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "200", "--report-to", "none"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_first_step(out, proc)
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train_tiny.py" in " ".join(p.cmdline())]
+    victim = [p for p in ranks if p.environ().get("LOCAL_RANK") == "1"]  # trainer 1 (ranks 0, 1 train)
+    assert len(victim) == 1
+    victim[0].send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "rank      : 1" in err and "Signal 9" in err, err[-3000:]
+    assert not no_orphans(out)
