@@ -49,9 +49,19 @@ def send_tensor(topo: Topology, tensor: torch.Tensor, dst: int, what: str, kind:
     return wait
 
 
+def start_recv_tensor(topo: Topology, tensor: torch.Tensor, src: int, what: str, kind: str = "tensor"):
+    """Start receiving into `tensor` from bridge rank `src`; returns a callable that waits for completion."""
+    work = topo.bridge(kind).recv([tensor], src, 0)
+
+    def wait(_keep_alive=tensor):
+        _wait(work, topo, src, what)
+
+    return wait
+
+
 def recv_tensor(topo: Topology, tensor: torch.Tensor, src: int, what: str, kind: str = "tensor") -> torch.Tensor:
     """Receive into `tensor` from bridge rank `src` (blocking, bounded by the job timeout)."""
-    _wait(topo.bridge(kind).recv([tensor], src, 0), topo, src, what)
+    start_recv_tensor(topo, tensor, src, what, kind)()
     return tensor
 
 

@@ -79,20 +79,32 @@ def resolve(resume_from_checkpoint, output_dir: str) -> tuple[str, dict] | None:
 
 
 # ---------------------------------------------------------------------------- saving
+def save_policy(trainer, directory: str) -> None:
+    """Gather the full policy (a collective over the trainer world) and save it, with the tokenizer, on
+    trainer rank 0 in the Hugging Face format."""
+    import torch.distributed as dist
+
+    from hfllamarl.fsdp import full_state_dict
+
+    state = full_state_dict(trainer.model)
+    if trainer.topology.rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        trainer.model.save_pretrained(directory, state_dict=state)
+        trainer.processing_class.save_pretrained(directory)
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
     """Called on every trainer rank (the model and optimizer gathers are collectives)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from hfllamarl.fsdp import full_state_dict
-
     rank = trainer.topology.rank
     os.makedirs(os.path.join(directory, "hfllamarl"), exist_ok=True)
-    model_state = full_state_dict(trainer.model)
+    save_policy(trainer, directory)
     optim_state = get_optimizer_state_dict(trainer.model, trainer.optimizer,
                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        trainer.model.save_pretrained(directory, state_dict=model_state)
-        trainer.processing_class.save_pretrained(directory)
         torch.save(optim_state, os.path.join(directory, "optimizer.pt"))
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(directory, "scheduler.pt"))
         trainer.state.save_to_json(os.path.join(directory, "trainer_state.json"))

@@ -7,7 +7,6 @@ exactly as it would load a real checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
 
 # Characters the demo task and the math rewards need; `\boxed{` is one token so that a tiny

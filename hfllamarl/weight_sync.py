@@ -32,6 +32,13 @@ class WeightSyncBackend:
             transfer_dtype = None if transfer_dtype == "auto" else getattr(torch, transfer_dtype)
         self.transfer_dtype = transfer_dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's weight buffers live: the CPU, or this process's GPU."""
+        if self.topology.use_cpu:
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a weight of `dtype` travels in."""
         return self.transfer_dtype or dtype

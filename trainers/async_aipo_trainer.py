@@ -154,9 +154,7 @@ class AsyncAIPOTrainer:
         """Save the full (unsharded) policy and the tokenizer; call it on every trainer rank."""
         if self.topology.role != "trainer":
             return
-        from .learner import save_policy
-
-        save_policy(self, output_dir or self.args.output_dir)
+        checkpoint.save_policy(self, output_dir or self.args.output_dir)
 
     # ------------------------------------------------------------------ internals
     def _generator_spec(self) -> GeneratorSpec:

@@ -7,10 +7,9 @@ import math
 import os
 
 import torch
-import torch.distributed as dist
 
 from hfllamarl import checkpoint
-from hfllamarl.fsdp import full_state_dict, shard_model
+from hfllamarl.fsdp import shard_model
 from hfllamarl.reporting import Reporter
 from hfllamarl.trainer_executor import TrainerExecutor, TrainerJob
 
@@ -118,14 +117,3 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
     reporter.train_begin()
     reporter.step_begin()
     return executor
-
-
-def save_policy(trainer, output_dir: str) -> None:
-    """Gather the full policy (a collective over the trainer world) and save it on trainer rank 0."""
-    state = full_state_dict(trainer.model)
-    if trainer.topology.rank == 0:
-        os.makedirs(output_dir, exist_ok=True)
-        trainer.model.save_pretrained(output_dir, state_dict=state)
-        trainer.processing_class.save_pretrained(output_dir)
-    if dist.is_initialized():
-        dist.barrier()

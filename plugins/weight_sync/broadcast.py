@@ -36,21 +36,17 @@ class BroadcastWeightSync(WeightSyncBackend):
 
     def send(self, model: torch.nn.Module) -> None:
         topo = self.topology
-        device = torch.device(topo.device_type, torch.cuda.current_device()) if not topo.use_cpu else None
         for name, tensor in model.state_dict().items():
             full = full_tensor(tensor)
             if topo.rank != 0:
                 continue
-            full = full.to(self.wire_dtype(full.dtype))
-            if device is not None:
-                full = full.to(device)
+            full = full.to(self.device, self.wire_dtype(full.dtype))
             waits = [send_tensor(topo, full.contiguous(), dst, f"weight sync ({name})") for dst in topo.generator_ranks]
             for wait in waits:
                 wait()
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         topo = self.topology
-        device = "cpu" if topo.use_cpu else torch.device("cuda", torch.cuda.current_device())
         for name, shape, dtype in self.plan:
-            buf = torch.empty(shape, dtype=dtype, device=device)
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
             yield name, recv_tensor(topo, buf, 0, f"weight sync ({name})")

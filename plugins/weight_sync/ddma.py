@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hfllamarl.channels import _wait, recv_object, send_objects, send_tensor
+from hfllamarl.channels import recv_object, send_objects, send_tensor, start_recv_tensor
 from hfllamarl.weight_sync import WeightSyncBackend
 
 
@@ -212,17 +212,13 @@ class DDMAWeightSync(WeightSyncBackend):
                                  f"{self.info[name].shape[0]} rows")
 
     # ------------------------------------------------------------------ every sync
-    def _device(self):
-        topo = self.topology
-        return torch.device("cpu") if topo.use_cpu else torch.device("cuda", torch.cuda.current_device())
-
     def send(self, model: torch.nn.Module) -> None:
         topo = self.topology
         state = model.state_dict()
         locals_ = {}
         for name in self.names:
             local, offset = local_shard(state[name], topo.rank)
-            locals_[name] = (local.detach().to(self._device(), self.info[name].dtype), offset)
+            locals_[name] = (local.detach().to(self.device, self.info[name].dtype), offset)
         waits = []
         for bucket in self.buckets:
             for g in topo.generator_ranks:
@@ -248,7 +244,7 @@ class DDMAWeightSync(WeightSyncBackend):
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         topo, me = self.topology, self.topology.rank
-        device = self._device()
+        device = self.device
         pending: list[tuple[list[str], dict[str, torch.Tensor], list]] = []
 
         def dest(full: torch.Tensor, p: Piece) -> torch.Tensor:
@@ -293,10 +289,4 @@ class DDMAWeightSync(WeightSyncBackend):
 
     def _irecv(self, buf: torch.Tensor, src: int, what: str):
         """Post a receive into `buf` (contiguous: a row range of a full tensor, or a bucket); return its wait."""
-        topo = self.topology
-        work = topo.bridge("tensor").recv([buf], src, 0)
-
-        def wait(_keep=buf):
-            _wait(work, topo, src, f"nccl_ddma ({what})")
-
-        return wait
+        return start_recv_tensor(self.topology, buf, src, f"nccl_ddma ({what})")

@@ -52,7 +52,6 @@ class DiskWeightSync(WeightSyncBackend):
         from safetensors import safe_open
 
         path = recv_object(self.topology, 0, "disk weight sync")
-        device = "cpu" if self.topology.use_cpu else f"cuda:{torch.cuda.current_device()}"
-        with safe_open(path, framework="pt", device=device) as fh:
+        with safe_open(path, framework="pt", device=str(self.device)) as fh:
             for name in fh.keys():
                 yield name, fh.get_tensor(name)
