@@ -124,8 +124,43 @@ def save_generator_side(executor, directory: str) -> None:
         pickle.dump({"pending": executor.pending, "version": executor.version, "tick": executor.tick}, fh)
 
 
-def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: int | None) -> None:
-    """Every rank: wait until all have written, then trainer rank 0 makes the checkpoint visible at once."""
+def job_signature(args) -> dict:
+    """The settings a checkpoint's step and tick mean something under: a resume must use the same."""
+    return {"max_staleness": args.max_staleness, "num_generations": args.num_generations,
+            "prompts_per_step": args.prompts_per_step, "seed": args.seed, "shuffle_dataset": args.shuffle_dataset}
+
+
+def check_resumable(path: str, marker: dict, topology, args, num_batches: int) -> None:
+    """Refuse, before any work, a resume whose layout or schedule differs from the checkpoint's."""
+    if (marker["world_size"], marker["num_generators"]) != (topology.world_size, topology.num_generators):
+        raise ValueError(f"checkpoint {path!r} was written by {marker['world_size']} processes with "
+                         f"{marker['num_generators']} generator(s); this job has {topology.world_size} with "
+                         f"{topology.num_generators}. Resume with the same layout.")
+    saved, now = marker.get("job", {}), job_signature(args)
+    changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in sorted(saved) if k in now and saved[k] != now[k]]
+    if changed:
+        raise ValueError(f"checkpoint {path!r} was written by a job with other settings ({'; '.join(changed)}). "
+                         "Its step and dataset position only mean something under the same settings: resume "
+                         "with them, or start a new run from its policy (model=" f"{path!r}).")
+    if marker["step"] >= num_batches:
+        raise ValueError(f"checkpoint {path!r} is at step {marker['step']}, the end of a "
+                         f"{num_batches}-step job: nothing left to train (raise max_steps).")
+
+
+def remove_partial(output_dir: str) -> list[str]:
+    """Delete what a killed job left half-written (`.checkpoint-<step>.partial`); never a complete checkpoint."""
+    removed = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        if re.fullmatch(r"\.checkpoint-\d+\.partial", name):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: int | None,
+           job: dict | None = None) -> None:
+    """Every rank: wait until all have written, then trainer rank 0 makes the checkpoint visible at once.
+    `job` (trainer rank 0's `job_signature`) goes into the marker."""
     from hfllamarl.channels import bridge_barrier
 
     bridge_barrier(topology, f"checkpoint {step}")
@@ -133,7 +168,7 @@ def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: in
         partial = partial_dir(output_dir, step)
         with open(os.path.join(partial, MARKER), "w") as fh:
             json.dump({"step": step, "tick": tick, "world_size": topology.world_size,
-                       "num_generators": topology.num_generators}, fh)
+                       "num_generators": topology.num_generators, "job": job or {}}, fh)
         final = final_dir(output_dir, step)
         if os.path.exists(final):
             shutil.rmtree(final)

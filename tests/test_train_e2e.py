@@ -88,21 +88,30 @@ def trained_rows(out):
     return rows
 
 
-@pytest.mark.parametrize("staleness", [1, 0])
-def test_kill_and_resume_trains_exactly_the_same_prompts(tiny_model, tmp_path, staleness):
-    """SIGKILL the whole job after a checkpoint, resume, and compare with an uninterrupted run."""
+@pytest.mark.parametrize("staleness,kill", [(1, ["--kill-at-step", "3"]), (0, ["--kill-in-checkpoint", "4"])],
+                         ids=["after-step-3", "inside-checkpoint-4"])
+def test_kill_and_resume_trains_exactly_the_same_prompts(tiny_model, tmp_path, staleness, kill):
+    """SIGKILL the whole job after a checkpoint (or while one is half-written), resume, and compare with an
+    uninterrupted run."""
     common = ["--steps", "6", "--save-steps", "2", "--report-to", "none", "--max-staleness", str(staleness)]
     whole = str(tmp_path / "whole")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, whole, *common], timeout=400)
     assert proc.returncode == 0, tail(proc)
 
     cut = str(tmp_path / "cut")
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, "--kill-at-step", "3"], timeout=400)
-    assert proc.returncode == -9  # SIGKILL
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, *kill], timeout=400)
+    assert proc.returncode == -9, tail(proc)  # SIGKILL
     time.sleep(2)
     assert not no_orphans(cut), "the generator outlived its killed parent"
-    assert sorted(os.listdir(cut)).count("checkpoint-2") == 1
-    assert not any(name.startswith(".checkpoint-") for name in os.listdir(cut)), "a partial checkpoint was left"
+    names = set(os.listdir(cut))
+    assert "checkpoint-2" in names and "checkpoint-4" not in names
+    half_written = kill[0] == "--kill-in-checkpoint"
+    assert (".checkpoint-4.partial" in names) == half_written, names
+
+    if half_written:  # other settings than the checkpoint's are refused before any work
+        proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common[:-1], "1", "--resume"],
+                          timeout=200)
+        assert proc.returncode != 0 and "max_staleness: 0 -> 1" in proc.stderr, tail(proc)
 
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, "--resume"], timeout=400)
     assert proc.returncode == 0, tail(proc)
@@ -113,6 +122,7 @@ def test_kill_and_resume_trains_exactly_the_same_prompts(tiny_model, tmp_path, s
     assert [h["staleness/max"] for h in steps] == [min(k - 1, staleness) for k in range(1, 7)]
     assert trained_rows(cut) == trained_rows(whole)  # no prompt skipped or trained twice
     assert {"checkpoint-4", "checkpoint-6"} <= set(os.listdir(cut))
+    assert not any(name.startswith(".checkpoint-") for name in os.listdir(cut)), "a partial checkpoint was left"
 
 
 def _wait_for_first_step(out, proc, timeout=240):

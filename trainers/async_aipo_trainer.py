@@ -107,17 +107,14 @@ class AsyncAIPOTrainer:
         start_tick, resume_dir = 0, None
         if resume is not None:
             resume_dir, marker = resume
-            if (marker["world_size"], marker["num_generators"]) != (topo.world_size, topo.num_generators):
-                raise ValueError(f"checkpoint {resume_dir!r} was written by {marker['world_size']} processes with "
-                                 f"{marker['num_generators']} generator(s); this job has {topo.world_size} with "
-                                 f"{topo.num_generators}. Resume with the same layout.")
-            if marker["step"] >= self.num_batches:
-                raise ValueError(f"checkpoint {resume_dir!r} is at step {marker['step']}, the end of a "
-                                 f"{self.num_batches}-step job: nothing left to train (raise max_steps).")
+            checkpoint.check_resumable(resume_dir, marker, topo, self.args, self.num_batches)
             start_tick = marker["tick"] + 1
             # The generator starts from the checkpoint's policy: what it would hold at the next tick.
             spec.model_path = spec.tokenizer_path = resume_dir
             spec.initial_version, spec.resume_dir = marker["step"], resume_dir
+        if topo.rank == 0:  # before any rank can start a checkpoint of this run
+            for name in checkpoint.remove_partial(self.args.output_dir):
+                logger.warning("removed %s, a checkpoint a stopped run left half-written", name)
         if topo.mode == "single":
             topo.new_job()
             self._start_children(spec, start_tick)

@@ -98,7 +98,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         directory = checkpoint.partial_dir(args.output_dir, step)
         checkpoint.save_trainer_side(trainer, holder["executor"], step, directory)
         checkpoint.commit(topo, args.output_dir, step, checkpoint.checkpoint_tick(step, args.max_staleness),
-                          args.save_total_limit)
+                          args.save_total_limit, checkpoint.job_signature(args))
         reporter.saved()
 
     job = TrainerJob(

@@ -36,6 +36,24 @@ class KillAt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def kill_inside_checkpoint(step):
+    """SIGKILL this process while checkpoint `step` is half-written (its files are there, not yet committed)."""
+    import os
+    import signal
+
+    from hfllamarl import checkpoint
+
+    commit = checkpoint.commit
+
+    def commit_or_die(topology, output_dir, at_step, *args, **kwargs):
+        if at_step == step and topology.role == "trainer":
+            assert os.listdir(checkpoint.partial_dir(output_dir, at_step))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return commit(topology, output_dir, at_step, *args, **kwargs)
+
+    checkpoint.commit = commit_or_die
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -50,7 +68,10 @@ def main():
     p.add_argument("--repeat", type=int, default=1, help="train() again in the same process, as a notebook would")
     p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True)")
     p.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL this process (and so the job) at this step")
+    p.add_argument("--kill-in-checkpoint", type=int, default=0, help="SIGKILL while this step's checkpoint is written")
     a = p.parse_args()
+    if a.kill_in_checkpoint:
+        kill_inside_checkpoint(a.kill_in_checkpoint)
     rewards = [a.reward] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
     config = AsyncAIPOConfig(
         output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=16, num_generations=4,
