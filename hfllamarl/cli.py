@@ -4,6 +4,7 @@
     hfllamarl eval ...          generate with vLLM on a JSONL data set and score with a reward (hfllamarl.evaluate)
     hfllamarl bench weight-sync ...   time the weight-sync backends side by side (hfllamarl.bench)
     hfllamarl bench learning ...      learning vs staleness on the demo task (hfllamarl.bench_learning)
+    hfllamarl plan ...          recommend a trainer/generator GPU split from the memory and step-time model (hfllamarl.plan)
     hfllamarl version
 """
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="action", required=True)
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
-    from . import bench, bench_learning, evaluate  # light modules: heavy imports happen inside their run()
+    from . import bench, bench_learning, evaluate, plan  # light modules: heavy imports happen inside their run()
 
     ev = sub.add_parser("eval", help="generate on a JSONL data set and score it")
     evaluate.add_arguments(ev)
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     learning = bench_parser.add_parser("learning", help="the demo task: sync vs AIPO at staleness 1 and 4 vs no IS")
     bench_learning.add_arguments(learning)
     learning.set_defaults(func=bench_learning.run)
+    p = sub.add_parser("plan", help="recommend a trainer/generator GPU split (LlamaRL section 6 model)")
+    plan.add_arguments(p)
+    p.set_defaults(func=plan.run)
     sub.add_parser("version", help="print the version").set_defaults(
         func=lambda a: print(__import__("hfllamarl").__version__) or 0)
     args = parser.parse_args(argv)

@@ -79,10 +79,10 @@ def test_more_generators_than_processes_is_explained(tiny_model, tmp_path):
     assert "num_generator_processes=2 but the launcher started 2 processes" in proc.stderr, tail(proc)
 
 
-def trained_rows(out):
+def trained_rows(out, rank=0):
     """step -> dataset rows trained at that step (the last line for a step wins after a resume)."""
     rows = {}
-    for line in open(os.path.join(out, "trained_prompts-rank0.jsonl")):
+    for line in open(os.path.join(out, f"trained_prompts-rank{rank}.jsonl")):
         rec = json.loads(line)
         rows[rec["step"]] = rec["rows"]
     return rows
@@ -125,14 +125,59 @@ def test_kill_and_resume_trains_exactly_the_same_prompts(tiny_model, tmp_path, s
     assert not any(name.startswith(".checkpoint-") for name in os.listdir(cut)), "a partial checkpoint was left"
 
 
-def _wait_for_first_step(out, proc, timeout=240):
+def _wait_for_first_step(out, proc, timeout=240, steps=1):
     log = os.path.join(out, "trained_prompts-rank0.jsonl")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if os.path.exists(log) and open(log).read().count("\n") >= 1:
+        if os.path.exists(log) and open(log).read().count("\n") >= steps:
             return
-        time.sleep(0.5)
-    raise AssertionError("the run never finished its first step")
+        time.sleep(0.2)
+    raise AssertionError(f"the run never finished step {steps}")
+
+
+def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
+    """torchrun, 2 FSDP2 trainer ranks + 1 generator: SIGKILL every process of the job (launcher, ranks,
+    vLLM) after checkpoint 2, resume, and check every step trains exactly the rows of the data schedule."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from conftest import free_port
+    from hfllamarl.prompts import batch_rows
+
+    out = str(tmp_path / "two")
+    common = ["--steps", "5", "--save-steps", "2", "--report-to", "none"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
+           str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_first_step(out, proc, steps=3)
+    finally:
+        everything = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+        for p in everything:
+            p.kill()
+        proc.communicate(timeout=60)
+    time.sleep(1)
+    assert not no_orphans(out)
+    assert "checkpoint-2" in os.listdir(out)
+
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--resume"], nproc=2, timeout=200)
+    assert proc.returncode != 0 and "was written by 3 processes with 1 generator(s); this job has 2" in proc.stderr, \
+        tail(proc)
+
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--resume"], nproc=3, timeout=400)
+    assert proc.returncode == 0, tail(proc)
+    assert "TRAINED global_step=5" in proc.stdout
+    assert [h["step"] for h in history(proc) if "reward" in h] == [1, 2, 3, 4, 5]
+    ranks = [trained_rows(out, 0), trained_rows(out, 1)]
+    for step in range(1, 6):
+        # 2 ranks x 16 completions / 4 per prompt = 8 prompts per step, from 64 rows with seed 0.
+        expected = batch_rows(64, 8, step - 1, seed=0)
+        assert sorted(ranks[0][step] + ranks[1][step]) == sorted(expected), step
+    # Steps 1-2 came from the checkpoint (trained once); step 3 was trained before the cut and again after.
+    logged = [json.loads(line)["step"] for line in open(os.path.join(out, "trained_prompts-rank1.jsonl"))]
+    assert logged.count(1) == logged.count(2) == 1 and logged.count(3) == 2, logged
 
 
 def test_generator_killed_mid_run_is_named_by_the_trainer(tiny_model, tmp_path):
@@ -180,4 +225,34 @@ def test_trainer_rank_killed_under_torchrun_ends_the_job(tiny_model, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert "rank      : 1" in err and "Signal 9" in err, err[-3000:]
+    assert not no_orphans(out)
+
+
+@pytest.mark.parametrize("victim", [1, 2], ids=["trainer-1", "generator-0"])
+def test_rank_killed_mid_step_is_named_by_every_survivor(tiny_model, tmp_path, victim):
+    """Ranks started bare (as mpirun or a batch scheduler would: nobody stops the survivors): 2 trainers and
+    1 generator. SIGKILL one mid-run; each other rank exits non-zero within the timeout, naming it."""
+    import signal
+
+    from conftest import launch_bare
+
+    out = str(tmp_path / "bare")
+    procs = launch_bare(3, [str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "200", "--report-to", "none"],
+                        env={})
+    try:
+        _wait_for_first_step(out, procs[0])
+        time.sleep(1.0)  # somewhere inside a later step
+        killed_at = time.monotonic()
+        procs[victim].send_signal(signal.SIGKILL)
+        name = {1: "rank 1 (trainer 1)", 2: "rank 2 (generator 0)"}[victim]
+        for rank, proc in enumerate(procs):
+            if rank == victim:
+                continue
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode not in (0, None), f"rank {rank} exited {proc.returncode}"
+            assert f"{name} stopped" in err, f"rank {rank}:\n{err[-3000:]}"
+        assert time.monotonic() - killed_at < 60 + 15  # collective_timeout_s of the script, plus exit
+    finally:
+        for proc in procs:
+            proc.kill()
     assert not no_orphans(out)
