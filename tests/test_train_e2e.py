@@ -228,10 +228,12 @@ def test_trainer_rank_killed_under_torchrun_ends_the_job(tiny_model, tmp_path):
     assert not no_orphans(out)
 
 
-@pytest.mark.parametrize("victim", [1, 2], ids=["trainer-1", "generator-0"])
-def test_rank_killed_mid_step_is_named_by_every_survivor(tiny_model, tmp_path, victim):
+@pytest.mark.parametrize("victim,sig", [(1, "SIGKILL"), (2, "SIGKILL"), (2, "SIGSTOP")],
+                         ids=["trainer-1-killed", "generator-0-killed", "generator-0-frozen"])
+def test_rank_killed_mid_step_is_named_by_every_survivor(tiny_model, tmp_path, victim, sig):
     """Ranks started bare (as mpirun or a batch scheduler would: nobody stops the survivors): 2 trainers and
-    1 generator. SIGKILL one mid-run; each other rank exits non-zero within the timeout, naming it."""
+    1 generator. SIGKILL one mid-run, or freeze it (SIGSTOP: alive, but it answers nothing); each other rank
+    exits non-zero within the timeout, naming it."""
     import signal
 
     from conftest import launch_bare
@@ -243,7 +245,7 @@ def test_rank_killed_mid_step_is_named_by_every_survivor(tiny_model, tmp_path, v
         _wait_for_first_step(out, procs[0])
         time.sleep(1.0)  # somewhere inside a later step
         killed_at = time.monotonic()
-        procs[victim].send_signal(signal.SIGKILL)
+        procs[victim].send_signal(getattr(signal, sig))
         name = {1: "rank 1 (trainer 1)", 2: "rank 2 (generator 0)"}[victim]
         for rank, proc in enumerate(procs):
             if rank == victim:
