@@ -181,6 +181,7 @@ class TrainerExecutor(Executor):
             "reward_sum": sum(rewards), "reward_sq": sum(x * x for x in rewards), "count": n,
             "staleness_sum": sum(staleness), "staleness_n": len(staleness),
             "len_sum": sum(lengths), "truncated": sum(r.finish_reason == "length" for r in rollouts),
+            "empty": sum(length == 0 for length in lengths),
             "loss": loss_total,
             "is_ratio_mean": sum(stats["is_ratio_mean"]) / max(len(stats["is_ratio_mean"]), 1),
             "clipped_frac": sum(stats["clipped_frac"]) / max(len(stats["clipped_frac"]), 1),
@@ -211,6 +212,7 @@ class TrainerExecutor(Executor):
         metrics["staleness/max"] = maxed["staleness_max"]
         metrics["completions/mean_length"] = summed["len_sum"] / count
         metrics["completions/truncated_frac"] = summed["truncated"] / count
+        metrics["completions/empty_frac"] = summed["empty"] / count  # they get a reward, but no token to train
         gen_seconds = max(g.generation_seconds for g in groups)
         metrics["generation/seconds"] = gen_seconds
         metrics["generation/tokens_per_s"] = groups[0].batch_tokens / gen_seconds if gen_seconds > 0 else 0.0

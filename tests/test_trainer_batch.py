@@ -1,0 +1,71 @@
+"""The trainer's batch: padding, log-probs and the loss on completions of any length, empty ones included."""
+
+import pytest
+import torch
+
+from hfllamarl.plugins.algorithms.aipo import AIPO
+from hfllamarl.rollout import Rollout
+from hfllamarl.trainer_executor import completion_logprobs, pad_batch
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def rollout(prompt, completion, logprobs=None):
+    logprobs = logprobs if logprobs is not None else [-1.0] * len(completion)
+    return Rollout(prompt="p", prompt_ids=prompt, completion_ids=completion, behavior_logprobs=logprobs,
+                   versions=[0] * len(completion), finish_reason="stop", completion_text="")
+
+
+def test_padding_puts_every_completion_at_the_same_column():
+    b = pad_batch([rollout([5, 6, 7], [8, 9]), rollout([5], []), rollout([1, 2], [3])], pad_id=0, device="cpu")
+    assert b["prompt_width"] == 3
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [0, 0, 5, 0, 0], [0, 1, 2, 3, 0]]
+    assert b["mask"].tolist() == [[1, 1], [0, 0], [1, 0]]
+    assert b["position_ids"][2].tolist()[1:4] == [0, 1, 2]  # positions count real tokens only
+
+
+def test_logprobs_do_not_depend_on_padding(model):
+    alone = pad_batch([rollout([5, 6, 7], [8, 9])], 0, "cpu")
+    padded = pad_batch([rollout([5, 6, 7], [8, 9]), rollout([1], [2, 3, 4, 5])], 0, "cpu")
+    with torch.no_grad():
+        a = completion_logprobs(model, alone, temperature=0.7)[0]
+        b = completion_logprobs(model, padded, temperature=0.7)[0, :2]
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_empty_completions_get_no_gradient_and_keep_the_loss_finite(model):
+    rows = [rollout([5, 6], [7, 8]), rollout([5, 6], []), rollout([5, 6], [9])]
+    batch = pad_batch(rows, 0, "cpu")
+    logp = completion_logprobs(model, batch, 1.0)
+    logp.retain_grad()
+    loss, metrics = AIPO(rho=4.0).loss(logp, batch["behavior_logprobs"], torch.tensor([1.0, -2.0, 1.0]),
+                                       batch["mask"])
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert logp.grad[1].abs().sum() == 0  # the empty completion
+    assert logp.grad[0].abs().sum() > 0 and logp.grad[2, 0] != 0 and logp.grad[2, 1] == 0
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+
+
+def test_a_micro_batch_of_only_empty_completions(model):
+    batch = pad_batch([rollout([5, 6], []), rollout([7], [])], 0, "cpu")
+    model.zero_grad()
+    loss, _ = AIPO(rho=4.0).loss(completion_logprobs(model, batch, 1.0), batch["behavior_logprobs"],
+                                 torch.tensor([0.5, -0.5]), batch["mask"])
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in model.parameters())
+
+
+def test_a_rollout_must_carry_one_logprob_and_version_per_token():
+    with pytest.raises(ValueError, match="one behaviour log-prob and one version per completion token"):
+        Rollout(prompt="p", prompt_ids=[1], completion_ids=[2, 3], behavior_logprobs=[-1.0], versions=[0, 0],
+                finish_reason="stop", completion_text="")
