@@ -9,7 +9,7 @@ Run it any of these ways (no GPU needed):
 
     python examples/demo_cpu.py
     torchrun --nproc_per_node 2 examples/demo_cpu.py
-    accelerate launch --config_file examples/accelerate/cpu_2proc.yaml examples/demo_cpu.py
+    accelerate launch --config_file examples/accelerate/multi_process.yaml examples/demo_cpu.py
     accelerate launch --multi_gpu --num_processes 2 examples/demo_cpu.py
 
 It prints the reward of the first and last 10 steps, and where the TensorBoard log and the

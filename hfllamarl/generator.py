@@ -52,6 +52,7 @@ class GeneratorSpec:
     chat_template_kwargs: dict = field(default_factory=dict)
     dtype: str = "auto"
     enforce_eager: bool = True
+    quantization: str | None = None  # vLLM online quantization of the generator ("fp8"); the trainer is unaffected
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.3
     tensor_parallel_size: int = 1
@@ -126,6 +127,8 @@ class GeneratorExecutor(Executor):
             tensor_parallel_size=spec.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # log-probs after temperature: the distribution sampled from
         )
+        if spec.quantization:  # quantized at load and again at every weight reload (vLLM's layerwise reload)
+            kwargs["quantization"] = spec.quantization
         if topo.num_generators > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if topo.use_cpu:

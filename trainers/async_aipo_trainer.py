@@ -176,6 +176,7 @@ class AsyncAIPOTrainer:
             chat_template_kwargs=a.chat_template_kwargs or {},
             dtype=self._generator_dtype(),
             enforce_eager=a.generator_enforce_eager,
+            quantization=a.generator_quantization,
             kv_cache_bytes=a.generator_kv_cache_bytes,
             gpu_memory_utilization=a.vllm_gpu_memory_utilization,
             tensor_parallel_size=a.generator_tensor_parallel_size,

@@ -43,6 +43,8 @@ _UNSUPPORTED = {
     "vllm_structured_outputs_regex": "not supported",
     "max_tool_calling_iterations": "tool calling is not supported",
 }
+# vLLM quantization methods that quantize full-precision weights on load (so also at every weight sync).
+_ONLINE_QUANTIZATION = {"fp8": "vLLM's fp8 kernels, compute capability 8.9+, e.g. H100 or L40S"}
 _ALGORITHM_FIELDS = {"epsilon": ("grpo",), "epsilon_high": ("grpo",), "delta": ("grpo",)}
 
 
@@ -95,6 +97,12 @@ class AsyncAIPOConfig(GRPOConfig):
                   "'bfloat16', ...). A generator dtype other than the trainer's makes mu differ from pi; AIPO's "
                   "importance weight corrects for it."},
     )
+    generator_quantization: str | None = field(
+        default=None,
+        metadata={"help": "vLLM quantization of the generator ranks only: 'fp8' quantizes the weights the trainer "
+                  "sends (bf16) on the fly at every weight sync; the trainer keeps training in bf16, and AIPO's "
+                  "importance weight corrects the difference between mu and pi. Needs CUDA GPUs with fp8 support."},
+    )
     generator_kv_cache_bytes: int | None = field(
         default=None,
         metadata={"help": "KV-cache size of the vLLM engine in bytes (CPU default: 256 MiB)."},
@@ -125,6 +133,7 @@ class AsyncAIPOConfig(GRPOConfig):
                 self.use_cpu = True
         if self.bf16 is None and self.use_cpu:
             self.bf16 = False  # TRL defaults to bf16; on the CPU fp32 is faster and keeps pi == mu exact
+        self._check_quantization()
         # The launcher's processes must be split into a trainer world and a generator world
         # before TrainingArguments sets up the distributed state (it does so in __post_init__).
         from hfllamarl.topology import init_topology
@@ -187,6 +196,25 @@ class AsyncAIPOConfig(GRPOConfig):
             raise ValueError("AsyncAIPOConfig: collective_timeout_s must be > 0.")
         if self.eval_strategy not in ("no", None):
             raise ValueError("AsyncAIPOConfig: evaluation during training is not supported; use `hfllamarl eval`.")
+
+    def _check_quantization(self) -> None:
+        q = self.generator_quantization
+        if q is None:
+            return
+        if q not in _ONLINE_QUANTIZATION:
+            raise ValueError(
+                f"AsyncAIPOConfig: generator_quantization={q!r} is not supported; use one of "
+                f"{sorted(_ONLINE_QUANTIZATION)} (quantization the generator applies itself to the weights the trainer "
+                "sends: methods that need a pre-quantized checkpoint cannot follow a policy that changes every step)."
+            )
+        import torch
+
+        if self.use_cpu or not torch.cuda.is_available():
+            raise ValueError(
+                f"AsyncAIPOConfig: generator_quantization={q!r} needs CUDA GPUs ({_ONLINE_QUANTIZATION[q]}); this "
+                "job runs on the CPU. Remove generator_quantization (the generator then runs in generator_dtype), "
+                "or launch on GPU machines."
+            )
 
     @property
     def topology(self):
