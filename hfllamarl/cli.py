@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     learning = bench_parser.add_parser("learning", help="the demo task: sync vs AIPO at staleness 1 and 4 vs no IS")
     bench_learning.add_arguments(learning)
     learning.set_defaults(func=bench_learning.run)
+    from . import bench_profile
+    profile = bench_parser.add_parser("profile", help="measure decode-step and training-token times for plan --profile")
+    bench_profile.add_arguments(profile)
+    profile.set_defaults(func=bench_profile.run)
     p = sub.add_parser("plan", help="recommend a trainer/generator GPU split (LlamaRL section 6 model)")
     plan.add_arguments(p)
     p.set_defaults(func=plan.run)
