@@ -89,7 +89,13 @@ class ExecutorController:
                     executor.save_checkpoint()
         except Exception as exc:
             if topology is not None and _is_communication_error(exc):
-                _name_lost_ranks(topology, exc)
+                try:
+                    _name_lost_ranks(topology, exc)
+                except Exception as named:
+                    topology.give_up(str(named))
+                    raise
+            if topology is not None:
+                topology.give_up(f"{type(exc).__name__}: {exc}")
             raise
         finally:
             executor.close()

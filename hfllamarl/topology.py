@@ -52,6 +52,7 @@ class Topology:
     job_id: int = 0  # a single process may run train() several times (a notebook): one job each
     _store: object = field(default=None, repr=False)
     _bridge: dict = field(default_factory=dict, repr=False)
+    _hosts_store: bool = field(default=False, repr=False)
     _children: list = field(default_factory=list, repr=False)
 
     @property
@@ -104,14 +105,16 @@ class Topology:
                 self._store = dist.TCPStore(
                     "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=self.timeout
                 )
+                self._hosts_store = True
                 self.store_addr = ("127.0.0.1", self._store.port)
             else:
                 host, port = self.store_addr
                 agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+                self._hosts_store = self.mode == "launcher" and not agent and self.rank == 0
                 self._store = dist.TCPStore(
                     host,
                     port,
-                    is_master=(self.mode == "launcher" and not agent and self.rank == 0),
+                    is_master=self._hosts_store,
                     wait_for_workers=False,
                     timeout=self.timeout,
                 )
@@ -184,8 +187,39 @@ class Topology:
         if getattr(self, "_heartbeat", None) is not None:
             self._heartbeat.set()
 
+    def mark_failed(self, cause: str) -> None:
+        """Record why this rank gives up, so others name the first cause rather than this rank."""
+        try:
+            self.store().set(f"hfllamarl/{self.job_id}/failed/{self.rank}", cause[:2000])
+        except Exception:
+            pass
+
+    def give_up(self, cause: str, linger_s: float = 15.0) -> None:
+        """This rank is failing: record why, drop the bridge at once (peers blocked on this rank fail now,
+        not at their timeout) and, if this process hosts the job's store, keep the store up until every
+        other rank has finished, failed or gone silent, so that they can still tell who died first."""
+        self.mark_failed(cause)
+        for pg in self._bridge.values():
+            try:
+                pg.abort()
+            except Exception:
+                pass
+        if not self._hosts_store:
+            return
+        deadline = time.monotonic() + linger_s
+        while time.monotonic() < deadline:
+            try:
+                pending = [r for r in range(self.world_size) if r != self.rank and not self._store.check(
+                    [f"hfllamarl/{self.job_id}/done/{r}"]) and not self._store.check([f"hfllamarl/{self.job_id}/failed/{r}"])]
+            except Exception:
+                return
+            if not set(pending) - set(self.lost_ranks()):
+                return
+            time.sleep(0.5)
+
     def lost_ranks(self, stale_s: float = 4.0) -> list[int]:
-        """Ranks whose heartbeat stopped (and that did not finish), the longest silent first."""
+        """Ranks whose heartbeat stopped (and that did not finish): first those that did not record a
+        failure of their own (the cause), then those that gave up; the longest silent first."""
         if self._store is None:
             return []
         silent = []
@@ -202,8 +236,12 @@ class Topology:
             except Exception:
                 return []
             if now - last > stale_s:
-                silent.append((last, rank))
-        return [rank for _, rank in sorted(silent)]
+                try:
+                    gave_up = self._store.check([f"hfllamarl/{self.job_id}/failed/{rank}"])
+                except Exception:
+                    return []
+                silent.append((gave_up, last, rank))
+        return [rank for _, _, rank in sorted(silent)]
 
     # ---------------------------------------------------------------- single-process mode
     def new_job(self) -> None:
