@@ -15,6 +15,7 @@ is the only trainer and starts the generators as child processes joined through 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import subprocess
 import sys
@@ -199,11 +200,17 @@ class Topology:
         not at their timeout) and, if this process hosts the job's store, keep the store up until every
         other rank has finished, failed or gone silent, so that they can still tell who died first."""
         self.mark_failed(cause)
-        for pg in self._bridge.values():
+        # Only dropping the last reference closes a gloo group's connections (abort() does not), and a
+        # peer blocked in a receive from this rank learns of the failure only then.
+        groups = list(self._bridge.values())
+        self._bridge.clear()
+        for pg in groups:
             try:
                 pg.abort()
             except Exception:
                 pass
+        del groups
+        gc.collect()
         if not self._hosts_store:
             return
         deadline = time.monotonic() + linger_s
