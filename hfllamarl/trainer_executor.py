@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .executor import Executor
+from .plugins.algorithms.aipo import masked_mean, reference_kl
 from .generator import ROLLOUTS
 from .rewards import RewardRunner
 from .rollout import Rollout, RolloutGroup
@@ -47,6 +48,8 @@ class TrainerJob:
     save_checkpoint: Callable[[int], None] = lambda step: None  # writes this rank's part, then commits
     trainer_state: Any = None
     metrics_extra: dict = field(default_factory=dict)
+    ref_model: Any = None  # with beta > 0: the frozen reference policy, sharded like the policy
+    beta: float = 0.0  # loss += beta * mean_t KL(pi || pi_ref) (TRL's k3 estimator)
 
 
 def pad_batch(rollouts: list[Rollout], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -149,7 +152,8 @@ class TrainerExecutor(Executor):
         n = len(rollouts)
         mb = job.micro_batch_size
         steps = math.ceil(n / mb)
-        stats = {"is_ratio_mean": [], "is_ratio_max": [], "is_ratio_min": [], "clipped_frac": [], "behavior_kl": []}
+        stats = {"is_ratio_mean": [], "is_ratio_max": [], "is_ratio_min": [], "clipped_frac": [], "behavior_kl": [],
+                 "kl": []}
         loss_total = 0.0
         model = job.model
         for k in range(steps):
@@ -160,6 +164,12 @@ class TrainerExecutor(Executor):
             logprobs = completion_logprobs(model, batch, job.temperature)
             loss, m = job.algorithm.loss(logprobs, batch["behavior_logprobs"],
                                          advantages[k * mb:(k + 1) * mb].to(job.device), batch["mask"])
+            if job.ref_model is not None:
+                with torch.no_grad():
+                    ref_logprobs = completion_logprobs(job.ref_model, batch, job.temperature)
+                kl = masked_mean(reference_kl(logprobs, ref_logprobs), batch["mask"])
+                loss = loss + job.beta * kl
+                m["kl"] = kl.item()
             (loss / steps).backward()
             loss_total += loss.item() / steps
             for key in stats:
@@ -186,6 +196,7 @@ class TrainerExecutor(Executor):
             "is_ratio_mean": sum(stats["is_ratio_mean"]) / max(len(stats["is_ratio_mean"]), 1),
             "clipped_frac": sum(stats["clipped_frac"]) / max(len(stats["clipped_frac"]), 1),
             "behavior_kl": sum(stats["behavior_kl"]) / max(len(stats["behavior_kl"]), 1),
+            "kl": sum(stats["kl"]) / max(len(stats["kl"]), 1),
         }
         for name, scores in per_func.items():
             vals = [s for s in scores if s is not None]
@@ -208,6 +219,8 @@ class TrainerExecutor(Executor):
         metrics["is_ratio/min"] = -maxed["neg_is_ratio_min"]
         metrics["clipped_frac"] = summed["clipped_frac"] / world
         metrics["behavior_kl"] = summed["behavior_kl"] / world
+        if job.ref_model is not None:
+            metrics["kl"] = summed["kl"] / world  # KL(pi || pi_ref) on the sampled tokens, as TRL logs it
         metrics["staleness/mean"] = summed["staleness_sum"] / max(summed["staleness_n"], 1)
         metrics["staleness/max"] = maxed["staleness_max"]
         metrics["completions/mean_length"] = summed["len_sum"] / count

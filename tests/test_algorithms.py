@@ -66,3 +66,21 @@ def test_behavior_kl_metric_is_zero_on_policy_and_positive_off():
     assert on["behavior_kl"] == pytest.approx(0.0, abs=1e-7)
     r = math.exp(0.5)
     assert off["behavior_kl"] == pytest.approx(r - 1 - 0.5, rel=1e-5)
+
+
+def test_reference_kl_is_trls_k3_estimator_with_its_gradient():
+    from hfllamarl.plugins.algorithms.aipo import masked_mean, reference_kl
+
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0], [-1.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    kl = reference_kl(logp, ref)
+    # exp(d) - d - 1 with d = ref - logp: d = 0, 1, -1 (and 3, masked out)
+    expected = torch.tensor([[0.0, math.e - 2.0], [math.exp(-1.0), math.exp(3.0) - 4.0]])
+    assert torch.allclose(kl.detach(), expected, atol=1e-6)
+    assert (kl >= 0).all()
+    loss = masked_mean(kl, mask)
+    loss.backward()
+    # d/dlogp [exp(d) - d - 1] = -(exp(d) - 1), divided by the 3 unmasked tokens
+    assert torch.allclose(logp.grad, -(torch.exp(ref - logp.detach()) - 1) * mask / 3, atol=1e-6)
+    assert logp.grad[0, 0] == 0 and logp.grad[1, 1] == 0

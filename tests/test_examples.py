@@ -34,10 +34,11 @@ def test_cli_plugins_list():
 def test_accelerate_launch_fsdp2_config_two_trainers(tiny_model, tmp_path):
     """The FSDP2 config: 3 processes, 2 trainer ranks sharding the policy, 1 generator."""
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, str(tmp_path / "acc"), "--steps", "2",
-                       "--report-to", "none"], nproc=3, timeout=400,
+                       "--report-to", "none", "--beta", "0.04"], nproc=3, timeout=400,
                       launcher=f"accelerate --config_file {REPO / 'examples' / 'accelerate' / 'fsdp2.yaml'}")
     assert proc.returncode == 0, tail(proc)
     assert "TRAINED global_step=2" in proc.stdout
+    assert '"kl": ' in proc.stdout  # the reference model, sharded over the 2 trainer ranks like the policy
 
 
 RECIPES = sorted(glob.glob(str(REPO / "examples" / "recipes" / "*.yaml")))

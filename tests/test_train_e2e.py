@@ -31,8 +31,8 @@ def no_orphans(output_dir):
 def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
     """`python script.py`: the generator is a child process. train() runs twice, as in a notebook."""
     out = str(tmp_path / "run")
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "3", "--repeat", "2"],
-                      timeout=400)
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "3", "--repeat", "2",
+                       "--beta", "0.04"], timeout=400)
     assert proc.returncode == 0, tail(proc)
     assert proc.stdout.count("TRAINED global_step=3") == 2
     steps = [h for h in history(proc) if "reward" in h]
@@ -43,6 +43,8 @@ def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
     # Staleness 1: batch 0 is sampled by the initial policy and trained at version 0; later batches are one
     # version behind.
     assert [h["staleness/max"] for h in steps] == [0, 1, 1]
+    # beta > 0: KL to the reference (the starting policy) is 0 while the policy is still the start, then grows.
+    assert steps[0]["kl"] < 1e-6 and 0 < steps[1]["kl"] and 0 < steps[2]["kl"], [h["kl"] for h in steps]
     assert glob.glob(os.path.join(out, "runs", "*", "events.out.tfevents.*")), "no TensorBoard log"
     assert "TRAINED global_step=3" in proc.stdout
     assert not no_orphans(out)

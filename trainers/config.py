@@ -188,8 +188,8 @@ class AsyncAIPOConfig(GRPOConfig):
                 f"AsyncAIPOConfig: per_device_train_batch_size x gradient_accumulation_steps ({per_rank}) must be a "
                 f"multiple of num_generations ({self.num_generations}): each trainer rank trains whole groups."
             )
-        if self.beta != 0.0:
-            raise ValueError("AsyncAIPOConfig: beta > 0 (KL to a reference model) is not supported yet; set beta=0.")
+        if not (math.isfinite(self.beta) and self.beta >= 0.0):
+            raise ValueError(f"AsyncAIPOConfig: beta={self.beta}; the KL coefficient must be >= 0 (0: no reference model).")
         if self.reward_errors not in ("raise", "zero"):
             raise ValueError(f"AsyncAIPOConfig: reward_errors must be 'raise' or 'zero', not {self.reward_errors!r}.")
         if self.collective_timeout_s <= 0:

@@ -65,6 +65,14 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
                 m.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+    ref_model = None
+    if args.beta > 0:  # the starting policy (copied before a resume loads the checkpoint), frozen, sharded alike
+        import copy
+
+        ref_model = copy.deepcopy(model)
+        ref_model.requires_grad_(False)
+        ref_model.to(device).eval()
+        shard_model(ref_model, topo.device_type, "bf16" if args.bf16 else None)
     if resume_dir:
         checkpoint.load_model_weights(model, resume_dir)
     model.to(device)
@@ -108,7 +116,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         micro_batch_size=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
         temperature=args.temperature, max_grad_norm=args.max_grad_norm,
         pad_token_id=trainer.processing_class.pad_token_id, device=device, on_step=on_step,
-        trainer_state=reporter.state, save_checkpoint=on_save,
+        trainer_state=reporter.state, save_checkpoint=on_save, ref_model=ref_model, beta=args.beta,
     )
     executor = holder["executor"] = TrainerExecutor(job, topo)
     os.makedirs(args.output_dir, exist_ok=True)

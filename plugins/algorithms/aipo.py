@@ -43,6 +43,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate on the sampled tokens, TRL's (k3) estimator:
+    exp(ref - logp) - (ref - logp) - 1 >= 0, zero where pi == pi_ref. Gradient flows through `logprobs`."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1
+
+
 @torch.no_grad()
 def ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Importance-ratio statistics over the completion tokens, and the KL between the behaviour and the
