@@ -63,6 +63,23 @@ def test_synchronous_mode_is_exactly_on_policy_under_torchrun(tiny_model, tmp_pa
         assert abs(h["is_ratio/max"] - 1.0) < 1e-4 and abs(h["is_ratio/min"] - 1.0) < 1e-4, h
 
 
+def test_staleness_bound_n_holds_and_nothing_is_dropped(tiny_model, tmp_path):
+    """max_staleness=3: the generator runs up to 3 versions ahead and no further; every batch is trained."""
+    from hfllamarl.prompts import batch_rows
+
+    out = str(tmp_path / "s3")
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "6", "--max-staleness", "3",
+                       "--report-to", "none"], timeout=400)
+    assert proc.returncode == 0, tail(proc)
+    steps = [h for h in history(proc) if "reward" in h]
+    assert [h["staleness/max"] for h in steps] == [0, 1, 2, 3, 3, 3]
+    assert [h["staleness/mean"] for h in steps] == [0, 1, 2, 3, 3, 3]  # whole batches: one version each
+    rows = trained_rows(out)
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    for step in rows:  # 16 completions / 4 per prompt = 4 prompts per step, none skipped
+        assert rows[step] == batch_rows(64, 4, step - 1, seed=0)
+
+
 @pytest.mark.parametrize("bad,message", [("raise", "reward function 'broken' raised RuntimeError"),
                                          ("length", "reward function 'short' returned 15 values for 16")])
 def test_bad_reward_function_fails_cleanly(tiny_model, tmp_path, bad, message):
