@@ -29,6 +29,7 @@ import shutil
 import torch
 
 MARKER = "hfllamarl.json"
+ADAPTERS = "adapters.pt"  # LoRA runs: the adapter weights (model.safetensors holds the merged policy)
 
 
 def checkpoint_tick(step: int, max_staleness: int) -> int:
@@ -85,11 +86,16 @@ def save_policy(trainer, directory: str) -> None:
     import torch.distributed as dist
 
     from hfllamarl.fsdp import full_state_dict
+    from hfllamarl.lora import is_peft, merged_full_state_dict
 
-    state = full_state_dict(trainer.model)
+    model = trainer.model
+    if is_peft(model):  # a plain model with the adapters merged: what vLLM and users load
+        state, model = merged_full_state_dict(model), model.get_base_model()
+    else:
+        state = full_state_dict(model)
     if trainer.topology.rank == 0:
         os.makedirs(directory, exist_ok=True)
-        trainer.model.save_pretrained(directory, state_dict=state)
+        model.save_pretrained(directory, state_dict=state)
         trainer.processing_class.save_pretrained(directory)
     if dist.is_initialized():
         dist.barrier()
@@ -99,9 +105,15 @@ def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
     """Called on every trainer rank (the model and optimizer gathers are collectives)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    from hfllamarl.lora import adapter_state_dict, is_peft
+
     rank = trainer.topology.rank
     os.makedirs(os.path.join(directory, "hfllamarl"), exist_ok=True)
     save_policy(trainer, directory)
+    if is_peft(trainer.model):  # the adapters themselves, to train on from where they were
+        adapters = adapter_state_dict(trainer.model)
+        if rank == 0:
+            torch.save(adapters, os.path.join(directory, "hfllamarl", ADAPTERS))
     optim_state = get_optimizer_state_dict(trainer.model, trainer.optimizer,
                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
@@ -181,8 +193,21 @@ def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: in
 
 # ---------------------------------------------------------------------------- loading
 def load_model_weights(model: torch.nn.Module, directory: str) -> None:
-    """Load the policy saved in `directory` into an (unsharded) model."""
+    """Load the policy saved in `directory` into an (unsharded) model; a LoRA policy gets its adapters."""
     from safetensors.torch import load_file
+
+    from hfllamarl.lora import is_peft
+
+    if is_peft(model):
+        path = os.path.join(directory, "hfllamarl", ADAPTERS)
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint {directory!r} holds no LoRA adapters ({path}); it was not written by a "
+                             "run with this peft_config.")
+        missing, unexpected = model.load_state_dict(torch.load(path, weights_only=True), strict=False)
+        if unexpected or [m for m in missing if ".lora_" in m]:
+            raise ValueError(f"the adapters in {path!r} do not match peft_config: missing "
+                             f"{[m for m in missing if '.lora_' in m]}, unexpected {unexpected}")
+        return
 
     single = os.path.join(directory, "model.safetensors")
     if os.path.isfile(single):

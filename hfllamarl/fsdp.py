@@ -56,3 +56,28 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False))
+
+
+def loaded_on_rank0_only() -> bool:
+    """Accelerate's FSDP `cpu_ram_efficient_loading` (on by default): transformers' `from_pretrained` reads
+    the weights on the first rank of each node only and leaves the others empty, expecting FSDP to copy them."""
+    import os
+
+    return (os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+            and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true")
+
+
+def broadcast_from_rank0(model: torch.nn.Module, device: torch.device) -> None:
+    """Give every trainer rank trainer rank 0's parameters and buffers (FSDP1's `sync_module_states`, which
+    FSDP2 has not): call before sharding, on every trainer rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        model.to_empty(device=device)
+    else:
+        model.to(device)
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)

@@ -48,6 +48,7 @@ class TrainerJob:
     save_checkpoint: Callable[[int], None] = lambda step: None  # writes this rank's part, then commits
     trainer_state: Any = None
     metrics_extra: dict = field(default_factory=dict)
+    weights: Any = None  # what the weight sync sends (`state_dict()`); None: the policy itself (LoRA: merged)
     ref_model: Any = None  # with beta > 0: the frozen reference policy, sharded like the policy
     beta: float = 0.0  # loss += beta * mean_t KL(pi || pi_ref) (TRL's k3 estimator)
 
@@ -104,7 +105,10 @@ class TrainerExecutor(Executor):
 
     def init(self) -> None:
         self.backend = self.backend or self.job.backend
-        self.backend.setup_trainer(self.job.model)
+        weights = self.job.weights if self.job.weights is not None else self.job.model
+        self.backend.setup_trainer(weights)
+        self.sync_bytes = sum(t.numel() * self.backend.wire_dtype(t.dtype).itemsize
+                              for t in weights.state_dict().values())
 
     # ------------------------------------------------------------------ channels
     def get_output(self, channel: str):
@@ -113,7 +117,7 @@ class TrainerExecutor(Executor):
         # New weights go out when there are some and the generator still samples batches.
         if self.version > self.sent_version and self.tick < self.job.num_batches:
             self.sent_version = self.version
-            return self.job.model, self.version
+            return (self.job.weights if self.job.weights is not None else self.job.model), self.version
         return None
 
     def put_input(self, channel: str, value) -> None:
@@ -236,6 +240,7 @@ class TrainerExecutor(Executor):
         if job.scheduler is not None:
             metrics["learning_rate"] = job.scheduler.get_last_lr()[0]
         metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
+        metrics["weight_sync/bytes"] = float(getattr(self, "sync_bytes", 0))  # per sync, all generator ranks get it
         metrics["train_step_seconds"] = time.perf_counter() - start
         self.trained_rows.append([r.row_index for r in rollouts[:: job.num_generations]])
         self._save_due = bool(job.on_step(self.version, metrics))

@@ -32,12 +32,20 @@ def test_cli_plugins_list():
 
 @pytest.mark.slow
 def test_accelerate_launch_fsdp2_config_two_trainers(tiny_model, tmp_path):
-    """The FSDP2 config: 3 processes, 2 trainer ranks sharding the policy, 1 generator."""
+    """The FSDP2 config: 3 processes, 2 trainer ranks sharding the policy (LoRA adapters here, and a reference
+    model for beta > 0), 1 generator."""
+    import json
+
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, str(tmp_path / "acc"), "--steps", "2",
-                       "--report-to", "none", "--beta", "0.04"], nproc=3, timeout=400,
+                       "--report-to", "none", "--beta", "0.04", "--lora", "--learning-rate", "2e-2",
+                       "--max-staleness", "0"], nproc=3, timeout=400,
                       launcher=f"accelerate --config_file {REPO / 'examples' / 'accelerate' / 'fsdp2.yaml'}")
     assert proc.returncode == 0, tail(proc)
     assert "TRAINED global_step=2" in proc.stdout
+    line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
+    for h in [h for h in json.loads(line[len("LOG_HISTORY "):]) if "reward" in h]:
+        # each rank merges its own rows of W + s * B @ A: the generator gets exactly the trainers' policy
+        assert abs(h["is_ratio/max"] - 1.0) < 1e-4 and abs(h["is_ratio/min"] - 1.0) < 1e-4, h
     assert '"kl": ' in proc.stdout  # the reference model, sharded over the 2 trainer ranks like the policy
 
 

@@ -275,5 +275,7 @@ def test_rank_killed_mid_step_is_named_by_every_survivor(tiny_model, tmp_path, v
         assert time.monotonic() - killed_at < 60 + 15  # collective_timeout_s of the script, plus exit
     finally:
         for proc in procs:
-            proc.kill()
+            proc.kill()  # the frozen rank too: it cannot exit by itself
+        for proc in procs:
+            proc.communicate(timeout=60)
     assert not no_orphans(out)

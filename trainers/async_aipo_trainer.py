@@ -61,7 +61,6 @@ class AsyncAIPOTrainer:
             )
         _reject("eval_dataset", eval_dataset, "evaluation during training is not supported; use `hfllamarl eval`")
         _reject("reward_processing_classes", reward_processing_classes, "reward models are not supported yet")
-        _reject("peft_config", peft_config, "LoRA training is not supported yet")
         if optimizers != (None, None):
             raise ValueError("optimizers: the optimizer is built after FSDP2 sharding; set learning_rate, "
                              "weight_decay, adam_* and lr_scheduler_type in AsyncAIPOConfig instead.")
@@ -95,6 +94,10 @@ class AsyncAIPOTrainer:
         self.model = None
         if self.topology.role == "trainer":
             self.model = model_obj if model_obj is not None else _load_policy(self.model_path, args)
+            if peft_config is not None:  # the trainer trains adapters; the generator gets merged weights
+                from hfllamarl.lora import apply_peft
+
+                self.model = apply_peft(self.model, peft_config)
         self._model_obj = model_obj
         self.state = None
 

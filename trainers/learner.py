@@ -9,7 +9,8 @@ import os
 import torch
 
 from hfllamarl import checkpoint
-from hfllamarl.fsdp import shard_model
+from hfllamarl.fsdp import broadcast_from_rank0, loaded_on_rank0_only, shard_model
+from hfllamarl.lora import is_peft
 from hfllamarl.reporting import Reporter
 from hfllamarl.trainer_executor import TrainerExecutor, TrainerJob
 
@@ -65,6 +66,8 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
                 m.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+    if loaded_on_rank0_only():  # the other trainer ranks hold empty weights until rank 0's arrive
+        broadcast_from_rank0(model, device)
     ref_model = None
     if args.beta > 0:  # the starting policy (copied before a resume loads the checkpoint), frozen, sharded alike
         import copy
@@ -74,10 +77,15 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         ref_model.to(device).eval()
         shard_model(ref_model, topo.device_type, "bf16" if args.bf16 else None)
     if resume_dir:
-        checkpoint.load_model_weights(model, resume_dir)
+        checkpoint.load_model_weights(model, resume_dir)  # a LoRA policy: its adapters
     model.to(device)
     model.train()
     shard_model(model, topo.device_type, "bf16" if args.bf16 else None)
+    weights = None
+    if is_peft(model):
+        from hfllamarl.lora import MergedLoraWeights
+
+        weights = MergedLoraWeights(model)
     optimizer = build_optimizer(model, args)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer,
                               num_warmup_steps=args.get_warmup_steps(trainer.num_batches),
@@ -117,6 +125,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         temperature=args.temperature, max_grad_norm=args.max_grad_norm,
         pad_token_id=trainer.processing_class.pad_token_id, device=device, on_step=on_step,
         trainer_state=reporter.state, save_checkpoint=on_save, ref_model=ref_model, beta=args.beta,
+        weights=weights,
     )
     executor = holder["executor"] = TrainerExecutor(job, topo)
     os.makedirs(args.output_dir, exist_ok=True)

@@ -68,6 +68,8 @@ def main():
     p.add_argument("--repeat", type=int, default=1, help="train() again in the same process, as a notebook would")
     p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True)")
     p.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL this process (and so the job) at this step")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters on q_proj and v_proj")
+    p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the reference model")
     p.add_argument("--kill-in-checkpoint", type=int, default=0, help="SIGKILL while this step's checkpoint is written")
     a = p.parse_args()
@@ -76,12 +78,18 @@ def main():
     rewards = [a.reward] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
     config = AsyncAIPOConfig(
         output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=16, num_generations=4,
-        max_completion_length=4, learning_rate=1e-3, logging_steps=1, report_to=a.report_to,
+        max_completion_length=4, learning_rate=a.learning_rate, logging_steps=1, report_to=a.report_to,
         max_staleness=a.max_staleness, num_generator_processes=a.num_generators, seed=0,
         collective_timeout_s=60, save_steps=a.save_steps, beta=a.beta,
     )
     for _ in range(a.repeat):
-        trainer = AsyncAIPOTrainer(model=a.model, reward_funcs=rewards, args=config,
+        peft_config = None
+        if a.lora:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                                     task_type="CAUSAL_LM")
+        trainer = AsyncAIPOTrainer(model=a.model, reward_funcs=rewards, args=config, peft_config=peft_config,
                                    train_dataset=Dataset.from_list(successor_rows(64, seed=2)))
         if a.kill_at_step:
             trainer.add_callback(KillAt(a.kill_at_step))

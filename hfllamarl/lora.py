@@ -1,0 +1,137 @@
+"""LoRA through `peft_config`: the trainer trains adapters, the generator gets merged weights.
+
+The trainer ranks wrap the policy with peft (`get_peft_model`) before FSDP2 sharding, so the optimizer
+holds only the adapters' states. The generator never sees an adapter: at every sync it receives, for
+each adapted linear layer, the merged weight `W + scaling * B @ A` under the model's own (Hugging Face)
+name, and nothing for the layers no adapter touches. vLLM fuses some projections into one layer
+(q, k and v into `qkv_proj`; gate and up into `gate_up_proj`) and reloads a layer only whole, so the
+siblings of an adapted projection travel with it (their weights unchanged when they carry no adapter).
+
+FSDP2 shards `W`, `B` and `A` on dim 0 over the same trainer ranks; `W` and `B` share their first
+dimension (out_features), so each rank merges its own rows: `W_local + scaling * B_local @ A_full`,
+with only the small `A` (rank x in_features) gathered. The merged weight keeps `W`'s sharding, so every
+weight-sync backend sends it as it sends a plain policy's shards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# vLLM's fused layers (Llama family): an adapted projection brings its siblings along.
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_PREFIX = "base_model.model."
+
+
+def apply_peft(model: torch.nn.Module, peft_config) -> torch.nn.Module:
+    """Wrap `model` with LoRA adapters; refuse peft settings the merged-weight sync cannot honour."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:  # pragma: no cover - peft is a dependency
+        raise ImportError("peft_config needs the `peft` package: pip install peft") from exc
+    if not isinstance(peft_config, LoraConfig):
+        raise ValueError(f"peft_config must be a peft.LoraConfig (got {type(peft_config).__name__}): the generator "
+                         "receives merged LoRA weights; other peft methods are not supported.")
+    for field, bad, why in (("modules_to_save", lambda v: bool(v), "fully trained extra modules"),
+                            ("use_dora", lambda v: bool(v), "DoRA's magnitude vector"),
+                            ("bias", lambda v: v != "none", "trained biases")):
+        if bad(getattr(peft_config, field, None)):
+            raise ValueError(f"peft_config.{field}={getattr(peft_config, field)!r} is not supported ({why} do not "
+                             "reach the generator as a merged weight); leave it at its default.")
+    return get_peft_model(model, peft_config)
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _lora_layers(model) -> dict[str, torch.nn.Module]:
+    """HF module name -> peft LoRA layer wrapping an nn.Linear."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), torch.nn.Linear):
+            out[name.removeprefix(_PREFIX)] = module
+    return out
+
+
+def _merged(layer) -> torch.Tensor:
+    """`W + scaling * B @ A` for the active adapter, sharded like `W` (a DTensor under FSDP2)."""
+    weight = layer.get_base_layer().weight
+    adapter = layer.active_adapters[0]
+    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    scaling = layer.scaling[adapter]
+    if not hasattr(weight, "to_local"):
+        return (weight + scaling * (b @ a)).detach()
+    from torch.distributed.tensor import DTensor
+
+    a_full = a.full_tensor() if hasattr(a, "full_tensor") else a
+    b_local = b.to_local() if hasattr(b, "to_local") else b
+    local = weight.to_local() + scaling * (b_local @ a_full.to(b_local.dtype))
+    return DTensor.from_local(local.detach(), weight.device_mesh, weight.placements, shape=weight.shape,
+                              stride=weight.stride())
+
+
+class MergedLoraWeights:
+    """What the weight-sync backends send for a LoRA policy: `state_dict()` maps HF names of the adapted
+    layers (and their fused siblings) to merged weights. Computing it is a collective over the trainer
+    world (each `A` is gathered), so every trainer rank calls it, in the same order."""
+
+    def __init__(self, model):
+        self.model = model
+        layers = _lora_layers(model)
+        if not layers:
+            raise ValueError("peft_config adapts no nn.Linear layer of the policy; check target_modules.")
+        names = set(layers)
+        for name in list(layers):
+            parent, _, leaf = name.rpartition(".")
+            for group in FUSED:
+                if leaf in group:
+                    names |= {f"{parent}.{sibling}" for sibling in group}
+        modules = dict(model.named_modules())
+        self._layers = {}
+        for name in sorted(names):
+            module = layers.get(name) or modules.get(_PREFIX + name)
+            if module is None:
+                raise ValueError(f"{name!r} is fused with an adapted layer in vLLM but the policy has no such layer")
+            self._layers[name] = module
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, module in self._layers.items():
+            if hasattr(module, "lora_A"):
+                out[f"{name}.weight"] = _merged(module)
+            else:
+                out[f"{name}.weight"] = module.weight.detach()
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (m.get_base_layer().weight if hasattr(m, "lora_A")
+                                                            else m.weight for m in self._layers.values()))
+
+
+def merged_full_state_dict(model) -> dict[str, torch.Tensor]:
+    """The whole policy with the adapters merged, unsharded, under HF names (a collective on the trainer
+    world): what `save_model` and checkpoints write, so vLLM and users load it as a plain model."""
+    from hfllamarl.fsdp import full_state_dict
+
+    full = full_state_dict(model)
+    out = {}
+    for key, tensor in full.items():
+        if ".lora_" in key:
+            continue
+        out[key.removeprefix(_PREFIX).replace(".base_layer.", ".")] = tensor
+    for name, layer in _lora_layers(model).items():
+        adapter = layer.active_adapters[0]
+        prefix = f"{_PREFIX}{name}.lora_"
+        a = full[f"{prefix}A.{adapter}.weight"]
+        b = full[f"{prefix}B.{adapter}.weight"]
+        out[f"{name}.weight"] = out[f"{name}.weight"] + layer.scaling[adapter] * (b @ a.to(b.dtype))
+    return out
+
+
+def adapter_state_dict(model) -> dict[str, torch.Tensor]:
+    """The adapters only (peft's own names), unsharded: what a checkpoint keeps to resume training."""
+    from hfllamarl.fsdp import full_state_dict
+
+    return {k: v for k, v in full_state_dict(model).items() if ".lora_" in k}
