@@ -58,6 +58,30 @@ def tail(proc: subprocess.CompletedProcess, n: int = 4000) -> str:
     return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-n:]}\n--- stderr ---\n{proc.stderr[-n:]}"
 
 
+def step_logs(stdout: str) -> list[dict]:
+    """The per-step log rows of `trainer.state.log_history`, as `tests/scripts/train_tiny.py` prints it."""
+    import json
+
+    line = [l for l in stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
+    return [h for h in json.loads(line[len("LOG_HISTORY "):]) if "reward" in h]
+
+
+def assert_on_policy(h: dict) -> None:
+    """pi/mu == 1 on every token of a step: the generator sampled with exactly the trainer's weights."""
+    assert abs(h["is_ratio/max"] - 1.0) < 1e-4 and abs(h["is_ratio/min"] - 1.0) < 1e-4, h
+
+
+def trained_rows(out: str, rank: int = 0) -> dict[int, list[int]]:
+    """step -> dataset rows trained at that step (the last line for a step wins after a resume)."""
+    import json
+
+    rows = {}
+    for line in open(os.path.join(out, f"trained_prompts-rank{rank}.jsonl")):
+        rec = json.loads(line)
+        rows[rec["step"]] = rec["rows"]
+    return rows
+
+
 def launch_bare(n: int, args: list[str], env: dict) -> list[subprocess.Popen]:
     """Start n ranks with only RANK/WORLD_SIZE/MASTER_* set (rank 0 hosts the store), as mpirun or
     a batch scheduler would: unlike torchrun, nobody kills the survivors when one rank dies."""

@@ -34,7 +34,7 @@ def test_cli_plugins_list():
 def test_accelerate_launch_fsdp2_config_two_trainers(tiny_model, tmp_path):
     """The FSDP2 config: 3 processes, 2 trainer ranks sharding the policy (LoRA adapters here, and a reference
     model for beta > 0), 1 generator."""
-    import json
+    from conftest import assert_on_policy, step_logs
 
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, str(tmp_path / "acc"), "--steps", "2",
                        "--report-to", "none", "--beta", "0.04", "--lora", "--learning-rate", "2e-2",
@@ -42,10 +42,9 @@ def test_accelerate_launch_fsdp2_config_two_trainers(tiny_model, tmp_path):
                       launcher=f"accelerate --config_file {REPO / 'examples' / 'accelerate' / 'fsdp2.yaml'}")
     assert proc.returncode == 0, tail(proc)
     assert "TRAINED global_step=2" in proc.stdout
-    line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
-    for h in [h for h in json.loads(line[len("LOG_HISTORY "):]) if "reward" in h]:
+    for h in step_logs(proc.stdout):
         # each rank merges its own rows of W + s * B @ A: the generator gets exactly the trainers' policy
-        assert abs(h["is_ratio/max"] - 1.0) < 1e-4 and abs(h["is_ratio/min"] - 1.0) < 1e-4, h
+        assert_on_policy(h)
     assert '"kl": ' in proc.stdout  # the reference model, sharded over the 2 trainer ranks like the policy
 
 

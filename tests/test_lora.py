@@ -1,12 +1,11 @@
 """LoRA through peft_config: adapters train on the trainer, merged weights reach the generator every step."""
 
-import json
 import os
 
 import pytest
 import torch
 
-from conftest import SCRIPTS, run_script, tail
+from conftest import SCRIPTS, assert_on_policy, run_script, step_logs, tail
 
 pytestmark = pytest.mark.slow
 
@@ -22,8 +21,7 @@ def test_lora_updates_reach_the_generator_every_step(tiny_model, tmp_path):
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--lora", "--steps", "4", "--max-staleness",
                        "0", "--save-steps", "2", "--learning-rate", "2e-2", "--report-to", "none"], timeout=400)
     assert proc.returncode == 0, tail(proc)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
-    steps = [h for h in json.loads(line[len("LOG_HISTORY "):]) if "reward" in h]
+    steps = step_logs(proc.stdout)
     assert len(steps) == 4
 
     base, merged = load(tiny_model), load(os.path.join(out, "checkpoint-4"))
@@ -36,7 +34,7 @@ def test_lora_updates_reach_the_generator_every_step(tiny_model, tmp_path):
     # Synchronous: pi/mu == 1 at every step means the generator sampled with the merged weights. The check has
     # teeth: the merged policy's log-probs differ from the base's by far more than the 1e-4 tolerance.
     for h in steps:
-        assert abs(h["is_ratio/max"] - 1.0) < 1e-4 and abs(h["is_ratio/min"] - 1.0) < 1e-4, h
+        assert_on_policy(h)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
@@ -63,11 +61,10 @@ def test_lora_kill_and_resume_restores_the_adapters(tiny_model, tmp_path):
     assert proc.returncode == -9, tail(proc)
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--resume"], timeout=400)
     assert proc.returncode == 0, tail(proc)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
-    steps = [h for h in json.loads(line[len("LOG_HISTORY "):]) if "reward" in h]
+    steps = step_logs(proc.stdout)
     assert [h["step"] for h in steps] == [1, 2, 3, 4]
     for h in steps[2:]:
-        assert abs(h["is_ratio/max"] - 1.0) < 1e-4 and abs(h["is_ratio/min"] - 1.0) < 1e-4, h
+        assert_on_policy(h)
     base, merged = load(tiny_model), load(os.path.join(out, "checkpoint-4"))
     assert not torch.equal(base["model.layers.0.self_attn.q_proj.weight"],
                            merged["model.layers.0.self_attn.q_proj.weight"])

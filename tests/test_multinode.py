@@ -4,14 +4,13 @@ Node 0 runs trainer ranks 0-1, node 1 runs trainer rank 2 and the generator (ran
 the weight transfer both cross the node boundary. Everything is set up from the launcher's rendezvous alone.
 """
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, SCRIPTS, free_port
+from conftest import REPO, SCRIPTS, assert_on_policy, free_port, step_logs, trained_rows
 
 pytestmark = pytest.mark.slow
 
@@ -51,15 +50,13 @@ def test_two_nodes_train_and_the_generator_ends_with_the_trainers_weights(tiny_m
             proc.kill()
     for node, (proc, (stdout, stderr)) in enumerate(zip(procs, results)):
         assert proc.returncode == 0, f"node {node} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
-    line = [l for l in results[0][0].splitlines() if l.startswith("LOG_HISTORY ")][-1]
-    steps = [h for h in json.loads(line[len("LOG_HISTORY "):]) if "reward" in h]
+    steps = step_logs(results[0][0])
     assert [h["step"] for h in steps] == [1, 2, 3]
     for h in steps:
         # Synchronous: the generator on node 1 samples every batch with exactly the weights the three trainer
         # ranks (two of them on node 0) hold, so pi/mu is 1 on every token, the last step included.
         assert h["staleness/max"] == 0
-        assert abs(h["is_ratio/max"] - 1.0) < 1e-4 and abs(h["is_ratio/min"] - 1.0) < 1e-4, h
-    rows = [{json.loads(l)["step"]: json.loads(l)["rows"] for l in open(os.path.join(out, f"trained_prompts-rank{r}.jsonl"))}
-            for r in range(3)]
+        assert_on_policy(h)
+    rows = [trained_rows(out, r) for r in range(3)]
     for step in (1, 2, 3):  # 3 trainer ranks x 16 completions / 4 per prompt = 12 prompts per step
         assert sorted(rows[0][step] + rows[1][step] + rows[2][step]) == sorted(batch_rows(64, 12, step - 1, seed=0))

@@ -1,7 +1,6 @@
 """A third-party reward plugin (examples/reward_plugin): pip-installed, listed, loaded and trained with by name."""
 
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -10,7 +9,7 @@ import tomllib
 
 import pytest
 
-from conftest import REPO, SCRIPTS, run_script, tail
+from conftest import REPO, SCRIPTS, run_script, step_logs, tail
 from hfllamarl import load_plugin
 from hfllamarl.registry import PluginError
 
@@ -89,8 +88,7 @@ def test_pip_installed_plugin_is_listed_loaded_and_trains_by_name(tiny_model, tm
                            "--reward", "last_digit", "--report-to", "none"], timeout=400)
         assert proc.returncode == 0, tail(proc)
         assert "TRAINED global_step=2" in proc.stdout
-        line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
-        steps = [h for h in json.loads(line[len("LOG_HISTORY "):]) if "reward" in h]
+        steps = step_logs(proc.stdout)
         assert len(steps) == 2
         for h in steps:
             assert "rewards/last_digit/mean" in h and "rewards/math_sympy/mean" not in h, h

@@ -7,18 +7,13 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, run_script, tail
+from conftest import SCRIPTS, assert_on_policy, run_script, step_logs, tail, trained_rows
 
 pytestmark = pytest.mark.slow
 
 STEP_KEYS = {"reward", "reward_std", "rewards/math_sympy/mean", "is_ratio/mean", "is_ratio/max", "clipped_frac",
              "staleness/mean", "staleness/max", "generation/tokens_per_s", "weight_sync_seconds",
              "train_step_seconds", "loss", "learning_rate"}
-
-
-def history(proc):
-    line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
-    return json.loads(line[len("LOG_HISTORY "):])
 
 
 def no_orphans(output_dir):
@@ -35,7 +30,7 @@ def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
                        "--beta", "0.04"], timeout=400)
     assert proc.returncode == 0, tail(proc)
     assert proc.stdout.count("TRAINED global_step=3") == 2
-    steps = [h for h in history(proc) if "reward" in h]
+    steps = step_logs(proc.stdout)
     assert [h["step"] for h in steps] == [1, 2, 3]
     for h in steps:
         assert STEP_KEYS <= set(h), STEP_KEYS - set(h)
@@ -55,12 +50,12 @@ def test_synchronous_mode_is_exactly_on_policy_under_torchrun(tiny_model, tmp_pa
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "3", "--max-staleness", "0",
                        "--report-to", "none"], nproc=2, timeout=400)
     assert proc.returncode == 0, tail(proc)
-    steps = [h for h in history(proc) if "reward" in h]
+    steps = step_logs(proc.stdout)
     assert len(steps) == 3
     for h in steps:
         # The generator always samples with the trainer's current weights (bitwise, fp32): pi/mu == 1.
         assert h["staleness/max"] == 0
-        assert abs(h["is_ratio/max"] - 1.0) < 1e-4 and abs(h["is_ratio/min"] - 1.0) < 1e-4, h
+        assert_on_policy(h)
 
 
 def test_staleness_bound_n_holds_and_nothing_is_dropped(tiny_model, tmp_path):
@@ -71,7 +66,7 @@ def test_staleness_bound_n_holds_and_nothing_is_dropped(tiny_model, tmp_path):
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "6", "--max-staleness", "3",
                        "--report-to", "none"], timeout=400)
     assert proc.returncode == 0, tail(proc)
-    steps = [h for h in history(proc) if "reward" in h]
+    steps = step_logs(proc.stdout)
     assert [h["staleness/max"] for h in steps] == [0, 1, 2, 3, 3, 3]
     assert [h["staleness/mean"] for h in steps] == [0, 1, 2, 3, 3, 3]  # whole batches: one version each
     rows = trained_rows(out)
@@ -96,15 +91,6 @@ def test_more_generators_than_processes_is_explained(tiny_model, tmp_path):
                       nproc=2, timeout=120)
     assert proc.returncode != 0
     assert "num_generator_processes=2 but the launcher started 2 processes" in proc.stderr, tail(proc)
-
-
-def trained_rows(out, rank=0):
-    """step -> dataset rows trained at that step (the last line for a step wins after a resume)."""
-    rows = {}
-    for line in open(os.path.join(out, f"trained_prompts-rank{rank}.jsonl")):
-        rec = json.loads(line)
-        rows[rec["step"]] = rec["rows"]
-    return rows
 
 
 @pytest.mark.parametrize("staleness,kill", [(1, ["--kill-at-step", "3"]), (0, ["--kill-in-checkpoint", "4"])],
@@ -135,7 +121,7 @@ def test_kill_and_resume_trains_exactly_the_same_prompts(tiny_model, tmp_path, s
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, "--resume"], timeout=400)
     assert proc.returncode == 0, tail(proc)
     assert "TRAINED global_step=6" in proc.stdout
-    steps = [h for h in history(proc) if "reward" in h]
+    steps = step_logs(proc.stdout)
     assert [h["step"] for h in steps] == [1, 2, 3, 4, 5, 6]  # the checkpoint's history, then the step counter goes on
     # The staleness bound holds from the first step after resume, exactly as in the uninterrupted run.
     assert [h["staleness/max"] for h in steps] == [min(k - 1, staleness) for k in range(1, 7)]
@@ -188,7 +174,7 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--resume"], nproc=3, timeout=400)
     assert proc.returncode == 0, tail(proc)
     assert "TRAINED global_step=5" in proc.stdout
-    assert [h["step"] for h in history(proc) if "reward" in h] == [1, 2, 3, 4, 5]
+    assert [h["step"] for h in step_logs(proc.stdout)] == [1, 2, 3, 4, 5]
     ranks = [trained_rows(out, 0), trained_rows(out, 1)]
     for step in range(1, 6):
         # 2 ranks x 16 completions / 4 per prompt = 8 prompts per step, from 64 rows with seed 0.
