@@ -4,6 +4,7 @@
     hfllamarl eval ...          generate with vLLM on a JSONL data set and score with a reward (hfllamarl.evaluate)
     hfllamarl bench weight-sync ...   time the weight-sync backends side by side (hfllamarl.bench)
     hfllamarl bench learning ...      learning vs staleness on the demo task (hfllamarl.bench_learning)
+    hfllamarl bench profile ...       measure decode-step and training-token times for plan --profile (hfllamarl.bench_profile)
     hfllamarl plan ...          recommend a trainer/generator GPU split from the memory and step-time model (hfllamarl.plan)
     hfllamarl version
 """
@@ -26,30 +27,30 @@ def _plugins_list(args) -> int:
     return 0
 
 
+def _command(parent, name: str, help: str, module) -> None:
+    """A sub-command served by a module with `add_arguments(parser)` and `run(args)`."""
+    parser = parent.add_parser(name, help=help)
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.run)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hfllamarl", description="Asynchronous off-policy RL fine-tuning of LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="action", required=True)
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
-    from . import bench, bench_learning, evaluate, plan  # light modules: heavy imports happen inside their run()
+    # light modules: heavy imports happen inside their run()
+    from . import bench, bench_learning, bench_profile, evaluate, plan
 
-    ev = sub.add_parser("eval", help="generate on a JSONL data set and score it")
-    evaluate.add_arguments(ev)
-    ev.set_defaults(func=evaluate.run)
+    _command(sub, "eval", "generate on a JSONL data set and score it", evaluate)
     bench_parser = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
     ws = bench_parser.add_parser("weight-sync", help="nccl_ddma vs broadcast vs disk, side by side")
     bench.add_weight_sync_arguments(ws)
     ws.set_defaults(func=bench.run_weight_sync)
-    learning = bench_parser.add_parser("learning", help="the demo task: sync vs AIPO at staleness 1 and 4 vs no IS")
-    bench_learning.add_arguments(learning)
-    learning.set_defaults(func=bench_learning.run)
-    from . import bench_profile
-    profile = bench_parser.add_parser("profile", help="measure decode-step and training-token times for plan --profile")
-    bench_profile.add_arguments(profile)
-    profile.set_defaults(func=bench_profile.run)
-    p = sub.add_parser("plan", help="recommend a trainer/generator GPU split (LlamaRL section 6 model)")
-    plan.add_arguments(p)
-    p.set_defaults(func=plan.run)
+    _command(bench_parser, "learning", "the demo task: sync vs AIPO at staleness 1 and 4 vs no IS", bench_learning)
+    _command(bench_parser, "profile", "measure decode-step and training-token times for plan --profile",
+             bench_profile)
+    _command(sub, "plan", "recommend a trainer/generator GPU split (LlamaRL section 6 model)", plan)
     sub.add_parser("version", help="print the version").set_defaults(
         func=lambda a: print(__import__("hfllamarl").__version__) or 0)
     args = parser.parse_args(argv)

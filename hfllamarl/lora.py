@@ -55,6 +55,11 @@ def _lora_layers(model) -> dict[str, torch.nn.Module]:
     return out
 
 
+def _merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`W + scaling * B @ A`: the one merge formula, for a whole weight or a shard of W's and B's rows."""
+    return weight + scaling * (b @ a.to(b.dtype))
+
+
 def _merged(layer) -> torch.Tensor:
     """`W + scaling * B @ A` for the active adapter, sharded like `W` (a DTensor under FSDP2)."""
     weight = layer.get_base_layer().weight
@@ -62,12 +67,12 @@ def _merged(layer) -> torch.Tensor:
     a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
     scaling = layer.scaling[adapter]
     if not hasattr(weight, "to_local"):
-        return (weight + scaling * (b @ a)).detach()
+        return _merge(weight, a, b, scaling).detach()
     from torch.distributed.tensor import DTensor
 
     a_full = a.full_tensor() if hasattr(a, "full_tensor") else a
     b_local = b.to_local() if hasattr(b, "to_local") else b
-    local = weight.to_local() + scaling * (b_local @ a_full.to(b_local.dtype))
+    local = _merge(weight.to_local(), a_full, b_local, scaling)
     return DTensor.from_local(local.detach(), weight.device_mesh, weight.placements, shape=weight.shape,
                               stride=weight.stride())
 
@@ -105,10 +110,6 @@ class MergedLoraWeights:
                 out[f"{name}.weight"] = module.weight.detach()
         return out
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (m.get_base_layer().weight if hasattr(m, "lora_A")
-                                                            else m.weight for m in self._layers.values()))
-
 
 def merged_full_state_dict(model) -> dict[str, torch.Tensor]:
     """The whole policy with the adapters merged, unsharded, under HF names (a collective on the trainer
@@ -126,7 +127,7 @@ def merged_full_state_dict(model) -> dict[str, torch.Tensor]:
         prefix = f"{_PREFIX}{name}.lora_"
         a = full[f"{prefix}A.{adapter}.weight"]
         b = full[f"{prefix}B.{adapter}.weight"]
-        out[f"{name}.weight"] = out[f"{name}.weight"] + layer.scaling[adapter] * (b @ a.to(b.dtype))
+        out[f"{name}.weight"] = _merge(out[f"{name}.weight"], a, b, layer.scaling[adapter])
     return out
 
 

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from .executor import Executor
-from .plugins.algorithms.aipo import masked_mean, reference_kl
 from .generator import ROLLOUTS
+from .plugins.algorithms.aipo import masked_mean, reference_kl
 from .rewards import RewardRunner
 from .rollout import Rollout, RolloutGroup
 from .topology import Topology
@@ -102,13 +102,18 @@ class TrainerExecutor(Executor):
         self.weights_channel = None  # set by the front-end; its `last_seconds` is logged
         self.trained_rows: list[list[int]] = []  # dataset rows of each trained batch, in order
         self._save_due = False
+        self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
+
+    @property
+    def weights(self):
+        """What the weight sync sends: the policy, or for a LoRA policy its merged weights."""
+        return self.job.weights if self.job.weights is not None else self.job.model
 
     def init(self) -> None:
         self.backend = self.backend or self.job.backend
-        weights = self.job.weights if self.job.weights is not None else self.job.model
-        self.backend.setup_trainer(weights)
+        self.backend.setup_trainer(self.weights)
         self.sync_bytes = sum(t.numel() * self.backend.wire_dtype(t.dtype).itemsize
-                              for t in weights.state_dict().values())
+                              for t in self.weights.state_dict().values())
 
     # ------------------------------------------------------------------ channels
     def get_output(self, channel: str):
@@ -117,7 +122,7 @@ class TrainerExecutor(Executor):
         # New weights go out when there are some and the generator still samples batches.
         if self.version > self.sent_version and self.tick < self.job.num_batches:
             self.sent_version = self.version
-            return (self.job.weights if self.job.weights is not None else self.job.model), self.version
+            return self.weights, self.version
         return None
 
     def put_input(self, channel: str, value) -> None:
@@ -240,7 +245,7 @@ class TrainerExecutor(Executor):
         if job.scheduler is not None:
             metrics["learning_rate"] = job.scheduler.get_last_lr()[0]
         metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
-        metrics["weight_sync/bytes"] = float(getattr(self, "sync_bytes", 0))  # per sync, all generator ranks get it
+        metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
         metrics["train_step_seconds"] = time.perf_counter() - start
         self.trained_rows.append([r.row_index for r in rollouts[:: job.num_generations]])
         self._save_due = bool(job.on_step(self.version, metrics))
