@@ -80,25 +80,26 @@ def resolve(resume_from_checkpoint, output_dir: str) -> tuple[str, dict] | None:
 
 
 # ---------------------------------------------------------------------------- saving
-def save_policy(trainer, directory: str) -> None:
+def save_policy(trainer, directory: str) -> dict[str, torch.Tensor]:
     """Gather the full policy (a collective over the trainer world) and save it, with the tokenizer, on
-    trainer rank 0 in the Hugging Face format."""
+    trainer rank 0 in the Hugging Face format (a LoRA policy with its adapters merged). Returns what was
+    gathered (a LoRA policy: with the adapters under peft's names)."""
     import torch.distributed as dist
 
     from hfllamarl.fsdp import full_state_dict
     from hfllamarl.lora import is_peft, merged_full_state_dict
 
     model = trainer.model
+    full = state = full_state_dict(model)
     if is_peft(model):  # a plain model with the adapters merged: what vLLM and users load
-        state, model = merged_full_state_dict(model), model.get_base_model()
-    else:
-        state = full_state_dict(model)
+        state, model = merged_full_state_dict(model, full), model.get_base_model()
     if trainer.topology.rank == 0:
         os.makedirs(directory, exist_ok=True)
         model.save_pretrained(directory, state_dict=state)
         trainer.processing_class.save_pretrained(directory)
     if dist.is_initialized():
         dist.barrier()
+    return full
 
 
 def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
@@ -109,11 +110,9 @@ def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
 
     rank = trainer.topology.rank
     os.makedirs(os.path.join(directory, "hfllamarl"), exist_ok=True)
-    save_policy(trainer, directory)
-    if is_peft(trainer.model):  # the adapters themselves, to train on from where they were
-        adapters = adapter_state_dict(trainer.model)
-        if rank == 0:
-            torch.save(adapters, os.path.join(directory, "hfllamarl", ADAPTERS))
+    full = save_policy(trainer, directory)
+    if is_peft(trainer.model) and rank == 0:  # the adapters themselves, to train on from where they were
+        torch.save(adapter_state_dict(full), os.path.join(directory, "hfllamarl", ADAPTERS))
     optim_state = get_optimizer_state_dict(trainer.model, trainer.optimizer,
                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:

@@ -111,12 +111,10 @@ class MergedLoraWeights:
         return out
 
 
-def merged_full_state_dict(model) -> dict[str, torch.Tensor]:
-    """The whole policy with the adapters merged, unsharded, under HF names (a collective on the trainer
-    world): what `save_model` and checkpoints write, so vLLM and users load it as a plain model."""
-    from hfllamarl.fsdp import full_state_dict
-
-    full = full_state_dict(model)
+def merged_full_state_dict(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole policy with the adapters merged, under HF names, from `full` (the peft model's gathered
+    state dict, `hfllamarl.fsdp.full_state_dict`): what `save_model` and checkpoints write, so vLLM and users
+    load it as a plain model."""
     out = {}
     for key, tensor in full.items():
         if ".lora_" in key:
@@ -131,8 +129,6 @@ def merged_full_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def adapter_state_dict(model) -> dict[str, torch.Tensor]:
-    """The adapters only (peft's own names), unsharded: what a checkpoint keeps to resume training."""
-    from hfllamarl.fsdp import full_state_dict
-
-    return {k: v for k, v in full_state_dict(model).items() if ".lora_" in k}
+def adapter_state_dict(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters only (peft's own names) from the gathered state dict: what a checkpoint keeps to resume."""
+    return {k: v for k, v in full.items() if ".lora_" in k}
