@@ -1,17 +1,20 @@
 """`hfllamarl bench learning`: does learning survive asynchrony? The demo task, four ways.
 
-    hfllamarl bench learning [--steps 300] [--output-dir outputs/bench_learning]
+    hfllamarl bench learning [--steps 300] [--seeds 0,1,2] [--output-dir outputs/bench_learning]
 
 Each variant trains the same tiny model (built and format-warmed locally) on the successor task
-(`a+1=` -> `\\boxed{(a+1) mod 10}`, `math_sympy` reward) with the same seed and the same sample
-budget (`--steps` x 64 completions), one generator process and one trainer process:
+(`a+1=` -> `\\boxed{(a+1) mod 10}`, `math_sympy` reward) with the same seeds and the same sample
+budget (`--steps` x 64 completions per seed), one generator process and one trainer process:
 
 - `sync`: strictly on-policy (`max_staleness=0`, `on_policy_pg`): the paper's synchronous baseline;
 - `aipo_staleness_1`, `aipo_staleness_4`: asynchronous, AIPO's clipped importance weight;
-- `no_is_staleness_4`: asynchronous at staleness 4 without the importance weight (`on_policy_pg`).
+- `no_is_staleness_4`: asynchronous at staleness 4 without the importance weight (`on_policy_pg`);
+- `aipo_staleness_4_partial`: AIPO at staleness 4 with partial rollouts of one token per tick (a
+  completion's later tokens are sampled by newer policies).
 
-It prints the mean reward over consecutive windows of samples, writes a PNG of the curves, and as
-its last line one JSON object with each variant's final reward (mean of the last 10 steps).
+A variant's final reward is the mean reward of its last tenth of steps (at least 10), averaged over
+the seeds. It prints the mean reward over windows of samples and each seed's final reward, writes a
+PNG of the seed-averaged curves, and as its last line one JSON object with each variant's final reward.
 """
 
 from __future__ import annotations
@@ -26,15 +29,17 @@ VARIANTS = {
     "aipo_staleness_1": {"max_staleness": 1, "algorithm": "aipo"},
     "aipo_staleness_4": {"max_staleness": 4, "algorithm": "aipo"},
     "no_is_staleness_4": {"max_staleness": 4, "algorithm": "on_policy_pg"},
+    "aipo_staleness_4_partial": {"max_staleness": 4, "algorithm": "aipo", "partial_rollout_tokens": 1},
 }
+COMPLETIONS_PER_STEP = 64
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per variant (64 completions each)")
     parser.add_argument("--output-dir", default="outputs/bench_learning")
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--learning-rate", type=float, default=5e-4)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every variant runs with each")
 
 
 def train_variant(job: dict) -> None:
@@ -45,7 +50,8 @@ def train_variant(job: dict) -> None:
     from hfllamarl.tiny import successor_rows
 
     config = AsyncAIPOConfig(
-        output_dir=job["output_dir"], max_steps=job["steps"], per_device_train_batch_size=64, num_generations=8,
+        output_dir=job["output_dir"], max_steps=job["steps"], per_device_train_batch_size=COMPLETIONS_PER_STEP,
+        num_generations=8,
         max_completion_length=4, learning_rate=job["learning_rate"], lr_scheduler_type="constant",
         logging_steps=1, save_strategy="no", report_to="none", seed=job["seed"], collective_timeout_s=600,
         disable_tqdm=True, **VARIANTS[job["variant"]],
@@ -57,7 +63,7 @@ def train_variant(job: dict) -> None:
         json.dump(trainer.state.log_history, fh)
 
 
-def plot(curves: dict[str, list[float]], path: str, completions_per_step: int) -> None:
+def plot(curves: dict[str, list[float]], path: str, completions_per_step: int, num_seeds: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,12 +76,22 @@ def plot(curves: dict[str, list[float]], path: str, completions_per_step: int) -
                   for i in range(len(rewards))]
         ax.plot([(i + 1) * completions_per_step for i in range(len(rewards))], smooth, label=name)
     ax.set_xlabel("completions sampled")
-    ax.set_ylabel("mean reward (10-step moving average)")
-    ax.set_title("Learning vs staleness (successor task, same seed and budget)")
+    ax.set_ylabel(f"mean reward ({num_seeds} seeds, 10-step moving average)")
+    ax.set_title("Learning vs staleness (successor task, same seeds and budget)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def final_reward(rewards: list[float]) -> float:
+    """Mean reward of the last tenth of the steps (at least 10)."""
+    tail = rewards[-max(10, len(rewards) // 10):]
+    return sum(tail) / len(tail)
+
+
+def mean_curve(curves: list[list[float]]) -> list[float]:
+    return [sum(c[i] for c in curves) / len(curves) for i in range(min(map(len, curves)))]
 
 
 def run(args) -> int:
@@ -85,36 +101,49 @@ def run(args) -> int:
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}; the variants are {list(VARIANTS)}")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds {args.seeds!r}: give comma-separated whole numbers, e.g. 0,1,2") from None
+    if not seeds or args.steps < 1:
+        raise SystemExit("give at least one seed and --steps >= 1")
     os.makedirs(args.output_dir, exist_ok=True)
     model = prepare_demo_model(os.path.join(args.output_dir, "tiny-llama"))
-    curves, seconds = {}, {}
-    for name in names:
-        job = {"variant": name, "steps": args.steps, "learning_rate": args.learning_rate, "seed": args.seed,
-               "model": model, "output_dir": os.path.join(args.output_dir, name),
-               "history": os.path.join(args.output_dir, f"{name}.json")}
-        print(f"training {name} ...", flush=True)
-        proc = subprocess.run([sys.executable, "-m", "hfllamarl.bench_learning", json.dumps(job)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"variant {name} failed:\n{proc.stderr[-3000:]}")
-        history = json.load(open(job["history"]))
-        curves[name] = [h["reward"] for h in history if "reward" in h]
-        seconds[name] = next((h["train_runtime"] for h in history if "train_runtime" in h), None)
-    final = {name: round(sum(r[-10:]) / len(r[-10:]), 4) for name, r in curves.items()}
+    curves: dict[str, dict[int, list[float]]] = {name: {} for name in names}
+    seconds: dict[str, float] = {name: 0.0 for name in names}
+    for seed in seeds:
+        for name in names:
+            tag = f"{name}-seed{seed}"
+            job = {"variant": name, "steps": args.steps, "learning_rate": args.learning_rate, "seed": seed,
+                   "model": model, "output_dir": os.path.join(args.output_dir, tag),
+                   "history": os.path.join(args.output_dir, f"{tag}.json")}
+            print(f"training {name}, seed {seed} ...", flush=True)
+            proc = subprocess.run([sys.executable, "-m", "hfllamarl.bench_learning", json.dumps(job)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"variant {name} (seed {seed}) failed:\n{proc.stderr[-3000:]}")
+            history = json.load(open(job["history"]))
+            curves[name][seed] = [h["reward"] for h in history if "reward" in h]
+            seconds[name] += next((h["train_runtime"] for h in history if "train_runtime" in h), 0.0)
+    means = {name: mean_curve(list(per_seed.values())) for name, per_seed in curves.items()}
+    final = {name: round(sum(final_reward(c) for c in per_seed.values()) / len(seeds), 4)
+             for name, per_seed in curves.items()}
     png = os.path.join(args.output_dir, "learning.png")
-    plot(curves, png, 64)
-    windows = [w for w in (25, 50, 100, 150, 200, 250, 300, 400, 500) if w <= args.steps] or [args.steps]
-    print(f"mean reward over steps (64 completions each), seed {args.seed}")
-    print(f"{'variant':<20}" + "".join(f"{'<=' + str(w):>8}" for w in windows) + f"{'final':>8}{'seconds':>9}")
-    for name, r in curves.items():
-        cells = "".join(f"{sum(r[max(0, w - 25):w]) / len(r[max(0, w - 25):w]):>8.3f}" for w in windows)
-        print(f"{name:<20}{cells}{final[name]:>8.3f}{seconds[name] or 0:>9.1f}")
-    if "sync" in final and final["sync"] > 0:
-        for name in final:
-            if name != "sync":
-                print(f"{name}: {100 * final[name] / final['sync']:.1f} % of sync")
+    plot(means, png, COMPLETIONS_PER_STEP, len(seeds))
+    windows = sorted({min(args.steps, max(1, round(args.steps * f / 6))) for f in range(1, 7)})
+    print(f"mean reward over {len(seeds)} seed(s) {seeds}, by completions sampled ({COMPLETIONS_PER_STEP} per step; "
+          "each cell: the mean of the steps since the previous column)")
+    print(f"{'variant':<26}" + "".join(f"{w * COMPLETIONS_PER_STEP:>8}" for w in windows) + f"{'final':>8}"
+          + "".join(f"{'seed ' + str(s):>8}" for s in seeds) + f"{'% sync':>8}{'seconds':>9}")
+    prev = [0] + windows[:-1]
+    for name, r in means.items():
+        cells = "".join(f"{sum(r[a:b]) / max(b - a, 1):>8.3f}" for a, b in zip(prev, windows))
+        per_seed = "".join(f"{final_reward(curves[name][s]):>8.3f}" for s in seeds)
+        share = f"{100 * final[name] / final['sync']:>7.1f}%" if final.get("sync") else f"{'-':>8}"
+        print(f"{name:<26}{cells}{final[name]:>8.3f}{per_seed}{share}{seconds[name] / len(seeds):>9.1f}")
     print(f"plot: {png}")
-    print(json.dumps({**final, "steps": args.steps, "completions_per_step": 64, "plot": png}))
+    print(json.dumps({**final, "steps": args.steps, "seeds": seeds, "completions_per_step": COMPLETIONS_PER_STEP,
+                      "plot": png}))
     return 0
 
 

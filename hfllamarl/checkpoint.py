@@ -6,7 +6,9 @@
   tokenizer), `optimizer.pt` (the full AdamW state), `scheduler.pt`, `rng_state_<rank>.pth`,
   `trainer_state.json`;
 - `hfllamarl/trainer-<rank>.pt`: rollouts a trainer rank received but has not trained on yet;
-- `hfllamarl/generator.pt`: the batch the generator sampled but has not sent yet, its policy version;
+- `hfllamarl/generator.pt`: the batches the generator finished but has not sent yet, the batches it
+  is still generating (partial rollouts: every token so far with its log-prob and version), its
+  policy version;
 - `hfllamarl.json`, written last: the step and the tick. A directory without it is not a checkpoint.
 
 Every rank writes into `.checkpoint-<step>.partial`; after a barrier over the bridge, trainer rank 0
@@ -127,12 +129,13 @@ def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
 
 
 def save_generator_side(executor, directory: str) -> None:
-    """Called on every generator rank; the first holds the batch not sent yet."""
+    """Called on every generator rank; the first writes (every rank of the engine holds the same state)."""
     if executor.topology.local_rank != 0:
         return
     os.makedirs(os.path.join(directory, "hfllamarl"), exist_ok=True)
     with open(os.path.join(directory, "hfllamarl", "generator.pt"), "wb") as fh:
-        pickle.dump({"pending": executor.pending, "version": executor.version, "tick": executor.tick}, fh)
+        pickle.dump({"pending": executor.pending, "in_flight": executor.in_flight, "version": executor.version,
+                     "tick": executor.tick}, fh)
 
 
 def job_signature(args) -> dict:
@@ -247,8 +250,9 @@ def load_trainer_side(trainer, executor, directory: str) -> None:
 
 
 def load_generator_side(executor, directory: str) -> None:
-    if executor.topology.local_rank != 0:
-        return
+    """Called on every generator rank: all ranks of the engine continue the same carried completions."""
     with open(os.path.join(directory, "hfllamarl", "generator.pt"), "rb") as fh:
         saved = pickle.load(fh)
-    executor.pending = saved["pending"]
+    executor.in_flight = saved.get("in_flight", [])
+    if executor.topology.local_rank == 0:  # only the first rank sends rollouts
+        executor.pending = saved["pending"]

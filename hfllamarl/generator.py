@@ -4,6 +4,8 @@ vLLM runs in-process (`vllm.LLM`, no engine subprocess), with `external_launcher
 generator world has several ranks (tensor parallelism across them). Each tick it samples one
 generation batch with the newest weights it holds and records, for every sampled token, the
 behaviour log-prob (after temperature, as the trainer computes pi) and the policy version.
+With partial rollouts a completion samples at most `partial_rollout_tokens` per tick; the
+unfinished ones are carried and continued at the next tick under the weights of that tick.
 New weights are loaded in place with vLLM's `reload_weights`, streaming from the weight sync.
 """
 
@@ -20,7 +22,7 @@ from . import checkpoint
 from .checkpoint import load_generator_side
 from .executor import Executor
 from .prompts import PromptEncoder, batch_rows
-from .rollout import Rollout, RolloutGroup
+from .rollout import UNFINISHED, InFlightBatch, Rollout, RolloutGroup
 from .topology import Topology
 from .weight_sync import POLICY_WEIGHTS, build_backend, crop
 
@@ -63,6 +65,7 @@ class GeneratorSpec:
     save_steps: int = 0  # checkpoint after every `save_steps` trainer steps (0: never)
     save_total_limit: int | None = None
     max_staleness: int = 1
+    partial_rollout_tokens: int | None = None  # per-tick token budget of one completion (None: no partial rollouts)
     initial_version: int = 0  # the policy version of `model_path` (> 0 when resuming from a checkpoint)
     resume_dir: str | None = None
 
@@ -85,7 +88,8 @@ class GeneratorExecutor(Executor):
         self.spec, self.topology = spec, topology
         self.version = spec.initial_version
         self.tick = -1
-        self.pending: list[RolloutGroup] = []
+        self.pending: list[RolloutGroup] = []  # finished batches, sent at the next rollouts channel
+        self.in_flight: list[InFlightBatch] = []  # started batches with completions still carried
         self.weights_digest: str | None = None
         self.weight_load_seconds = 0.0
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
@@ -137,17 +141,17 @@ class GeneratorExecutor(Executor):
             kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
         return LLM(**kwargs)
 
-    def _sampling_params(self):
+    def _sampling_params(self, n: int, max_tokens: int):
         from vllm import SamplingParams
 
         spec = self.spec
         kw = dict(
-            n=spec.num_generations,
+            n=n,
             temperature=spec.temperature,
             top_p=spec.top_p,
             top_k=spec.top_k if spec.top_k else -1,
             repetition_penalty=spec.repetition_penalty,
-            max_tokens=spec.max_completion_length,
+            max_tokens=max_tokens,
             logprobs=0,  # the sampled token's log-prob at every position
         )
         if spec.min_p is not None:
@@ -195,44 +199,72 @@ class GeneratorExecutor(Executor):
 
     # ------------------------------------------------------------------ work
     def step(self) -> None:
-        if self.tick >= self.spec.num_batches:
-            return
-        self.pending = self.generate_batch(self.tick)
+        start_new = self.tick < self.spec.num_batches
+        if start_new or self.in_flight:
+            self.pending = self.generate_tick(self.tick if start_new else None)
 
-    def generate_batch(self, batch_index: int) -> list[RolloutGroup]:
+    def generate_tick(self, batch_index: int | None) -> list[RolloutGroup]:
+        """One tick of generation: continue every carried completion and start batch `batch_index`.
+
+        Each completion samples at most `partial_rollout_tokens` tokens per tick with the weights of
+        this tick; one that neither stops nor reaches `max_completion_length` is carried to the next
+        tick. Returns the groups of the batches that finished this tick, oldest batch first.
+        """
         from vllm.inputs import TokensPrompt
 
         spec = self.spec
-        indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
-        rows = [self.dataset[i] for i in indices]
-        prompt_ids = [self.encoder.encode(row["prompt"]) for row in rows]
+        length = spec.max_completion_length
+        budget = min(spec.partial_rollout_tokens or length, length)
+        carried = [r for flight in self.in_flight for r in flight.unfinished()]
+        asked = [min(budget, length - len(r.completion_ids)) for r in carried]
+        requests = [(r.prompt_ids + r.completion_ids, self._sampling_params(1, n)) for r, n in zip(carried, asked)]
+        new = None
+        if batch_index is not None:
+            indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
+            rows = [self.dataset[i] for i in indices]
+            new = (indices, rows, [self.encoder.encode(row["prompt"]) for row in rows])
+            requests += [(ids, self._sampling_params(spec.num_generations, budget)) for ids in new[2]]
         start = time.perf_counter()
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], self._sampling_params(), use_tqdm=False
-        )
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in requests],
+                                    [params for _, params in requests], use_tqdm=False)
         seconds = time.perf_counter() - start
-        groups, tokens = [], 0
-        for index, row, ids, out in zip(indices, rows, prompt_ids, outputs):
-            columns = {k: v for k, v in row.items() if k != "prompt"}
-            rollouts = []
-            for comp in out.outputs:
-                comp_ids = list(comp.token_ids)
-                logprobs = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], comp_ids)]
-                tokens += len(comp_ids)
-                rollouts.append(
-                    Rollout(
-                        prompt=row["prompt"],
-                        prompt_ids=list(ids),
-                        completion_ids=comp_ids,
-                        behavior_logprobs=logprobs,
-                        versions=[self.version] * len(comp_ids),
-                        finish_reason=str(comp.finish_reason or "length"),
-                        completion_text=comp.text,
-                        columns=columns,
-                        row_index=int(index),
-                    )
-                )
-            groups.append(RolloutGroup(rollouts, batch_index, self.version, seconds, 0))
-        for g in groups:
-            g.batch_tokens = tokens
-        return groups
+        tokens = 0
+        for r, n, out in zip(carried, asked, outputs[:len(carried)]):
+            tokens += self._extend(r, out.outputs[0], n)
+        if new is not None:
+            groups = []
+            for index, row, ids, out in zip(*new, outputs[len(carried):]):
+                columns = {k: v for k, v in row.items() if k != "prompt"}
+                group = []
+                for comp in out.outputs:
+                    r = Rollout(prompt=row["prompt"], prompt_ids=list(ids), completion_ids=[], behavior_logprobs=[],
+                                versions=[], finish_reason=UNFINISHED, completion_text="", columns=columns,
+                                row_index=int(index), segments=0)
+                    tokens += self._extend(r, comp, budget)
+                    group.append(r)
+                groups.append(group)
+            self.in_flight.append(InFlightBatch(batch_index, self.version, groups))
+        finished = [f for f in self.in_flight if not f.unfinished()]
+        self.in_flight = [f for f in self.in_flight if f.unfinished()]
+        return [RolloutGroup(group, f.batch_index, f.policy_version, seconds, tokens)
+                for f in finished for group in f.groups]
+
+    def _extend(self, r: Rollout, comp, requested: int) -> int:
+        """Append one generated segment to `r`, each token with its log-prob and this tick's version."""
+        ids = list(comp.token_ids)
+        logprobs = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], ids)]
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(logprobs)} log-probs for a completion")
+        r.completion_ids += ids
+        r.behavior_logprobs += logprobs
+        r.versions += [self.version] * len(ids)
+        r.segments += 1
+        reason = str(comp.finish_reason or "length")
+        # Carried on when it stopped only for this tick's budget (a shorter "length" means the engine
+        # could not go on, e.g. the context is full: it ends there).
+        if reason == "length" and len(ids) == requested and len(r.completion_ids) < self.spec.max_completion_length:
+            return len(ids)
+        r.finish_reason = reason
+        r.completion_text = comp.text if r.segments == 1 else self.encoder.tokenizer.decode(
+            r.completion_ids, skip_special_tokens=True)
+        return len(ids)

@@ -6,12 +6,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+UNFINISHED = ""
+
+
 @dataclass
 class Rollout:
     """One sampled completion of one prompt.
 
     `behavior_logprobs[t]` is log mu of `completion_ids[t]` under the policy version
     `versions[t]` that sampled it (a partial rollout resumed under new weights spans versions).
+    `segments` counts the ticks it was generated in (1 unless it was a partial rollout); while the
+    generator still carries it, `finish_reason` is `UNFINISHED`.
     """
 
     prompt: Any  # the dataset row's `prompt`: a string or a list of chat messages
@@ -19,10 +24,11 @@ class Rollout:
     completion_ids: list[int]
     behavior_logprobs: list[float]
     versions: list[int]
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop" or "length" (UNFINISHED while a partial rollout is carried)
     completion_text: str
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
     row_index: int = -1  # index of the prompt's row in the training dataset
+    segments: int = 1  # ticks (generation calls) the completion was sampled in
 
     def __post_init__(self):
         if not (len(self.completion_ids) == len(self.behavior_logprobs) == len(self.versions)):
@@ -41,3 +47,19 @@ class RolloutGroup:
     policy_version: int  # the generator's policy version when the batch was sampled
     generation_seconds: float  # wall time of the whole generation batch
     batch_tokens: int  # completion tokens generated in the whole batch
+
+
+@dataclass
+class InFlightBatch:
+    """A generation batch the generator has started and not finished (partial rollouts).
+
+    `groups[i]` holds the `num_generations` rollouts of the batch's i-th prompt; the batch leaves
+    the generator, as `RolloutGroup`s, once every rollout is finished.
+    """
+
+    batch_index: int
+    policy_version: int  # the generator's policy version when the batch was started
+    groups: list[list[Rollout]]
+
+    def unfinished(self) -> list[Rollout]:
+        return [r for group in self.groups for r in group if r.finish_reason == UNFINISHED]

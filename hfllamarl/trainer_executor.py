@@ -37,6 +37,7 @@ class TrainerJob:
     backend: WeightSyncBackend
     num_batches: int
     max_staleness: int
+    generation_ticks: int  # the most ticks the generator spends on one batch (> 1 with partial rollouts)
     num_generations: int
     micro_batch_size: int
     grad_accum: int
@@ -119,8 +120,9 @@ class TrainerExecutor(Executor):
     def get_output(self, channel: str):
         if channel != POLICY_WEIGHTS:
             return super().get_output(channel)
-        # New weights go out when there are some and the generator still samples batches.
-        if self.version > self.sent_version and self.tick < self.job.num_batches:
+        # New weights go out when there are some and the generator still samples: new batches, or the
+        # carried completions of partial rollouts for up to generation_ticks - 1 ticks more.
+        if self.version > self.sent_version and self.tick < self.job.num_batches + self.job.generation_ticks - 1:
             self.sent_version = self.version
             return self.weights, self.version
         return None
@@ -145,6 +147,11 @@ class TrainerExecutor(Executor):
         job = self.job
         start = time.perf_counter()
         rollouts = [r for g in groups for r in g.rollouts]
+        staleness = [[self.version - v for v in r.versions] for r in rollouts]  # per token, at this step
+        worst = max((max(s) for s in staleness if s), default=0)
+        if worst > job.max_staleness:
+            raise RuntimeError(f"trainer: a token of batch {groups[0].batch_index} was sampled {worst} policy versions "
+                               f"ago, past max_staleness={job.max_staleness}; the schedule is broken")
         metrics: dict[str, float] = {}
         rewards_t0 = time.perf_counter()
         columns = {k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns}
@@ -194,11 +201,13 @@ class TrainerExecutor(Executor):
         job.optimizer.zero_grad(set_to_none=True)
         self.version += 1
 
-        staleness = [self.version - 1 - min(r.versions) for r in rollouts if r.versions]
+        oldest = [max(s) for s in staleness if s]  # a completion is as stale as its first token
         lengths = [len(r.completion_ids) for r in rollouts]
+        partial = [len(r.completion_ids) for r in rollouts if r.segments > 1]
         local = {
             "reward_sum": sum(rewards), "reward_sq": sum(x * x for x in rewards), "count": n,
-            "staleness_sum": sum(staleness), "staleness_n": len(staleness),
+            "staleness_sum": sum(oldest), "staleness_n": len(oldest),
+            "token_staleness_sum": sum(map(sum, staleness)), "partial": len(partial), "partial_len": sum(partial),
             "len_sum": sum(lengths), "truncated": sum(r.finish_reason == "length" for r in rollouts),
             "empty": sum(length == 0 for length in lengths),
             "loss": loss_total,
@@ -212,7 +221,7 @@ class TrainerExecutor(Executor):
             local[f"rf_sum/{name}"] = sum(vals)
             local[f"rf_n/{name}"] = len(vals)
         summed = _all_reduce(local, "sum")
-        maxed = _all_reduce({"staleness_max": max(staleness, default=0),
+        maxed = _all_reduce({"staleness_max": max(oldest, default=0),
                              "is_ratio_max": max(stats["is_ratio_max"], default=1.0),
                              "neg_is_ratio_min": -min(stats["is_ratio_min"], default=1.0)}, "max")
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -232,6 +241,9 @@ class TrainerExecutor(Executor):
             metrics["kl"] = summed["kl"] / world  # KL(pi || pi_ref) on the sampled tokens, as TRL logs it
         metrics["staleness/mean"] = summed["staleness_sum"] / max(summed["staleness_n"], 1)
         metrics["staleness/max"] = maxed["staleness_max"]
+        metrics["staleness/token_mean"] = summed["token_staleness_sum"] / max(summed["len_sum"], 1)
+        metrics["partial_rollouts/count"] = summed["partial"]  # completions generated over more than one tick
+        metrics["partial_rollouts/mean_length"] = summed["partial_len"] / max(summed["partial"], 1)
         metrics["completions/mean_length"] = summed["len_sum"] / count
         metrics["completions/truncated_frac"] = summed["truncated"] / count
         metrics["completions/empty_frac"] = summed["empty"] / count  # they get a reward, but no token to train

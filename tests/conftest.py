@@ -71,6 +71,14 @@ def assert_on_policy(h: dict) -> None:
     assert abs(h["is_ratio/max"] - 1.0) < 1e-4 and abs(h["is_ratio/min"] - 1.0) < 1e-4, h
 
 
+def orphans(output_dir: str) -> list[dict]:
+    """Processes still alive whose command line names `output_dir` (a job's leftovers after it ended)."""
+    import psutil
+
+    return [p.info for p in psutil.process_iter(["pid", "cmdline"])
+            if any(output_dir in (c or "") for c in (p.info["cmdline"] or []))]
+
+
 def trained_rows(out: str, rank: int = 0) -> dict[int, list[int]]:
     """step -> dataset rows trained at that step (the last line for a step wins after a resume)."""
     import json

@@ -7,20 +7,13 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, assert_on_policy, run_script, step_logs, tail, trained_rows
+from conftest import SCRIPTS, assert_on_policy, orphans, run_script, step_logs, tail, trained_rows
 
 pytestmark = pytest.mark.slow
 
 STEP_KEYS = {"reward", "reward_std", "rewards/math_sympy/mean", "is_ratio/mean", "is_ratio/max", "clipped_frac",
              "staleness/mean", "staleness/max", "generation/tokens_per_s", "weight_sync_seconds",
              "train_step_seconds", "loss", "learning_rate"}
-
-
-def no_orphans(output_dir):
-    import psutil
-
-    return [p.info for p in psutil.process_iter(["pid", "cmdline"])
-            if any(output_dir in (c or "") for c in (p.info["cmdline"] or []))]
 
 
 def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
@@ -42,7 +35,7 @@ def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
     assert steps[0]["kl"] < 1e-6 and 0 < steps[1]["kl"] and 0 < steps[2]["kl"], [h["kl"] for h in steps]
     assert glob.glob(os.path.join(out, "runs", "*", "events.out.tfevents.*")), "no TensorBoard log"
     assert "TRAINED global_step=3" in proc.stdout
-    assert not no_orphans(out)
+    assert not orphans(out)
 
 
 def test_synchronous_mode_is_exactly_on_policy_under_torchrun(tiny_model, tmp_path):
@@ -83,7 +76,7 @@ def test_bad_reward_function_fails_cleanly(tiny_model, tmp_path, bad, message):
                       timeout=300)
     assert proc.returncode != 0
     assert message in proc.stderr, tail(proc)
-    assert not no_orphans(out)
+    assert not orphans(out)
 
 
 def test_more_generators_than_processes_is_explained(tiny_model, tmp_path):
@@ -107,7 +100,7 @@ def test_kill_and_resume_trains_exactly_the_same_prompts(tiny_model, tmp_path, s
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, *kill], timeout=400)
     assert proc.returncode == -9, tail(proc)  # SIGKILL
     time.sleep(2)
-    assert not no_orphans(cut), "the generator outlived its killed parent"
+    assert not orphans(cut), "the generator outlived its killed parent"
     names = set(os.listdir(cut))
     assert "checkpoint-2" in names and "checkpoint-4" not in names
     half_written = kill[0] == "--kill-in-checkpoint"
@@ -164,7 +157,7 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
             p.kill()
         proc.communicate(timeout=60)
     time.sleep(1)
-    assert not no_orphans(out)
+    assert not orphans(out)
     assert "checkpoint-2" in os.listdir(out)
 
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--resume"], nproc=2, timeout=200)
@@ -205,7 +198,7 @@ def test_generator_killed_mid_run_is_named_by_the_trainer(tiny_model, tmp_path):
     assert proc.returncode not in (0, None)
     assert "rank 1 (generator 0)" in err, err[-3000:]
     assert time.monotonic() - killed_at < 60  # collective_timeout_s of the script
-    assert not no_orphans(out)
+    assert not orphans(out)
 
 
 def test_trainer_rank_killed_under_torchrun_ends_the_job(tiny_model, tmp_path):
@@ -230,7 +223,7 @@ def test_trainer_rank_killed_under_torchrun_ends_the_job(tiny_model, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert "rank      : 1" in err and "Signal 9" in err, err[-3000:]
-    assert not no_orphans(out)
+    assert not orphans(out)
 
 
 @pytest.mark.parametrize("victim,sig", [(1, "SIGKILL"), (2, "SIGKILL"), (2, "SIGSTOP")],
@@ -264,4 +257,4 @@ def test_rank_killed_mid_step_is_named_by_every_survivor(tiny_model, tmp_path, v
             proc.kill()  # the frozen rank too: it cannot exit by itself
         for proc in procs:
             proc.communicate(timeout=60)
-    assert not no_orphans(out)
+    assert not orphans(out)

@@ -189,6 +189,7 @@ class AsyncAIPOTrainer:
             save_steps=save_every(a, self.num_batches),
             save_total_limit=a.save_total_limit,
             max_staleness=a.max_staleness,
+            partial_rollout_tokens=a.partial_rollout_tokens,
         )
 
     def _generator_dtype(self) -> str:

@@ -72,6 +72,14 @@ class AsyncAIPOConfig(GRPOConfig):
         metadata={"help": "How many policy versions the generator may run ahead of the trainer. 0 is strictly "
                   "on-policy (generation and training alternate: the synchronous baseline)."},
     )
+    partial_rollout_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Partial rollouts: the per-tick generation budget of one completion, in tokens. A completion "
+                  "that has neither stopped nor reached max_completion_length after that many tokens is carried to the "
+                  "next tick and continued under the newer weights; every token keeps the log-prob and policy version "
+                  "it was sampled under. A batch then spans up to ceil(max_completion_length / partial_rollout_tokens) "
+                  "ticks, which must not exceed max_staleness. None: every completion is generated in one tick."},
+    )
     aipo_rho: float = field(
         default=4.0,
         metadata={"help": "AIPO clips the per-token importance ratio pi/mu from above at rho (paper: 2..10)."},
@@ -172,6 +180,7 @@ class AsyncAIPOConfig(GRPOConfig):
             )
         if self.max_staleness < 0:
             raise ValueError("AsyncAIPOConfig: max_staleness must be >= 0 (0 = strictly on-policy).")
+        self._check_partial_rollouts()
         if not (math.isfinite(self.aipo_rho) and self.aipo_rho >= 1.0):
             raise ValueError(
                 f"AsyncAIPOConfig: aipo_rho={self.aipo_rho}; it must be >= 1 (a lower clip would down-weight "
@@ -196,6 +205,38 @@ class AsyncAIPOConfig(GRPOConfig):
             raise ValueError("AsyncAIPOConfig: collective_timeout_s must be > 0.")
         if self.eval_strategy not in ("no", None):
             raise ValueError("AsyncAIPOConfig: evaluation during training is not supported; use `hfllamarl eval`.")
+
+    @property
+    def generation_ticks(self) -> int:
+        """The most ticks the generator spends on one batch (more than 1 only with partial rollouts)."""
+        budget = self.partial_rollout_tokens or self.max_completion_length
+        return max(1, -(-self.max_completion_length // budget))
+
+    def _check_partial_rollouts(self) -> None:
+        budget = self.partial_rollout_tokens
+        if budget is None:
+            return
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"AsyncAIPOConfig: partial_rollout_tokens={budget!r}; it must be a whole number of "
+                             "tokens >= 1, or None (no partial rollouts).")
+        ticks = self.generation_ticks
+        if ticks > max(self.max_staleness, 1):
+            need = -(-self.max_completion_length // max(self.max_staleness, 1))
+            raise ValueError(
+                f"AsyncAIPOConfig: partial_rollout_tokens={budget} splits a completion of max_completion_length="
+                f"{self.max_completion_length} over up to {ticks} ticks, but a batch must reach the trainer within "
+                f"max_staleness={self.max_staleness} tick(s) (the staleness bound). Raise max_staleness to >= {ticks}"
+                + (f" or partial_rollout_tokens to >= {need}." if self.max_staleness >= 1 else
+                   " (partial rollouts need an asynchronous job).")
+            )
+        kwargs = self.generation_kwargs or {}
+        per_segment = [k for k in ("stop", "min_tokens", "presence_penalty", "frequency_penalty") if kwargs.get(k)]
+        if per_segment and ticks > 1:
+            raise ValueError(
+                f"AsyncAIPOConfig: generation_kwargs {per_segment} act on each tick's segment of a partial rollout, not on "
+                "the whole completion (a stop string split between two ticks would be missed; penalties would not see "
+                "the earlier tokens). Remove them, use stop_token_ids instead of stop, or set partial_rollout_tokens=None."
+            )
 
     def _check_quantization(self) -> None:
         q = self.generator_quantization

@@ -120,7 +120,8 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
     job = TrainerJob(
         model=model, optimizer=optimizer, scheduler=scheduler, algorithm=trainer.algorithm,
         rewards=trainer.rewards, backend=backend, num_batches=trainer.num_batches,
-        max_staleness=args.max_staleness, num_generations=args.num_generations,
+        max_staleness=args.max_staleness, generation_ticks=args.generation_ticks,
+        num_generations=args.num_generations,
         micro_batch_size=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
         temperature=args.temperature, max_grad_norm=args.max_grad_norm,
         pad_token_id=trainer.processing_class.pad_token_id, device=device, on_step=on_step,

@@ -71,6 +71,7 @@ def main():
     p.add_argument("--lora", action="store_true", help="train LoRA adapters on q_proj and v_proj")
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the reference model")
+    p.add_argument("--partial-rollout-tokens", type=int, default=None, help="per-tick token budget of a completion")
     p.add_argument("--kill-in-checkpoint", type=int, default=0, help="SIGKILL while this step's checkpoint is written")
     a = p.parse_args()
     if a.kill_in_checkpoint:
@@ -80,7 +81,7 @@ def main():
         output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=16, num_generations=4,
         max_completion_length=4, learning_rate=a.learning_rate, logging_steps=1, report_to=a.report_to,
         max_staleness=a.max_staleness, num_generator_processes=a.num_generators, seed=0,
-        collective_timeout_s=60, save_steps=a.save_steps, beta=a.beta,
+        collective_timeout_s=60, save_steps=a.save_steps, beta=a.beta, partial_rollout_tokens=a.partial_rollout_tokens,
     )
     for _ in range(a.repeat):
         peft_config = None
