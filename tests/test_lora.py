@@ -51,6 +51,21 @@ def test_lora_updates_reach_the_generator_every_step(tiny_model, tmp_path):
     assert steps[0]["weight_sync/bytes"] == qkv < full / 2
 
 
+def test_the_generators_greedy_output_follows_each_lora_update(tmp_path):
+    """Adapters set twice to new values; each time the generator loads what the trainer sends for a LoRA policy
+    and its greedy completions (vLLM) must equal the peft model's (transformers)."""
+    import json
+
+    proc = run_script([str(SCRIPTS / "generator_checks.py"), "lora-greedy", str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, tail(proc)
+    res = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
+    assert res["base"]  # before any update both decode the base model alike
+    assert res["follows"] == [True, True], res
+    assert all(n >= 3 for n in res["changed"]), res  # each update changed most of the 6 greedy completions
+    # q, v and up are adapted; k (fused with q and v) and gate (fused with up) travel along, nothing else does.
+    assert {name.split(".")[-2] for name in res["sent"]} == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+
+
 def test_lora_kill_and_resume_restores_the_adapters(tiny_model, tmp_path):
     """SIGKILL after checkpoint 2, resume: the trainer restores its adapters, the generator the merged policy;
     were either missing, pi/mu would leave 1 at the first step after the resume."""

@@ -44,7 +44,7 @@ def test_budget_sets_the_ticks_a_batch_spans():
 @pytest.mark.slow
 def test_carried_tokens_keep_the_logprob_and_version_they_were_sampled_under(tmp_path):
     """Real vLLM, 3 weight versions: each token's mu must be the log-prob under its own version's weights."""
-    proc = run_script([str(SCRIPTS / "partial_rollouts_check.py"), str(tmp_path)], timeout=300)
+    proc = run_script([str(SCRIPTS / "generator_checks.py"), "partial", str(tmp_path)], timeout=300)
     assert proc.returncode == 0, tail(proc)
     res = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
     # 12 tokens at 4 per tick: batch 0 (ticks 0-2) and batch 1 (ticks 1-3) each leave after 3 ticks.
