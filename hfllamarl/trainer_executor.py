@@ -152,7 +152,6 @@ class TrainerExecutor(Executor):
         if worst > job.max_staleness:
             raise RuntimeError(f"trainer: a token of batch {groups[0].batch_index} was sampled {worst} policy versions "
                                f"ago, past max_staleness={job.max_staleness}; the schedule is broken")
-        metrics: dict[str, float] = {}
         rewards_t0 = time.perf_counter()
         columns = {k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns}
         rewards, per_func = job.rewards(
@@ -165,13 +164,43 @@ class TrainerExecutor(Executor):
         reward_seconds = time.perf_counter() - rewards_t0
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
         advantages = job.algorithm.advantages(rewards_t, job.num_generations)  # [N]
-        n = len(rollouts)
+        loss_total, stats = self._accumulate_gradients(rollouts, advantages)
+        model = job.model
+        grad_norm = None
+        if job.max_grad_norm and job.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        job.optimizer.step()
+        if job.scheduler is not None:
+            job.scheduler.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+        metrics = self._step_metrics(groups, rollouts, rewards, per_func, staleness, loss_total, stats)
+        metrics["reward_seconds"] = reward_seconds
+        metrics.update(job.rewards.counters())
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        if job.scheduler is not None:
+            metrics["learning_rate"] = job.scheduler.get_last_lr()[0]
+        metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
+        metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
+        metrics["train_step_seconds"] = time.perf_counter() - start
+        self.trained_rows.append([r.row_index for r in rollouts[:: job.num_generations]])
+        self._save_due = bool(job.on_step(self.version, metrics))
+        return metrics
+
+    def _accumulate_gradients(self, rollouts: list[Rollout], advantages: torch.Tensor) -> tuple[float, dict]:
+        """Forward and backward over micro-batches (gradients summed, reduced once at the last one).
+
+        Returns the step's loss and, per statistic of the algorithm's loss, one value per micro-batch.
+        """
+        job, model = self.job, self.job.model
         mb = job.micro_batch_size
-        steps = math.ceil(n / mb)
+        steps = math.ceil(len(rollouts) / mb)
         stats = {"is_ratio_mean": [], "is_ratio_max": [], "is_ratio_min": [], "clipped_frac": [], "behavior_kl": [],
                  "kl": []}
         loss_total = 0.0
-        model = job.model
         for k in range(steps):
             chunk = rollouts[k * mb:(k + 1) * mb]
             batch = pad_batch(chunk, job.pad_token_id, job.device)
@@ -191,16 +220,14 @@ class TrainerExecutor(Executor):
             for key in stats:
                 if key in m:
                     stats[key].append(m[key])
-        grad_norm = None
-        if job.max_grad_norm and job.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        job.optimizer.step()
-        if job.scheduler is not None:
-            job.scheduler.step()
-        job.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
+        return loss_total, stats
 
+    def _step_metrics(self, groups: list[RolloutGroup], rollouts: list[Rollout], rewards: list[float], per_func: dict,
+                      staleness: list[list[int]], loss_total: float, stats: dict) -> dict[str, float]:
+        """The step's logged metrics, reduced over the trainer world (`staleness`: per completion, per token)."""
+        job = self.job
+        n = len(rollouts)
+        metrics: dict[str, float] = {}
         oldest = [max(s) for s in staleness if s]  # a completion is as stale as its first token
         lengths = [len(r.completion_ids) for r in rollouts]
         partial = [len(r.completion_ids) for r in rollouts if r.segments > 1]
@@ -211,10 +238,8 @@ class TrainerExecutor(Executor):
             "len_sum": sum(lengths), "truncated": sum(r.finish_reason == "length" for r in rollouts),
             "empty": sum(length == 0 for length in lengths),
             "loss": loss_total,
-            "is_ratio_mean": sum(stats["is_ratio_mean"]) / max(len(stats["is_ratio_mean"]), 1),
-            "clipped_frac": sum(stats["clipped_frac"]) / max(len(stats["clipped_frac"]), 1),
-            "behavior_kl": sum(stats["behavior_kl"]) / max(len(stats["behavior_kl"]), 1),
-            "kl": sum(stats["kl"]) / max(len(stats["kl"]), 1),
+            **{key: sum(stats[key]) / max(len(stats[key]), 1)  # means over this rank's micro-batches
+               for key in ("is_ratio_mean", "clipped_frac", "behavior_kl", "kl")},
         }
         for name, scores in per_func.items():
             vals = [s for s in scores if s is not None]
@@ -250,17 +275,6 @@ class TrainerExecutor(Executor):
         gen_seconds = max(g.generation_seconds for g in groups)
         metrics["generation/seconds"] = gen_seconds
         metrics["generation/tokens_per_s"] = groups[0].batch_tokens / gen_seconds if gen_seconds > 0 else 0.0
-        metrics["reward_seconds"] = reward_seconds
-        metrics.update(job.rewards.counters())
-        if grad_norm is not None:
-            metrics["grad_norm"] = grad_norm
-        if job.scheduler is not None:
-            metrics["learning_rate"] = job.scheduler.get_last_lr()[0]
-        metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
-        metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
-        metrics["train_step_seconds"] = time.perf_counter() - start
-        self.trained_rows.append([r.row_index for r in rollouts[:: job.num_generations]])
-        self._save_due = bool(job.on_step(self.version, metrics))
         return metrics
 
     def checkpoint_due(self) -> bool:
