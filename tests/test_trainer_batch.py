@@ -69,3 +69,26 @@ def test_a_rollout_must_carry_one_logprob_and_version_per_token():
     with pytest.raises(ValueError, match="one behaviour log-prob and one version per completion token"):
         Rollout(prompt="p", prompt_ids=[1], completion_ids=[2, 3], behavior_logprobs=[-1.0], versions=[0, 0],
                 finish_reason="stop", completion_text="")
+
+
+def test_the_trainer_refuses_a_token_staler_than_max_staleness():
+    """A schedule bug that let one token of a partial rollout go past the bound must stop the run, not train."""
+    from hfllamarl.rollout import RolloutGroup
+    from hfllamarl.trainer_executor import TrainerExecutor, TrainerJob
+
+    def never(**_):
+        raise AssertionError("the rewards ran: the stale token was not caught before scoring")
+
+    job = TrainerJob(model=None, optimizer=None, scheduler=None, algorithm=None, rewards=never, backend=None,
+                     num_batches=10, max_staleness=2, generation_ticks=3, num_generations=2, micro_batch_size=2,
+                     grad_accum=1, temperature=1.0, max_grad_norm=None, pad_token_id=0, device="cpu")
+    trainer = TrainerExecutor(job, topology=None)
+    trainer.version = 5
+    fresh = Rollout(prompt="p", prompt_ids=[1], completion_ids=[2, 3], behavior_logprobs=[-1.0, -1.0],
+                    versions=[4, 5], finish_reason="stop", completion_text="")
+    stale = Rollout(prompt="p", prompt_ids=[1], completion_ids=[2, 3, 4], behavior_logprobs=[-1.0] * 3,
+                    versions=[2, 3, 4], finish_reason="stop", completion_text="")  # token 0: 3 versions old
+    group = RolloutGroup(rollouts=[fresh, stale], batch_index=3, policy_version=2, generation_seconds=0.0,
+                         batch_tokens=5)
+    with pytest.raises(RuntimeError, match="batch 3 was sampled 3 policy versions ago, past max_staleness=2"):
+        trainer.train_on([group])
