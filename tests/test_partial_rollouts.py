@@ -94,3 +94,25 @@ def test_partial_rollouts_train_and_survive_a_kill(tiny_model, tmp_path):
     assert sorted(rows) == [1, 2, 3, 4, 5, 6]
     for step in rows:
         assert rows[step] == batch_rows(64, 4, step - 1, seed=0)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_through_a_tensor_parallel_generator(tiny_model, tmp_path):
+    """torchrun with 3 processes: one trainer and one generator engine sharded over 2 ranks (TP=2). The
+    continued completions are sampled by the sharded engine under each new set of weights, each token still
+    scored against the version it came from."""
+    from hfllamarl.prompts import batch_rows
+
+    out = str(tmp_path / "tp")
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "4", "--max-staleness", "2",
+                       "--partial-rollout-tokens", "2", "--num-generators", "2", "--generator-tp", "2",
+                       "--report-to", "none"], nproc=3, timeout=400)
+    assert proc.returncode == 0, tail(proc)
+    steps = step_logs(proc.stdout)
+    assert [h["staleness/max"] for h in steps] == [0, 1, 2, 2]
+    assert all(h["partial_rollouts/count"] > 0 for h in steps)
+    assert_on_policy(steps[0])  # the TP engine's mu on version 0 equals the trainer's pi
+    assert all(h["staleness/token_mean"] < 2 for h in steps[2:]), [h["staleness/token_mean"] for h in steps]
+    assert sorted(trained_rows(out)) == [1, 2, 3, 4]
+    assert all(rows == batch_rows(64, 4, step - 1, seed=0) for step, rows in trained_rows(out).items())
+    assert not orphans(out)

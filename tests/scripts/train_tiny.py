@@ -1,7 +1,7 @@
 """A user script: a few AIPO steps on the tiny model. Runs under python, torchrun or accelerate launch.
 
     python tests/scripts/train_tiny.py MODEL_DIR OUTPUT_DIR [--steps 3] [--max-staleness 1]
-        [--num-generators 1] [--bad-reward raise|length] [--report-to tensorboard] [--reward math_sympy]
+        [--num-generators 1] [--generator-tp 1] [--bad-reward raise|length] [--report-to tensorboard] [--reward math_sympy]
 """
 
 import argparse
@@ -61,6 +61,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--num-generators", type=int, default=1)
+    p.add_argument("--generator-tp", type=int, default=1, help="tensor-parallel size of the generator engine")
     p.add_argument("--bad-reward", default=None)
     p.add_argument("--reward", default="math_sympy", help="reward plugin name used in place of math_sympy")
     p.add_argument("--report-to", default="tensorboard")
@@ -81,6 +82,7 @@ def main():
         output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=16, num_generations=4,
         max_completion_length=4, learning_rate=a.learning_rate, logging_steps=1, report_to=a.report_to,
         max_staleness=a.max_staleness, num_generator_processes=a.num_generators, seed=0,
+        generator_tensor_parallel_size=a.generator_tp,
         collective_timeout_s=60, save_steps=a.save_steps, beta=a.beta, partial_rollout_tokens=a.partial_rollout_tokens,
     )
     for _ in range(a.repeat):
