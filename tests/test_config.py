@@ -42,6 +42,8 @@ def test_defaults_and_derived_sizes():
     ({"aipo_rho": 0.5}, "aipo_rho"),
     ({"aipo_rho": float("nan")}, "aipo_rho"),
     ({"max_staleness": -1}, "max_staleness"),
+    ({"max_staleness": 1.5}, "max_staleness=1.5; it must be a whole number"),
+    ({"generator_tensor_parallel_size": 0.5}, "generator_tensor_parallel_size=0.5; it must be a whole number"),
     ({"beta": -0.1}, "beta"),
     ({"beta": float("nan")}, "beta"),
     ({"num_generator_processes": 0}, "num_generator_processes"),

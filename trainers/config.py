@@ -167,6 +167,11 @@ class AsyncAIPOConfig(GRPOConfig):
         if self.generator_tensor_parallel_size is None:  # one engine across all generator ranks
             tp = self.vllm_tensor_parallel_size
             self.generator_tensor_parallel_size = tp if tp != 1 else self.num_generator_processes
+        for name in ("max_staleness", "num_generator_processes", "num_generations",
+                     "generator_tensor_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"AsyncAIPOConfig: {name}={value!r}; it must be a whole number.")
         tp = self.generator_tensor_parallel_size
         if tp < 1 or self.num_generator_processes % tp:
             raise ValueError(
