@@ -1,7 +1,7 @@
 """A user script: a few AIPO steps on the tiny model. Runs under python, torchrun or accelerate launch.
 
     python tests/scripts/train_tiny.py MODEL_DIR OUTPUT_DIR [--steps 3] [--max-staleness 1]
-        [--num-generators 1] [--generator-tp 1] [--bad-reward raise|length] [--report-to tensorboard] [--reward math_sympy]
+        [--num-generators 1] [--generator-tp N] [--bad-reward raise|length] [--report-to tensorboard] [--reward math_sympy]
 """
 
 import argparse
@@ -61,7 +61,8 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--num-generators", type=int, default=1)
-    p.add_argument("--generator-tp", type=int, default=1, help="tensor-parallel size of the generator engine")
+    p.add_argument("--generator-tp", type=int, default=None,
+                   help="tensor-parallel size of the generator engine (default: all generator processes)")
     p.add_argument("--bad-reward", default=None)
     p.add_argument("--reward", default="math_sympy", help="reward plugin name used in place of math_sympy")
     p.add_argument("--report-to", default="tensorboard")
