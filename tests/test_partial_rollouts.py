@@ -113,6 +113,7 @@ def test_partial_rollouts_through_a_tensor_parallel_generator(tiny_model, tmp_pa
     assert all(h["partial_rollouts/count"] > 0 for h in steps)
     assert_on_policy(steps[0])  # the TP engine's mu on version 0 equals the trainer's pi
     assert all(h["staleness/token_mean"] < 2 for h in steps[2:]), [h["staleness/token_mean"] for h in steps]
-    assert sorted(trained_rows(out)) == [1, 2, 3, 4]
-    assert all(rows == batch_rows(64, 4, step - 1, seed=0) for step, rows in trained_rows(out).items())
+    rows = trained_rows(out)
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert all(rows[step] == batch_rows(64, 4, step - 1, seed=0) for step in rows)
     assert not orphans(out)

@@ -162,16 +162,16 @@ class AsyncAIPOConfig(GRPOConfig):
                     f"AsyncAIPOConfig: `{name}` only applies to algorithm(s) {_ALGORITHM_FIELDS[name]}, "
                     f"not {self.algorithm!r}; AIPO's knob is `aipo_rho`."
                 )
-        if self.num_generator_processes < 1:
-            raise ValueError("AsyncAIPOConfig: num_generator_processes must be >= 1.")
         if self.generator_tensor_parallel_size is None:  # one engine across all generator ranks
             tp = self.vllm_tensor_parallel_size
             self.generator_tensor_parallel_size = tp if tp != 1 else self.num_generator_processes
         for name in ("max_staleness", "num_generator_processes", "num_generations",
                      "generator_tensor_parallel_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not _is_whole(value):
                 raise ValueError(f"AsyncAIPOConfig: {name}={value!r}; it must be a whole number.")
+        if self.num_generator_processes < 1:
+            raise ValueError("AsyncAIPOConfig: num_generator_processes must be >= 1.")
         tp = self.generator_tensor_parallel_size
         if tp < 1 or self.num_generator_processes % tp:
             raise ValueError(
@@ -221,7 +221,7 @@ class AsyncAIPOConfig(GRPOConfig):
         budget = self.partial_rollout_tokens
         if budget is None:
             return
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        if not _is_whole(budget) or budget < 1:
             raise ValueError(f"AsyncAIPOConfig: partial_rollout_tokens={budget!r}; it must be a whole number of "
                              "tokens >= 1, or None (no partial rollouts).")
         ticks = self.generation_ticks
@@ -279,6 +279,11 @@ class AsyncAIPOConfig(GRPOConfig):
     @property
     def prompts_per_step(self) -> int:
         return self.completions_per_step // self.num_generations
+
+
+def _is_whole(value) -> bool:
+    """An int that is not a bool (`True` would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _differs(config, f) -> bool:
