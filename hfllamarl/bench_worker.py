@@ -56,13 +56,25 @@ def llama_config_for(params: float):
                        num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=False)
 
 
+def _dummy_engine(opts: dict, topo):
+    """vLLM (random weights, no tokenizer) for the bench's model shape, tensor parallel over the generator ranks."""
+    import tempfile
+
+    from hfllamarl.engine import build_engine
+
+    directory = tempfile.mkdtemp(prefix="hfllamarl-bench-model-")
+    llama_config_for(opts["params"]).save_pretrained(directory)
+    return build_engine(directory, directory, dtype="float32", seed=0, max_model_len=256,
+                        tensor_parallel_size=topo.num_generators, distributed=topo.num_generators > 1,
+                        use_cpu=True, kv_cache_bytes=32 << 20, load_format="dummy", skip_tokenizer_init=True)
+
+
 def main(argv: list[str]) -> int:
     opts = json.loads(argv[0])
     from hfllamarl.channels import Channel, ChannelKind, recv_tensor, send_tensor
     from hfllamarl.fsdp import shard_model
-    from hfllamarl.generator import tensor_digest
     from hfllamarl.topology import init_topology
-    from hfllamarl.weight_sync import build_backend, crop
+    from hfllamarl.weight_sync import build_backend, crop, tensor_digest
 
     torch.set_num_threads(1)
     topo = init_topology(opts["generators"], timeout_s=600, use_cpu=True)
@@ -71,7 +83,9 @@ def main(argv: list[str]) -> int:
     barrier = topo.bridge("object")
     results: dict = {"rank": topo.rank, "role": topo.role}
 
-    model = None
+    model = llm = None
+    if topo.role == "generator":  # an engine of the same shape (random weights): its loaders say what each rank reads
+        llm = _dummy_engine(opts, topo)
     if topo.role == "trainer":
         from transformers import LlamaForCausalLM
 
@@ -90,10 +104,13 @@ def main(argv: list[str]) -> int:
         if topo.role == "trainer":
             backend.setup_trainer(model)
             # What each generator rank must end up with: its part of every weight.
-            results[f"expected/{name}"] = [tensor_digest((n, crop(t, backend.region(n, g))) for n, t in full.items())
+            results[f"expected/{name}"] = [tensor_digest((n, crop(t, backend.region(n, g))) for n, t in full.items()
+                                                         if backend.receives(n, g))
                                            for g in topo.generator_ranks]
         else:
-            backend.setup_generator()
+            from hfllamarl.engine import loader_boxes
+
+            backend.setup_generator(lambda weights: loader_boxes(llm, weights))
     if topo.role == "trainer":
         del full
     import gc

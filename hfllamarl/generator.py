@@ -1,30 +1,29 @@
-"""The generator executor: an embedded vLLM engine that samples rollouts for the trainer.
+"""The generator executor: an embedded vLLM engine (`hfllamarl.engine`) that samples rollouts for the trainer.
 
-vLLM runs in-process (`vllm.LLM`, no engine subprocess), with `external_launcher` when the
-generator world has several ranks (tensor parallelism across them). Each tick it samples one
+Each tick it samples one
 generation batch with the newest weights it holds and records, for every sampled token, the
 behaviour log-prob (after temperature, as the trainer computes pi) and the policy version.
 With partial rollouts a completion samples at most `partial_rollout_tokens` per tick; the
 unfinished ones are carried and continued at the next tick under the weights of that tick.
-New weights are loaded in place with vLLM's `reload_weights`, streaming from the weight sync.
+New weights are loaded in place with vLLM's `reload_weights`, streaming from the weight sync; with
+`verify_weight_sync` every sync is then checked against vLLM's own loader reading the same weights.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import checkpoint
 from .checkpoint import load_generator_side
+from .engine import WeightSyncMismatch, build_engine, load_weights, loader_boxes, verify_against_disk
 from .executor import Executor
 from .prompts import PromptEncoder, batch_rows
 from .rollout import UNFINISHED, InFlightBatch, Rollout, RolloutGroup
 from .topology import Topology
-from .weight_sync import POLICY_WEIGHTS, build_backend, crop
+from .weight_sync import POLICY_WEIGHTS, build_backend, verify_dir
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ class GeneratorSpec:
     tensor_parallel_size: int = 1
     weight_sync_backend: str = "broadcast"
     weight_sync_options: dict = field(default_factory=dict)
-    weights_digest: bool = False  # hash every received weight set (tests compare it with the trainer's)
+    verify_weight_sync: bool = False  # check every sync against vLLM's loader reading the trainer's export
     output_dir: str = ""
     save_steps: int = 0  # checkpoint after every `save_steps` trainer steps (0: never)
     save_total_limit: int | None = None
@@ -68,17 +67,6 @@ class GeneratorSpec:
     partial_rollout_tokens: int | None = None  # per-tick token budget of one completion (None: no partial rollouts)
     initial_version: int = 0  # the policy version of `model_path` (> 0 when resuming from a checkpoint)
     resume_dir: str | None = None
-
-
-def tensor_digest(named_tensors) -> str:
-    """sha256 over (name, dtype, shape, bytes) of each tensor, in name order: equal digests mean
-    bitwise-equal weight sets, whatever order they arrived in."""
-    h = hashlib.sha256()
-    for name, t in sorted(named_tensors, key=lambda item: item[0]):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 class GeneratorExecutor(Executor):
@@ -90,7 +78,6 @@ class GeneratorExecutor(Executor):
         self.tick = -1
         self.pending: list[RolloutGroup] = []  # finished batches, sent at the next rollouts channel
         self.in_flight: list[InFlightBatch] = []  # started batches with completions still carried
-        self.weights_digest: str | None = None
         self.weight_load_seconds = 0.0
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
 
@@ -109,37 +96,17 @@ class GeneratorExecutor(Executor):
         self.llm = self._build_engine()
         if self.backend is None:
             self.backend = build_backend(spec.weight_sync_backend, self.topology, **spec.weight_sync_options)
-        self.backend.setup_generator()
+        self.backend.setup_generator(lambda weights: loader_boxes(self.llm, weights))
         if spec.resume_dir:
             load_generator_side(self, spec.resume_dir)
 
     def _build_engine(self):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine stays in this process
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        # No compile-worker pool: its spawned processes would re-import the user's script.
-        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-        from vllm import LLM
-
         spec, topo = self.spec, self.topology
-        kwargs: dict[str, Any] = dict(
-            model=spec.model_path,
-            tokenizer=spec.tokenizer_path,
-            dtype=spec.dtype,
-            seed=spec.seed,
-            enforce_eager=spec.enforce_eager,
-            max_model_len=spec.max_model_len,
-            tensor_parallel_size=spec.tensor_parallel_size,
-            logprobs_mode="processed_logprobs",  # log-probs after temperature: the distribution sampled from
-        )
-        if spec.quantization:  # quantized at load and again at every weight reload (vLLM's layerwise reload)
-            kwargs["quantization"] = spec.quantization
-        if topo.num_generators > 1:
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        if topo.use_cpu:
-            kwargs["kv_cache_memory_bytes"] = spec.kv_cache_bytes or (256 << 20)
-        else:  # pragma: no cover - needs a GPU
-            kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
-        return LLM(**kwargs)
+        return build_engine(spec.model_path, spec.tokenizer_path, dtype=spec.dtype, seed=spec.seed,
+                            max_model_len=spec.max_model_len, tensor_parallel_size=spec.tensor_parallel_size,
+                            distributed=topo.num_generators > 1, use_cpu=topo.use_cpu,
+                            enforce_eager=spec.enforce_eager, quantization=spec.quantization,
+                            kv_cache_bytes=spec.kv_cache_bytes, gpu_memory_utilization=spec.gpu_memory_utilization)
 
     def _sampling_params(self, n: int, max_tokens: int):
         from vllm import SamplingParams
@@ -165,14 +132,16 @@ class GeneratorExecutor(Executor):
             return super().put_input(channel, value)
         version, weights = value
         start = time.perf_counter()
-        if self.spec.weights_digest:
-            received = [(name, t) for name, t in weights]  # keep them to hash after loading
-            weights = iter(received)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()
-        if self.spec.weights_digest:  # over the part of each weight this rank receives
-            me = self.topology.rank
-            self.weights_digest = tensor_digest((n, crop(t, self.backend.region(n, me))) for n, t in received)
+        load_weights(self.llm, weights)
+        if self.spec.verify_weight_sync:
+            directory = verify_dir(self.spec.output_dir, version)
+            bad = verify_against_disk(self.llm, directory)
+            if bad:
+                raise WeightSyncMismatch(
+                    f"verify_weight_sync: after the weight sync of policy version {version}, "
+                    f"{self.topology.describe(self.topology.rank)} holds parameters that differ from what vLLM's own "
+                    f"loader makes of the same weights ({directory}): " + "; ".join(bad[:5])
+                    + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
         self.version = version
         self.weight_load_seconds = time.perf_counter() - start
 

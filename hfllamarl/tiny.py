@@ -1,7 +1,7 @@
 """Tiny local models for the demo, the tests and the benchmarks (no model hub needed).
 
-`build_tiny_model(path)` writes a random-init Llama and a character-level tokenizer to `path`
-in the Hugging Face format, so everything downstream loads it with `from_pretrained(path)`,
+`build_tiny_model(path)` writes a random-init Llama (or, with `family=`, a Qwen2/Qwen3/Qwen3-MoE or
+grouped-query Llama shape) and a character-level tokenizer to `path` in the Hugging Face format, so everything downstream loads it with `from_pretrained(path)`,
 exactly as it would load a real checkpoint.
 """
 
@@ -35,36 +35,65 @@ def build_tokenizer():
     )
 
 
+# Families of real architectures, in shapes vLLM's CPU backend runs (head size 32): each differs from
+# the demo Llama where real checkpoints do.
+FAMILIES = {
+    # the demo model: as many KV heads as attention heads, untied, no biases
+    "llama": dict(num_attention_heads=2, num_key_value_heads=2),
+    # Llama-3 style grouped-query attention down to one KV head (fewer KV heads than a TP-2 generator has ranks)
+    "llama_gqa": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, intermediate_size=256),
+    # Qwen2.5 style: q/k/v biases, tied embeddings, 2 KV heads
+    "qwen2": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+                  tie_word_embeddings=True),
+    # Qwen3 style: q/k RMS norms, an explicit head_dim, 1 KV head
+    "qwen3": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32, intermediate_size=256),
+    # Qwen3-MoE style: 4 experts, 2 per token, q/k norms; transformers keeps the experts fused ([E, 2I, H])
+    "qwen3_moe": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      intermediate_size=256, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                      decoder_sparse_step=1, norm_topk_prob=True),
+}
+_CLASSES = {"llama": "Llama", "llama_gqa": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
+
+
 def build_tiny_model(
     path: str,
     hidden_size: int = 64,
     num_layers: int = 2,
-    num_heads: int = 2,
+    num_heads: int | None = None,
     intermediate_size: int = 128,
     max_position_embeddings: int = 128,
     seed: int = 0,
+    family: str = "llama",
 ):
-    """Write a random-init `LlamaForCausalLM` and its tokenizer to `path`; return `path`."""
+    """Write a random-init causal LM of `family` (see `FAMILIES`) and its tokenizer to `path`; return `path`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {sorted(FAMILIES)}")
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
+    shape = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, tie_word_embeddings=False)
+    shape.update(FAMILIES[family])
+    if num_heads is not None:
+        shape.update(num_attention_heads=num_heads, num_key_value_heads=num_heads)
+    prefix = _CLASSES[family]
+    config = getattr(transformers, f"{prefix}Config")(
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
         max_position_embeddings=max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
         torch_dtype="float32",
+        **shape,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config)
+    if family in ("qwen2", "qwen3", "qwen3_moe"):  # give biases and norms values a zero/one init would hide
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("bias", "norm.weight")):
+                    p.add_(torch.randn_like(p) * 0.1)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -9,6 +9,7 @@ sample.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -52,6 +53,7 @@ class TrainerJob:
     weights: Any = None  # what the weight sync sends (`state_dict()`); None: the policy itself (LoRA: merged)
     ref_model: Any = None  # with beta > 0: the frozen reference policy, sharded like the policy
     beta: float = 0.0  # loss += beta * mean_t KL(pi || pi_ref) (TRL's k3 estimator)
+    verify_dir: Callable[[int], str] | None = None  # verify_weight_sync: where policy version v is exported
 
 
 def pad_batch(rollouts: list[Rollout], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -124,8 +126,23 @@ class TrainerExecutor(Executor):
         # carried completions of partial rollouts for up to generation_ticks - 1 ticks more.
         if self.version > self.sent_version and self.tick < self.job.num_batches + self.job.generation_ticks - 1:
             self.sent_version = self.version
+            if self.job.verify_dir is not None:
+                self._export_for_verify(self.version)
             return self.weights, self.version
         return None
+
+    def _export_for_verify(self, version: int) -> None:
+        """verify_weight_sync: write what the sync sends, as vLLM's loader reads it from disk, before sending."""
+        import shutil
+
+        from .hf_export import export_weights
+
+        first = self.topology.rank == 0
+        directory = self.job.verify_dir(version)
+        export_weights(self.weights, directory, write=first, cast=self.backend.wire_dtype)
+        previous = self.job.verify_dir(version - 1)
+        if first and os.path.isdir(previous):  # the generator checked it at the previous sync
+            shutil.rmtree(previous, ignore_errors=True)
 
     def put_input(self, channel: str, value) -> None:
         if channel != ROLLOUTS:
@@ -276,6 +293,12 @@ class TrainerExecutor(Executor):
         metrics["generation/seconds"] = gen_seconds
         metrics["generation/tokens_per_s"] = groups[0].batch_tokens / gen_seconds if gen_seconds > 0 else 0.0
         return metrics
+
+    def close(self) -> None:
+        if self.job.verify_dir is not None and self.topology.rank == 0:
+            import shutil
+
+            shutil.rmtree(os.path.dirname(self.job.verify_dir(0)), ignore_errors=True)
 
     def checkpoint_due(self) -> bool:
         due, self._save_due = self._save_due, False

@@ -18,6 +18,33 @@ from .topology import Topology
 
 POLICY_WEIGHTS = "policy_weights"
 
+Box = tuple[tuple[int, int], ...]  # one [start, end) per dimension of a weight
+
+
+def verify_dir(output_dir: str, version: int) -> str:
+    """Where the trainer writes policy `version` for `verify_weight_sync` (a directory both sides see)."""
+    import os
+
+    return os.path.join(output_dir, ".hfllamarl", "verify", f"version-{version}")
+
+
+def tensor_digest(named_tensors) -> str:
+    """sha256 over (name, dtype, shape, bytes) of each tensor, in name order: equal digests mean
+    bitwise-equal weight sets, whatever order they arrived in."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(named_tensors, key=lambda item: item[0]):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def whole(shape) -> Box:
+    """The box covering a whole tensor of `shape`."""
+    return tuple((0, int(s)) for s in shape)
+
 
 class WeightSyncBackend:
     """What a weight-sync plugin implements. The entry point names a subclass."""
@@ -46,8 +73,10 @@ class WeightSyncBackend:
     def setup_trainer(self, model: torch.nn.Module) -> None:
         """Called once on every trainer rank, after the policy is sharded, before the first send."""
 
-    def setup_generator(self) -> None:
-        """Called once on every generator rank, before the first receive."""
+    def setup_generator(self, loader_boxes=None) -> None:
+        """Called once on every generator rank, after its vLLM engine is built, before the first receive.
+        `loader_boxes(weights)`, given `[(name, shape)]`, returns for each weight the box this rank's engine
+        reads (None: none of it), from vLLM's own loaders; a backend may use it to send each rank only that."""
 
     def send(self, model: torch.nn.Module) -> None:
         """Called on every trainer rank each time new weights go out."""
@@ -58,18 +87,21 @@ class WeightSyncBackend:
         for the whole weight set, in order, as the tensors arrive."""
         raise NotImplementedError
 
-    def region(self, name: str, generator_rank: int) -> tuple[int, int, int] | None:
-        """Called by checks: the part `(dim, start, end)` of weight `name` that `generator_rank` receives
-        (its tensor-parallel shard), or None when it receives the whole tensor."""
+    def region(self, name: str, generator_rank: int) -> Box | None:
+        """Called by checks: the box of weight `name` that `generator_rank` receives valid data for (None for
+        the whole tensor)."""
         return None
 
+    def receives(self, name: str, generator_rank: int) -> bool:
+        """Called by checks: whether `receive()` on `generator_rank` yields weight `name` at all."""
+        return True
 
-def crop(tensor: torch.Tensor, region: tuple[int, int, int] | None) -> torch.Tensor:
-    """The part of `tensor` a `region` (see `WeightSyncBackend.region`) names."""
-    if region is None:
+
+def crop(tensor: torch.Tensor, box: Box | None) -> torch.Tensor:
+    """The part of `tensor` a box (see `WeightSyncBackend.region`) names; None: all of it."""
+    if box is None:
         return tensor
-    dim, start, end = region
-    return tensor.narrow(dim, start, end - start)
+    return tensor[tuple(slice(s, e) for s, e in box)]
 
 
 def build_backend(name: str, topology: Topology, **options) -> WeightSyncBackend:

@@ -29,6 +29,21 @@ def tiny_model(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory):
+    """`family_model(name)`: a random-init model of one of `hfllamarl.tiny.FAMILIES`, built once per session."""
+    from hfllamarl.tiny import build_tiny_model
+
+    built = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            built[family] = build_tiny_model(str(tmp_path_factory.mktemp(f"model-{family}") / "model"), family=family)
+        return built[family]
+
+    return get
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -24,6 +24,7 @@ from transformers.trainer_utils import TrainOutput
 from hfllamarl import checkpoint
 from hfllamarl.controller import run_job
 from hfllamarl.generator import GeneratorExecutor, GeneratorSpec
+from hfllamarl.preflight import check_generator
 from hfllamarl.prompts import PromptEncoder, validate_dataset
 from hfllamarl.registry import load_plugin
 from hfllamarl.rewards import RewardRunner, resolve_reward_funcs
@@ -73,6 +74,9 @@ class AsyncAIPOTrainer:
             rho=args.aipo_rho, scale_rewards=args.scale_rewards, epsilon=args.epsilon, epsilon_high=args.epsilon_high)
         load_plugin("weight_sync", args.weight_sync_backend)  # an unknown name fails now, not mid-run
         self.model_path, model_obj, model_config = resolve_model(model, args)
+        self._model_obj = model_obj
+        check_generator(model_config, use_cpu=args.use_cpu, dtype=self._generator_dtype(),
+                        tensor_parallel_size=args.generator_tensor_parallel_size)
         if processing_class is None:
             from transformers import AutoTokenizer
 
@@ -98,7 +102,6 @@ class AsyncAIPOTrainer:
                 from hfllamarl.lora import apply_peft
 
                 self.model = apply_peft(self.model, peft_config)
-        self._model_obj = model_obj
         self.state = None
 
     # ------------------------------------------------------------------ public API
@@ -190,6 +193,7 @@ class AsyncAIPOTrainer:
             save_total_limit=a.save_total_limit,
             max_staleness=a.max_staleness,
             partial_rollout_tokens=a.partial_rollout_tokens,
+            verify_weight_sync=a.verify_weight_sync,
         )
 
     def _generator_dtype(self) -> str:

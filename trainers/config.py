@@ -118,6 +118,13 @@ class AsyncAIPOConfig(GRPOConfig):
     generator_enforce_eager: bool = field(
         default=True, metadata={"help": "Run vLLM without CUDA graphs / compilation."},
     )
+    verify_weight_sync: bool = field(
+        default=False,
+        metadata={"help": "Debug: after every weight sync, each generator rank reloads the same weights from files the "
+                  "trainer writes (under output_dir, which both sides must see) with vLLM's own loader and compares "
+                  "every engine parameter bitwise; the job stops naming the first parameters that differ. Costs a full "
+                  "export and reload per sync."},
+    )
     scale_rewards: str = field(
         default="none",
         metadata={"help": "Advantage scaling, as in GRPOConfig, but defaulting to 'none': AIPO's advantage is "

@@ -13,6 +13,7 @@ from hfllamarl.fsdp import broadcast_from_rank0, loaded_on_rank0_only, shard_mod
 from hfllamarl.lora import is_peft
 from hfllamarl.reporting import Reporter
 from hfllamarl.trainer_executor import TrainerExecutor, TrainerJob
+from hfllamarl.weight_sync import verify_dir
 
 
 def _check_accelerate(args) -> None:
@@ -127,6 +128,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         pad_token_id=trainer.processing_class.pad_token_id, device=device, on_step=on_step,
         trainer_state=reporter.state, save_checkpoint=on_save, ref_model=ref_model, beta=args.beta,
         weights=weights,
+        verify_dir=(lambda v: verify_dir(args.output_dir, v)) if args.verify_weight_sync else None,
     )
     executor = holder["executor"] = TrainerExecutor(job, topo)
     os.makedirs(args.output_dir, exist_ok=True)

@@ -31,7 +31,7 @@ class BroadcastWeightSync(WeightSyncBackend):
         if self.topology.rank == 0:
             send_objects(self.topology, self.plan, self.topology.generator_ranks, "weight sync plan")
 
-    def setup_generator(self) -> None:
+    def setup_generator(self, loader_boxes=None) -> None:
         self.plan = recv_object(self.topology, 0, "weight sync plan")
 
     def send(self, model: torch.nn.Module) -> None:

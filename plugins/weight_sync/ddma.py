@@ -3,23 +3,25 @@
 LlamaRL's distributed direct memory access (paper, section 4.3): no rank gathers the model. Each
 trainer rank holds dim-0 shards of every parameter (FSDP2's `Shard(0)` DTensors) and sends them
 to every generator rank itself, all links at once; each generator rank receives the rows from
-every trainer rank directly into the rows of the full tensor they belong to, and streams the
-full tensors into vLLM's `reload_weights` as they complete.
+every trainer rank directly into the full tensor they belong to, and streams the full tensors into
+vLLM's `reload_weights` as they complete.
 
 With tensor parallelism on the generators, each generator rank receives only the part of each
-weight its vLLM shard reads: the rows of column-parallel weights (`q/k/v_proj`, `gate/up_proj`,
-whose fused `qkv_proj` / `gate_up_proj` vLLM assembles from them), the columns of row-parallel
-ones (`o_proj`, `down_proj`), its slice of the (padded) vocabulary for `embed_tokens` and
-`lm_head`, and the whole of the rest (norms). The received part lands in a full-size tensor
-that vLLM's loader narrows to exactly that part (on the CPU vLLM repacks its weights, so they
-cannot be written in place).
+weight its vLLM shard reads. That part is not restated here per layer type: at start-up each
+generator rank asks its own engine (`hfllamarl.loader_regions`: vLLM's loaders, run on probe
+tensors) which box of every weight it reads -- rows of q/k/v (whole KV heads, replicated when a
+model has fewer KV heads than the engine has ranks), columns of o/down, a padded vocabulary range,
+a range of every expert -- and sends the boxes to the trainer ranks. A weight no generator rank
+reads is refused at start-up (vLLM does not know it, so it would never be updated). A tied
+`lm_head.weight` travels too: vLLM's CPU backend repacks the lm_head layer only when it is loaded.
 
-The plan (which rows of which parameter live on which trainer rank, which part each generator
-rank needs, how parameters are grouped into buckets) is computed once at start-up from both
-sides' shapes and reused every sync.
-Parameters at least `bucket_bytes` large travel alone, with no copy on either side (the local
-shard is contiguous, and so is a row range of the destination); smaller ones are packed into
-buckets of up to `bucket_bytes` so that a layer's norms and biases do not cost a message each.
+The plan (which rows of which parameter live on which trainer rank, which box each generator rank
+needs, how parameters are grouped into buckets) is computed once at start-up and reused every
+sync. Parameters at least `bucket_bytes` large travel alone, with no copy where the piece is a row
+range; smaller ones are packed into buckets of up to `bucket_bytes` so that a layer's norms and
+biases do not cost a message each. The received part lands in a full-size tensor that vLLM's
+loader narrows to exactly that part (on the CPU vLLM repacks its weights, so they cannot be
+written in place).
 
 The transport is the bridge's tensor group: NCCL on GPU, gloo on CPU, one code path.
 """
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from hfllamarl.channels import recv_object, send_objects, send_tensor, start_recv_tensor
-from hfllamarl.weight_sync import WeightSyncBackend
+from hfllamarl.weight_sync import Box, WeightSyncBackend, whole
 
 
 @dataclass(frozen=True)
@@ -46,15 +48,11 @@ class ShardInfo:
     rows: int
 
     @property
-    def row_numel(self) -> int:
-        n = 1
-        for d in self.shape[1:]:
-            n *= d
-        return n
-
-    @property
     def full_bytes(self) -> int:
-        return (self.shape[0] if self.shape else 1) * self.row_numel * self.dtype.itemsize
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
 
 
 def local_shard(t: torch.Tensor, trainer_rank: int) -> tuple[torch.Tensor, int]:
@@ -77,51 +75,28 @@ def local_shard(t: torch.Tensor, trainer_rank: int) -> tuple[torch.Tensor, int]:
     return (t if trainer_rank == 0 else t[:0]), 0
 
 
-VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP ranks
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
-VOCAB_PARALLEL = ("embed_tokens", "lm_head")
-
-
-def tp_region(name: str, shape: tuple[int, ...], tp_rank: int, tp_size: int) -> tuple[int, int, int] | None:
-    """(dim, start, end): the part of HF weight `name` that tensor-parallel rank `tp_rank` of vLLM
-    reads, or None for the whole tensor (replicated weights, TP size 1, or a layout not known here)."""
-    if tp_size == 1 or len(shape) != 2 or not name.endswith(".weight"):
-        return None
-    module = name.rsplit(".", 2)[-2]
-    rows, cols = shape
-    if module in COLUMN_PARALLEL and rows % tp_size == 0:
-        per = rows // tp_size
-        return 0, tp_rank * per, (tp_rank + 1) * per
-    if module in ROW_PARALLEL and cols % tp_size == 0:
-        per = cols // tp_size
-        return 1, tp_rank * per, (tp_rank + 1) * per
-    if module in VOCAB_PARALLEL:
-        padded = -(-rows // VOCAB_PADDING) * VOCAB_PADDING
-        per = padded // tp_size
-        return 0, min(tp_rank * per, rows), min((tp_rank + 1) * per, rows)
-    return None
-
-
 @dataclass(frozen=True)
 class Piece:
-    """Rows `[r0, r1)` (and columns `[c0, c1)` when `cols` is set) of weight `name`, from one trainer
-    rank to one generator rank."""
+    """The box of weight `name` (full-tensor coordinates) that travels from one trainer rank to one
+    generator rank: the generator's box, cut on dim 0 to the trainer's rows."""
 
     name: str
-    r0: int
-    r1: int
-    cols: tuple[int, int] | None = None
+    box: Box
 
 
-def plan_pieces(shard: ShardInfo, region: tuple[int, int, int] | None) -> Piece | None:
-    """What of `shard` (one trainer rank's rows) a generator rank needing `region` receives."""
-    start, end = shard.row_offset, shard.row_offset + shard.rows
-    if region is not None and region[0] == 1:
-        return Piece(shard.name, start, end, (region[1], region[2])) if shard.rows else None
-    if region is not None:
-        start, end = max(start, region[1]), min(end, region[2])
-    return Piece(shard.name, start, end) if start < end else None
+def plan_piece(shard: ShardInfo, box: Box | None) -> Piece | None:
+    """What of `shard` (one trainer rank's rows) a generator rank reading `box` receives."""
+    if box is None or not shard.rows:
+        return None
+    start, end = max(shard.row_offset, box[0][0]), min(shard.row_offset + shard.rows, box[0][1])
+    if start >= end:
+        return None
+    return Piece(shard.name, ((start, end),) + tuple(box[1:]))
+
+
+def _index(box: Box, row_offset: int = 0) -> tuple[slice, ...]:
+    return tuple(slice(s - (row_offset if d == 0 else 0), e - (row_offset if d == 0 else 0))
+                 for d, (s, e) in enumerate(box))
 
 
 def plan_buckets(names: list[str], sizes: dict[str, int], dtypes: dict[str, torch.dtype],
@@ -164,18 +139,36 @@ class DDMAWeightSync(WeightSyncBackend):
             local, offset = local_shard(t, topo.rank)
             infos.append(ShardInfo(name, tuple(t.shape) or (1,), self.wire_dtype(t.dtype), offset,
                                    local.shape[0] if local.dim() else 1))
-        self._set_plan({topo.rank: infos})  # buckets depend on global shapes only: the same on every rank
         send_objects(topo, infos, topo.generator_ranks, "nccl_ddma plan")
+        self.boxes = {g: recv_object(topo, g, "nccl_ddma boxes") for g in topo.generator_ranks}
+        self._set_plan({topo.rank: infos})
+        unread = [n for n in self.names if all(self.boxes[g].get(n) is None for g in topo.generator_ranks)]
+        if unread:
+            raise ValueError(
+                f"nccl_ddma: the generator's vLLM loader reads none of {unread[:5]}{' ...' if len(unread) > 5 else ''}: "
+                "this model's layout is not one vLLM loads under these names, so those weights would never reach "
+                "the generator. Save the model with save_pretrained() from a transformers version vLLM supports, "
+                "or use a model family vLLM runs.")
 
-    def setup_generator(self) -> None:
+    def setup_generator(self, loader_boxes=None) -> None:
+        """`loader_boxes(weights)` -> {name: box or None}: what this rank's engine reads of each weight
+        (`hfllamarl.loader_regions.read_regions`); None: whole tensors (an engine that narrows itself)."""
         topo = self.topology
-        self._set_plan({r: recv_object(topo, r, "nccl_ddma plan") for r in topo.trainer_ranks})
+        per_rank = {r: recv_object(topo, r, "nccl_ddma plan") for r in topo.trainer_ranks}
+        first = next(iter(per_rank.values()))
+        weights = [(i.name, i.shape) for i in first]
+        mine = loader_boxes(weights) if loader_boxes is not None else {n: whole(s) for n, s in weights}
+        send_objects(topo, mine, topo.trainer_ranks, "nccl_ddma boxes")
+        self.boxes = {topo.rank: mine}
+        self._set_plan(per_rank)
         self._check_tiling()
 
-    def region(self, name: str, generator_rank: int) -> tuple[int, int, int] | None:
-        """The part of weight `name` generator rank `generator_rank` receives (see `tp_region`)."""
-        topo = self.topology
-        return tp_region(name, self.info[name].shape, generator_rank - topo.num_trainers, topo.num_generators)
+    def region(self, name: str, generator_rank: int) -> Box | None:
+        """The box of weight `name` generator rank `generator_rank` receives."""
+        return self.boxes[generator_rank].get(name)
+
+    def receives(self, name: str, generator_rank: int) -> bool:
+        return self.boxes[generator_rank].get(name) is not None
 
     def _set_plan(self, per_rank: dict[int, list[ShardInfo]]) -> None:
         topo = self.topology
@@ -183,21 +176,22 @@ class DDMAWeightSync(WeightSyncBackend):
         self.names = [i.name for i in first]
         self.info = {i.name: i for i in first}
         self.shards = per_rank
-        # pieces[(trainer, generator)][name] -> Piece: what travels on each link
+        # pieces[(trainer, generator)][name] -> Piece: what travels on each link (each rank plans only its own)
         self.pieces: dict[tuple[int, int], dict[str, Piece]] = {}
         for t, infos in per_rank.items():
-            for g in topo.generator_ranks:
-                if t != topo.rank and g != topo.rank:
-                    continue  # each rank plans only its own links
+            for g, boxes in self.boxes.items():
                 link = {}
                 for i in infos:
-                    piece = plan_pieces(i, self.region(i.name, g))
+                    piece = plan_piece(i, boxes.get(i.name))
                     if piece is not None:
                         link[i.name] = piece
                 self.pieces[(t, g)] = link
         sizes = {n: self.info[n].full_bytes for n in self.names}
         dtypes = {n: self.info[n].dtype for n in self.names}
         self.buckets = plan_buckets(self.names, sizes, dtypes, self.bucket_bytes)
+        me = topo.rank
+        # A generator rank yields only the weights its engine reads.
+        self.wanted = {n for (t, g), link in self.pieces.items() if g == me for n in link}
 
     def _check_tiling(self) -> None:
         for name in self.names:
@@ -227,11 +221,8 @@ class DDMAWeightSync(WeightSyncBackend):
                 for name in bucket:
                     if name in link:
                         local, offset = locals_[name]
-                        p = link[name]
-                        part = local.reshape(local.shape[0], -1)[p.r0 - offset:p.r1 - offset]
-                        if p.cols is not None:
-                            part = part[:, p.cols[0]:p.cols[1]]
-                        parts.append(part)
+                        parts.append(local.reshape((local.shape[0],) + self.info[name].shape[1:])[
+                            _index(link[name].box, offset)])
                 if not parts:
                     continue
                 payload = parts[0].contiguous() if len(parts) == 1 else torch.cat([x.reshape(-1) for x in parts])
@@ -248,11 +239,11 @@ class DDMAWeightSync(WeightSyncBackend):
         pending: list[tuple[list[str], dict[str, torch.Tensor], list]] = []
 
         def dest(full: torch.Tensor, p: Piece) -> torch.Tensor:
-            view = full.view(full.shape[0], -1)[p.r0:p.r1]
-            return view if p.cols is None else view[:, p.cols[0]:p.cols[1]]
+            return full.view(self.info[p.name].shape)[_index(p.box)]
 
         def post(bucket: list[str]):
-            fulls = {n: torch.empty(self.info[n].shape, dtype=self.info[n].dtype, device=device) for n in bucket}
+            fulls = {n: torch.empty(self.info[n].shape, dtype=self.info[n].dtype, device=device)
+                     for n in bucket if n in self.wanted}
             works = []  # (wait, parts to unpack or None)
             for t in topo.trainer_ranks:
                 link = self.pieces[(t, me)]
@@ -285,7 +276,8 @@ class DDMAWeightSync(WeightSyncBackend):
             if queue:
                 post(queue.pop(0))
             for n in bucket:
-                yield n, fulls[n]
+                if n in fulls:
+                    yield n, fulls[n]
 
     def _irecv(self, buf: torch.Tensor, src: int, what: str):
         """Post a receive into `buf` (contiguous: a row range of a full tensor, or a bucket); return its wait."""

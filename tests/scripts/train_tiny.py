@@ -22,6 +22,11 @@ def short(completions, **kwargs):
     return [0.0] * (len(completions) - 1)
 
 
+def digits(completions, **kwargs):
+    """A reward any random model earns unevenly (the share of digits in the completion): the policy moves."""
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
 class KillAt(TrainerCallback):
     """SIGKILL this process at the end of a given step (the generator child then dies with it)."""
 
@@ -75,16 +80,18 @@ def main():
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the reference model")
     p.add_argument("--partial-rollout-tokens", type=int, default=None, help="per-tick token budget of a completion")
     p.add_argument("--kill-in-checkpoint", type=int, default=0, help="SIGKILL while this step's checkpoint is written")
+    p.add_argument("--verify-weight-sync", action="store_true", help="check every sync against vLLM's own loader")
     a = p.parse_args()
     if a.kill_in_checkpoint:
         kill_inside_checkpoint(a.kill_in_checkpoint)
-    rewards = [a.reward] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
+    rewards = [digits if a.reward == "digits" else a.reward] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
     config = AsyncAIPOConfig(
         output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=16, num_generations=4,
         max_completion_length=4, learning_rate=a.learning_rate, logging_steps=1, report_to=a.report_to,
         max_staleness=a.max_staleness, num_generator_processes=a.num_generators, seed=0,
         generator_tensor_parallel_size=a.generator_tp,
         collective_timeout_s=60, save_steps=a.save_steps, beta=a.beta, partial_rollout_tokens=a.partial_rollout_tokens,
+        verify_weight_sync=a.verify_weight_sync,
     )
     for _ in range(a.repeat):
         peft_config = None
