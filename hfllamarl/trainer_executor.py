@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .executor import Executor
+from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from .generator import ROLLOUTS
 from .plugins.algorithms.aipo import masked_mean, reference_kl
 from .rewards import RewardRunner
@@ -183,10 +184,14 @@ class TrainerExecutor(Executor):
         advantages = job.algorithm.advantages(rewards_t, job.num_generations)  # [N]
         loss_total, stats = self._accumulate_gradients(rollouts, advantages)
         model = job.model
-        grad_norm = None
-        if job.max_grad_norm and job.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        grad_norm = total_grad_norm(model, job.max_grad_norm)
+        if not math.isfinite(grad_norm):  # no optimizer step with a NaN/inf gradient: the weights stay finite
+            bad = first_bad_gradient(model)
+            where = self.topology.describe(self.topology.rank)
+            agree([f"the gradient norm is {grad_norm}; {bad}"] if bad else [], step=self.version + 1, rank_name=where)
+            raise NonFiniteError(f"non-finite values at step {self.version + 1}: the gradient norm is {grad_norm} while "
+                                 "every gradient is finite (it overflowed). The step was stopped before the optimizer; "
+                                 "lower the learning rate or clip gradients (max_grad_norm).")
         job.optimizer.step()
         if job.scheduler is not None:
             job.scheduler.step()
@@ -196,8 +201,7 @@ class TrainerExecutor(Executor):
         metrics = self._step_metrics(groups, rollouts, rewards, per_func, staleness, loss_total, stats)
         metrics["reward_seconds"] = reward_seconds
         metrics.update(job.rewards.counters())
-        if grad_norm is not None:
-            metrics["grad_norm"] = grad_norm
+        metrics["grad_norm"] = grad_norm
         if job.scheduler is not None:
             metrics["learning_rate"] = job.scheduler.get_last_lr()[0]
         metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
@@ -224,20 +228,41 @@ class TrainerExecutor(Executor):
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(k == steps - 1)  # reduce-scatter once per optimizer step
             logprobs = completion_logprobs(model, batch, job.temperature)
-            loss, m = job.algorithm.loss(logprobs, batch["behavior_logprobs"],
-                                         advantages[k * mb:(k + 1) * mb].to(job.device), batch["mask"])
+            chunk_advantages = advantages[k * mb:(k + 1) * mb].to(job.device)
+            loss, m = job.algorithm.loss(logprobs, batch["behavior_logprobs"], chunk_advantages, batch["mask"])
             if job.ref_model is not None:
                 with torch.no_grad():
                     ref_logprobs = completion_logprobs(job.ref_model, batch, job.temperature)
                 kl = masked_mean(reference_kl(logprobs, ref_logprobs), batch["mask"])
                 loss = loss + job.beta * kl
                 m["kl"] = kl.item()
+            # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
+            agree(self._nonfinite(batch, logprobs, chunk_advantages, loss, chunk, k * mb),
+                  step=self.version + 1, rank_name=self.topology.describe(self.topology.rank))
             (loss / steps).backward()
             loss_total += loss.item() / steps
             for key in stats:
                 if key in m:
                     stats[key].append(m[key])
         return loss_total, stats
+
+    @staticmethod
+    def _nonfinite(batch: dict, logprobs: torch.Tensor, advantages: torch.Tensor, loss: torch.Tensor,
+                   chunk: list[Rollout], offset: int) -> list[str]:
+        """What in this micro-batch is NaN or inf, described (empty: all finite)."""
+        rows = [r.row_index for r in chunk]
+        ids, mask = batch["completion_ids"], batch["mask"]
+        problems = [describe_token(what, values, mask, rows, ids, offset) for what, values in (
+            ("mu (the generator's log-prob of the sampled token)", batch["behavior_logprobs"]),
+            ("pi (the policy's log-prob of the sampled token)", logprobs))]
+        bad = first_bad(advantages)
+        if bad is not None:
+            i = bad[0]
+            problems.append(f"the advantage is {float(advantages[i])} at sample {offset + i} of the batch "
+                            f"(dataset row {rows[i]})")
+        if not problems[0] and not problems[1] and bad is None and not bool(torch.isfinite(loss.detach())):
+            problems.append(f"the loss is {float(loss.detach())} (pi, mu and the advantages are finite: the algorithm's loss)")
+        return [p for p in problems if p]
 
     def _step_metrics(self, groups: list[RolloutGroup], rollouts: list[Rollout], rewards: list[float], per_func: dict,
                       staleness: list[list[int]], loss_total: float, stats: dict) -> dict[str, float]:
