@@ -79,7 +79,6 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     topo = init_topology(opts["generators"], timeout_s=600, use_cpu=True)
     topo.bridge("object"), topo.bridge("tensor")
-    topo.start_heartbeat()
     barrier = topo.bridge("object")
     results: dict = {"rank": topo.rank, "role": topo.role}
 
@@ -156,7 +155,7 @@ def main(argv: list[str]) -> int:
                          "growth_mb": (mem.peak - mem.start) / 2**20, "digest": digest}
 
     gathered = Channel("results", ChannelKind.GATHER, list(range(topo.world_size)), [0], topo).communicate(results)
-    topo.mark_done()
+    topo.liveness.mark_done()
     if topo.rank == 0:
         print("BENCH_RESULT " + json.dumps(gathered), flush=True)
     return 0

@@ -33,30 +33,26 @@ class Step:
 
 
 def _is_communication_error(exc: Exception) -> bool:
-    from .topology import PeerLostError
+    from .liveness import PeerLostError
 
     text = str(exc).lower()
     return isinstance(exc, PeerLostError) or "Dist" in type(exc).__name__ or any(
         word in text for word in ("connection", "timed out", "timeout", "peer", "gloo", "nccl"))
 
 
-def _name_lost_ranks(topology, exc: Exception, settle_s: float = 5.0) -> None:
-    """Turn a failed collective into an error that names the rank that died first, if one did."""
-    import time
+def fail(topology, exc: BaseException) -> BaseException:
+    """This rank stops on `exc`: return the error to raise (one naming the rank at fault, ending with its own
+    error, when another rank's failure caused `exc`), after recording it for the other ranks."""
+    from .liveness import describe_exception
 
-    from .topology import PeerLostError
-
-    deadline = time.monotonic() + settle_s
-    while True:  # a peer that just died has not missed its heartbeat yet: give it a few seconds
-        lost = topology.lost_ranks()
-        if lost or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    if lost:
-        names = ", ".join(topology.describe(r) for r in lost)
-        raise PeerLostError(
-            f"{names} stopped (no heartbeat); {topology.describe(topology.rank)} gives up: {exc}"
-        ) from exc
+    liveness = topology.liveness
+    liveness.failing.set()
+    named = liveness.explain(exc) if _is_communication_error(exc) else None
+    if named is not None:
+        liveness.give_up(str(named), reaction=True)
+        return named
+    liveness.give_up(f"{topology.describe(topology.rank)} raised " + describe_exception(exc))
+    return exc
 
 
 def async_stages(channels: list) -> list:
@@ -76,31 +72,15 @@ class ExecutorController:
 
     def run(self) -> None:
         executor = self.executor
-        topology = getattr(executor, "topology", None)
-        try:
-            for tick in range(self.start_tick, self.num_ticks):
-                executor.set_step(tick)
-                for stage in self.stages:
-                    if isinstance(stage, Communicate):
-                        stage.channel.communicate_with(executor)
-                    elif stage.role is None or stage.role == executor.role:
-                        executor.step()
-                if executor.checkpoint_due():
-                    executor.save_checkpoint()
-        except Exception as exc:
-            if topology is not None and _is_communication_error(exc):
-                try:
-                    _name_lost_ranks(topology, exc)
-                except Exception as named:
-                    topology.give_up(str(named))
-                    raise
-            if topology is not None:
-                topology.give_up(f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            executor.close()
-        if topology is not None:
-            topology.mark_done()
+        for tick in range(self.start_tick, self.num_ticks):
+            executor.set_step(tick)
+            for stage in self.stages:
+                if isinstance(stage, Communicate):
+                    stage.channel.communicate_with(executor)
+                elif stage.role is None or stage.role == executor.role:
+                    executor.step()
+            if executor.checkpoint_due():
+                executor.save_checkpoint()
 
 
 def run_job(executor: Executor, backend, topology, num_batches: int, max_staleness: int, start_tick: int = 0) -> None:
@@ -118,7 +98,16 @@ def run_job(executor: Executor, backend, topology, num_batches: int, max_stalene
     if hasattr(executor, "weights_channel"):
         executor.weights_channel = weights
     executor.backend = backend
-    topology.start_heartbeat()
+    topology.liveness.start()
     stages = sync_stages(weights, rollouts) if max_staleness == 0 else async_stages([weights, rollouts])
-    executor.init()
-    ExecutorController(executor, stages, num_ticks=num_batches + max_staleness, start_tick=start_tick).run()
+    try:
+        executor.init()  # start-up failures (an engine that cannot start) are reported like any other
+        ExecutorController(executor, stages, num_ticks=num_batches + max_staleness, start_tick=start_tick).run()
+    except Exception as exc:
+        error = fail(topology, exc)
+        if error is exc:
+            raise
+        raise error from exc
+    finally:
+        executor.close()
+    topology.liveness.mark_done()

@@ -58,7 +58,11 @@ def write_safetensors(items: Iterable[tuple[str, torch.Tensor]], directory: str,
 
     if write:
         os.makedirs(directory, exist_ok=True)
+    seen: set[int] = set()
     for name, tensor in items:
+        if tensor.data_ptr() in seen:  # a tied weight (lm_head = embed_tokens): safetensors stores each apart
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
         nbytes = tensor.numel() * tensor.element_size()
         if current and size + nbytes > max_shard_bytes:
             flush()

@@ -77,6 +77,14 @@ class Reporter:
         self.control = self.handler.on_train_end(self.args, self.state, self.control)
         return summary
 
+    def abort(self) -> None:
+        """The run failed: close the progress bar now, so that the error is the last thing printed."""
+        for cb in self.handler.callbacks:
+            bar = getattr(cb, "training_bar", None)
+            if bar is not None:
+                bar.close()
+                cb.training_bar = None
+
     def integration(self, cls_name: str):
         for cb in self.handler.callbacks:
             if type(cb).__name__ == cls_name:

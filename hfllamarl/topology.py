@@ -17,26 +17,14 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 
-ENV_STORE = "HFLLAMARL_STORE"  # host:port of the store a single-process parent hosts
-ENV_RANK = "HFLLAMARL_RANK"
-ENV_WORLD = "HFLLAMARL_WORLD_SIZE"
-ENV_PARENT = "HFLLAMARL_PARENT_PID"
-ENV_JOB = "HFLLAMARL_JOB_ID"
-ENV_CPUS = "HFLLAMARL_CPUS"  # cores a generator child is pinned to
+from .liveness import Liveness, PeerLostError  # noqa: F401  (PeerLostError: re-exported for the channels)
 
 
 class TopologyError(RuntimeError):
     """A launch that cannot form a job; the message says how to launch instead."""
-
-
-class PeerLostError(RuntimeError):
-    """Another rank of the job died or stopped answering."""
 
 
 @dataclass
@@ -54,7 +42,10 @@ class Topology:
     _store: object = field(default=None, repr=False)
     _bridge: dict = field(default_factory=dict, repr=False)
     _hosts_store: bool = field(default=False, repr=False)
-    _children: list = field(default_factory=list, repr=False)
+    _children: list = field(default_factory=list, repr=False)  # single mode: (rank, Popen) of each generator
+
+    def __post_init__(self):
+        self.liveness = Liveness(self)
 
     @property
     def num_trainers(self) -> int:
@@ -155,53 +146,23 @@ class Topology:
             self._bridge[kind] = pg
         return self._bridge[kind]
 
-    # ---------------------------------------------------------------- liveness
-    def start_heartbeat(self, period_s: float = 1.0) -> None:
-        """Publish this rank's heartbeat in the store, so others can tell who died (idempotent)."""
-        if getattr(self, "_heartbeat", None) is not None:
-            return
-        import torch.distributed as dist
+    @property
+    def hosts_store(self) -> bool:
+        """Whether this process hosts the job's store (it must outlive the others' failure reports)."""
+        return self._hosts_store
 
-        self.store()  # make sure the store exists (single mode hosts it)
-        host, port = self.store_addr
-        client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=self.timeout)
-        key = f"hfllamarl/{self.job_id}/heartbeat/{self.rank}"
-        stop = threading.Event()
+    @property
+    def store_host_rank(self) -> int | None:
+        """The rank whose process hosts the store (None: torchrun's agent, not a rank, hosts it)."""
+        if self.mode in ("single", "child"):
+            return 0
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            return None
+        return 0
 
-        def beat():
-            while not stop.is_set():
-                try:
-                    client.set(key, repr(time.time()))
-                except Exception:  # the store is gone: the job is ending
-                    return
-                stop.wait(period_s)
-
-        self._heartbeat = stop
-        threading.Thread(target=beat, name="hfllamarl-heartbeat", daemon=True).start()
-
-    def mark_done(self) -> None:
-        """Tell the other ranks this rank finished normally (it is not lost when its heartbeat stops)."""
-        try:
-            self.store().set(f"hfllamarl/{self.job_id}/done/{self.rank}", "1")
-        except Exception:
-            pass
-        if getattr(self, "_heartbeat", None) is not None:
-            self._heartbeat.set()
-
-    def mark_failed(self, cause: str) -> None:
-        """Record why this rank gives up, so others name the first cause rather than this rank."""
-        try:
-            self.store().set(f"hfllamarl/{self.job_id}/failed/{self.rank}", cause[:2000])
-        except Exception:
-            pass
-
-    def give_up(self, cause: str, linger_s: float = 15.0) -> None:
-        """This rank is failing: record why, drop the bridge at once (peers blocked on this rank fail now,
-        not at their timeout) and, if this process hosts the job's store, keep the store up until every
-        other rank has finished, failed or gone silent, so that they can still tell who died first."""
-        self.mark_failed(cause)
-        # Only dropping the last reference closes a gloo group's connections (abort() does not), and a
-        # peer blocked in a receive from this rank learns of the failure only then.
+    def drop_bridge(self) -> None:
+        """Close this rank's bridge groups now: a peer blocked on this rank fails at once instead of at its timeout.
+        (Only dropping the last reference closes a gloo group's connections; abort() does not.)"""
         groups = list(self._bridge.values())
         self._bridge.clear()
         for pg in groups:
@@ -211,102 +172,42 @@ class Topology:
                 pass
         del groups
         gc.collect()
-        if not self._hosts_store:
-            return
-        deadline = time.monotonic() + linger_s
-        while time.monotonic() < deadline:
-            try:
-                pending = [r for r in range(self.world_size) if r != self.rank and not self._store.check(
-                    [f"hfllamarl/{self.job_id}/done/{r}"]) and not self._store.check([f"hfllamarl/{self.job_id}/failed/{r}"])]
-            except Exception:
-                return
-            if not set(pending) - set(self.lost_ranks()):
-                return
-            time.sleep(0.5)
-
-    def lost_ranks(self, stale_s: float = 4.0) -> list[int]:
-        """Ranks whose heartbeat stopped (and that did not finish): first those that did not record a
-        failure of their own (the cause), then those that gave up; the longest silent first."""
-        if self._store is None:
-            return []
-        silent = []
-        now = time.time()
-        for rank in range(self.world_size):
-            if rank == self.rank:
-                continue
-            try:
-                if self._store.check([f"hfllamarl/{self.job_id}/done/{rank}"]):
-                    continue
-                if not self._store.check([f"hfllamarl/{self.job_id}/heartbeat/{rank}"]):
-                    continue  # never started beating: cannot tell
-                last = float(self._store.get(f"hfllamarl/{self.job_id}/heartbeat/{rank}").decode())
-            except Exception:
-                return []
-            if now - last > stale_s:
-                try:
-                    gave_up = self._store.check([f"hfllamarl/{self.job_id}/failed/{rank}"])
-                except Exception:
-                    return []
-                silent.append((gave_up, last, rank))
-        return [rank for _, _, rank in sorted(silent)]
 
     # ---------------------------------------------------------------- single-process mode
     def new_job(self) -> None:
-        """Single-process mode: forget the previous job's bridge and heartbeat before starting children again."""
+        """Single-process mode: forget the previous job's bridge and liveness before starting children again."""
         if self._children:
             raise TopologyError("the previous job's generator processes are still running")
         self.job_id += 1
         self._bridge.clear()
-        if getattr(self, "_heartbeat", None) is not None:
-            self._heartbeat.set()
-            self._heartbeat = None
-
-    def split_cpus(self) -> dict[int, list[int]]:
-        """Single-process mode on a CPU: disjoint cores for the trainer and each generator child, so that
-        generation and training overlap instead of fighting over the same cores (empty: no split)."""
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        if not self.use_cpu or len(cpus) < self.world_size or "OMP_NUM_THREADS" in os.environ:
-            return {}
-        trainer_share = len(cpus) - self.num_generators
-        split = {0: cpus[:trainer_share]}
-        for i, rank in enumerate(self.generator_ranks):
-            split[rank] = [cpus[trainer_share + i]]
-        return split
+        self.liveness.stop()
+        self.liveness = Liveness(self)
 
     def start_children(self, spec_path: str) -> None:
-        """Single-process mode: start the generator ranks as child processes."""
-        host, port = self.store_addr or ("127.0.0.1", self.store().port)
-        split = self.split_cpus()
-        if split:  # the trainer (this process) keeps the first cores
-            import torch
+        """Single-process mode: start the generator ranks as child processes (`hfllamarl.spawn`)."""
+        from .spawn import start_children
 
-            os.sched_setaffinity(0, split[0])
-            torch.set_num_threads(len(split[0]))
-        for rank in self.generator_ranks:
-            env = dict(os.environ)
-            env.update(
-                {
-                    ENV_STORE: f"{host}:{port}",
-                    ENV_RANK: str(rank),
-                    ENV_WORLD: str(self.world_size),
-                    ENV_PARENT: str(os.getpid()),
-                    ENV_JOB: str(self.job_id),
-                    # vLLM's external launcher reads these; they describe the generator world.
-                    "RANK": str(rank - self.num_trainers),
-                    "LOCAL_RANK": str(rank - self.num_trainers),
-                    "WORLD_SIZE": str(self.num_generators),
-                    "LOCAL_WORLD_SIZE": str(self.num_generators),
-                }
-            )
-            if split:
-                env["OMP_NUM_THREADS"] = str(len(split[rank]))
-                env[ENV_CPUS] = ",".join(map(str, split[rank]))
-            cmd = [sys.executable, "-m", "hfllamarl.worker", spec_path]
-            self._children.append(subprocess.Popen(cmd, env=env))
+        self._children = start_children(self, spec_path)
+
+    def exited_children(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of the generator children that exited with an error."""
+        out = []
+        for rank, proc in self._children:
+            code = proc.poll()
+            if code not in (None, 0):
+                out.append((rank, code))
+        return out
+
+    def kill_children(self) -> None:
+        for _, proc in self._children:
+            if proc.poll() is None:
+                proc.kill()
 
     def stop_children(self, grace_s: float = 10.0) -> None:
         """Wait up to `grace_s` for the child generators to finish, then kill the ones still running."""
-        for proc in self._children:
+        import subprocess
+
+        for _, proc in self._children:
             try:
                 proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
@@ -342,21 +243,14 @@ def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool)
         _TOPOLOGY.timeout_s = timeout_s
         return _TOPOLOGY
 
-    if ENV_STORE in os.environ:  # a generator child of a single-process job
-        host, port = os.environ[ENV_STORE].rsplit(":", 1)
-        topo = Topology(
-            mode="child",
-            rank=int(os.environ[ENV_RANK]),
-            world_size=int(os.environ[ENV_WORLD]),
-            num_generators=num_generator_processes,
-            timeout_s=timeout_s,
-            use_cpu=use_cpu,
-            store_addr=(host, int(port)),
-            job_id=int(os.environ.get(ENV_JOB, "0")),
-        )
-        _watch_parent(int(os.environ[ENV_PARENT]))
-        if os.environ.get(ENV_CPUS) and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, [int(c) for c in os.environ[ENV_CPUS].split(",")])
+    from .spawn import become_child, child_settings
+
+    child = child_settings()
+    if child is not None:  # a generator child of a single-process job
+        topo = Topology(mode="child", rank=child["rank"], world_size=child["world_size"],
+                        num_generators=num_generator_processes, timeout_s=timeout_s, use_cpu=use_cpu,
+                        store_addr=child["store_addr"], job_id=child["job_id"])
+        become_child(child)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         topo = _launcher_topology(num_generator_processes, timeout_s, use_cpu)
     else:
@@ -372,7 +266,25 @@ def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool)
     _TOPOLOGY = topo
     if topo.mode != "single":
         topo.init_local_world()
+        # From here on this rank's failures are reported to the others, and theirs watched for.
+        topo.liveness.start()
+        _report_uncaught_exceptions(topo)
     return topo
+
+
+def _report_uncaught_exceptions(topo: Topology) -> None:
+    """An exception that ends this process anywhere (the user's script included) is recorded for the other
+    ranks, which then name it, before Python prints it."""
+    previous = sys.excepthook
+
+    def hook(kind, exc, tb):
+        from .liveness import describe_exception
+
+        if not topo.liveness.failing.is_set():
+            topo.liveness.record_failure(f"{topo.describe(topo.rank)} raised " + describe_exception(exc))
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook
 
 
 def _launcher_topology(num_generators: int, timeout_s: float, use_cpu: bool) -> Topology:
@@ -428,17 +340,3 @@ def _refuse_single_process_accelerate_launch() -> None:
             f"  torchrun --nproc_per_node {n} script.py\n"
             "or simply `python script.py` (the generator then runs as a child process)."
         )
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """A child generator exits as soon as its parent (the trainer) is gone."""
-
-    def watch():
-        import time
-
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(3)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, name="hfllamarl-parent-watch", daemon=True).start()

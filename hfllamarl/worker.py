@@ -21,6 +21,7 @@ def main(spec_path: str) -> int:
     from hfllamarl.weight_sync import build_backend
 
     topo = init_topology(job["num_generators"], job["timeout_s"], job["use_cpu"])
+    topo.liveness.announce_joining()
     topo.bridge("object"), topo.bridge("tensor")
     spec = job["spec"]
     backend = build_backend(spec.weight_sync_backend, topo, **spec.weight_sync_options)

@@ -127,6 +127,9 @@ class AsyncAIPOTrainer:
         finished = False
         try:
             topo.init_local_world()
+            if topo.mode == "single":
+                topo.liveness.start()
+                topo.liveness.await_joining(topo.generator_ranks)
             topo.bridge("object"), topo.bridge("tensor")  # every rank joins both bridge groups up front
             backend = build_backend(self.args.weight_sync_backend, topo, **spec.weight_sync_options)
             if topo.role == "generator":
@@ -144,6 +147,10 @@ class AsyncAIPOTrainer:
             summary = self._reporter.train_end()
             finished = True
             return TrainOutput(self.state.global_step, self._last_loss(), summary)
+        except BaseException:
+            if getattr(self, "_reporter", None) is not None:
+                self._reporter.abort()
+            raise
         finally:
             if topo.mode == "single":  # on an error, do not wait for children stuck in a channel
                 topo.stop_children(grace_s=60.0 if finished else 2.0)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hfllamarl.channels import Channel, ChannelKind
-from hfllamarl.controller import _name_lost_ranks
+from hfllamarl.controller import fail
 from hfllamarl.topology import init_topology
 
 die = int(sys.argv[sys.argv.index("--die") + 1]) if "--die" in sys.argv else None
@@ -25,7 +25,6 @@ if topo.role == "trainer":
     dist.all_reduce(t)
     assert t.item() == 3.0
 topo.bridge("object"), topo.bridge("tensor")
-topo.start_heartbeat()
 
 try:
     bcast = Channel("b", ChannelKind.BROADCAST, [2], [0, 1], topo)
@@ -48,7 +47,6 @@ try:
     back = Channel("t", ChannelKind.BROADCAST, [1], [0, 2], topo).communicate("hello" if me == 1 else None)
     assert me == 1 or back == "hello"
 except Exception as exc:
-    _name_lost_ranks(topo, exc)
-    raise
-topo.mark_done()
+    raise fail(topo, exc)  # as the controller does: name the rank at fault
+topo.liveness.mark_done()
 print(f"CHANNELS OK rank {me}", flush=True)

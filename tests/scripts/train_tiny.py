@@ -81,6 +81,8 @@ def main():
     p.add_argument("--partial-rollout-tokens", type=int, default=None, help="per-tick token budget of a completion")
     p.add_argument("--kill-in-checkpoint", type=int, default=0, help="SIGKILL while this step's checkpoint is written")
     p.add_argument("--verify-weight-sync", action="store_true", help="check every sync against vLLM's own loader")
+    p.add_argument("--timeout", type=float, default=60, help="collective_timeout_s")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="generator_kv_cache_bytes (tiny: vLLM fails to start)")
     a = p.parse_args()
     if a.kill_in_checkpoint:
         kill_inside_checkpoint(a.kill_in_checkpoint)
@@ -90,7 +92,7 @@ def main():
         max_completion_length=4, learning_rate=a.learning_rate, logging_steps=1, report_to=a.report_to,
         max_staleness=a.max_staleness, num_generator_processes=a.num_generators, seed=0,
         generator_tensor_parallel_size=a.generator_tp,
-        collective_timeout_s=60, save_steps=a.save_steps, beta=a.beta, partial_rollout_tokens=a.partial_rollout_tokens,
+        collective_timeout_s=a.timeout, generator_kv_cache_bytes=a.kv_cache_bytes, save_steps=a.save_steps, beta=a.beta, partial_rollout_tokens=a.partial_rollout_tokens,
         verify_weight_sync=a.verify_weight_sync,
     )
     for _ in range(a.repeat):

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from hfllamarl.channels import Channel, ChannelKind
-from hfllamarl.controller import _name_lost_ranks
+from hfllamarl.controller import fail
 from hfllamarl.engine import build_engine, loader_boxes, verify_against_disk
 from hfllamarl.fsdp import full_state_dict, shard_model
 from hfllamarl.hf_export import export_weights
@@ -80,8 +80,7 @@ def main():
     generators = int(os.environ.get("GENERATORS", "1"))
     topo = init_topology(num_generator_processes=generators, timeout_s=120, use_cpu=True)
     topo.bridge("object"), topo.bridge("tensor")
-    topo.start_heartbeat()
-    options = {"bucket_bytes": int(sys.argv[3])} if len(sys.argv) > 3 else {}
+        options = {"bucket_bytes": int(sys.argv[3])} if len(sys.argv) > 3 else {}
     if int(os.environ.get("DIE", "-1")) == topo.rank:
         die_mid_transfer()
     wire = os.environ.get("TRANSFER_DTYPE")
@@ -151,15 +150,12 @@ def main():
 
 
 if __name__ == "__main__":  # vLLM may start spawn workers that import this file
+    from hfllamarl.topology import current
+
     try:
         main()
     except Exception as exc:
-        from hfllamarl.topology import current
-
-        if current() is not None:
-            _name_lost_ranks(current(), exc)  # as the controller does: name the rank that died first
-        raise
-    else:
-        from hfllamarl.topology import current
-
-        current().mark_done()
+        if current() is None:
+            raise
+        raise fail(current(), exc)  # as the controller does: name the rank at fault
+    current().liveness.mark_done()

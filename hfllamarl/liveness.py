@@ -1,0 +1,288 @@
+"""Liveness: who is alive, who failed first and why, and a watchdog that ends a job nobody can finish.
+
+Every rank keeps three kinds of keys in the job's store: a heartbeat (a thread writes the time every
+second), `failed/<rank>` (what the rank raised, with its traceback, written before it exits; a rank
+that only reacts to another's failure says so) and `done/<rank>`. From them any rank can tell why the
+job cannot go on (`verdict`): the first rank that failed on its own, with its exception; else a rank
+whose heartbeat stopped (SIGKILL, or SIGSTOP: alive but frozen); else the store itself, when its host
+stopped answering.
+
+The watchdog thread asks for that verdict every second. A rank blocked in a collective with a frozen
+peer would otherwise wait the whole `collective_timeout_s`, and a rank waiting for a peer that failed
+during start-up would wait for a connection that never comes; the watchdog ends it within seconds,
+with the verdict as the last thing it prints (a single-process job's parent, which may be a notebook,
+instead kills its generator children, which fails its pending collectives at once, and raises the
+verdict from its main thread). Under torchrun the verdict also goes into the error file torchrun
+reports as the root cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+
+class PeerLostError(RuntimeError):
+    """Another rank of the job died, froze or failed; the message names it and ends with its own error."""
+
+
+def heartbeat_timeout(collective_timeout_s: float) -> float:
+    """Seconds without a heartbeat after which a rank counts as lost (frozen or dead)."""
+    return min(max(collective_timeout_s / 4.0, 10.0), 60.0)
+
+
+def describe_exception(exc: BaseException, frames: int = 12) -> str:
+    """`Type: message`, the last frames of its traceback, and `Type: message` again as the last line: how a
+    failing rank reports itself to the others."""
+    head = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    stack = traceback.format_tb(exc.__traceback__)[-frames:]
+    return f"{head}\n" + "".join(stack).rstrip() + f"\n{head}"
+
+
+class Liveness:
+    """Heartbeats, failure causes and the watchdog of one rank of a job (`topology.liveness`)."""
+
+    def __init__(self, topology):
+        self.topology = topology
+        self.failing = threading.Event()  # this rank is already going down: the watchdog stays quiet
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._client = None
+        self._store_silent_since: float | None = None
+        self.verdict_cause: str | None = None  # what the watchdog found (a single-process parent raises it)
+
+    # ---------------------------------------------------------------- keys
+    def _key(self, kind: str, rank: int) -> str:
+        return f"hfllamarl/{self.topology.job_id}/{kind}/{rank}"
+
+    @property
+    def stale_s(self) -> float:
+        return heartbeat_timeout(self.topology.timeout_s)
+
+    def _quick_client(self):
+        """A store client of its own with a short timeout: a frozen store host must not block the watchdog."""
+        if self._client is None:
+            import datetime
+
+            import torch.distributed as dist
+
+            host, port = self.topology.store_addr
+            self._client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                         timeout=datetime.timedelta(seconds=5))
+        return self._client
+
+    # ---------------------------------------------------------------- this rank
+    def start(self, period_s: float = 1.0) -> None:
+        """Start this rank's heartbeat and watchdog threads (idempotent)."""
+        if self._threads:
+            return
+        self.topology.store()  # make sure the store exists (a single-process job hosts it)
+        host, port = self.topology.store_addr
+        import datetime
+
+        import torch.distributed as dist
+
+        beat_client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=5))
+        key = self._key("heartbeat", self.topology.rank)
+
+        def beat():
+            while not self._stop.is_set():
+                try:
+                    beat_client.set(key, repr(time.time()))
+                except Exception:  # the store is away: the watchdog decides what that means
+                    pass
+                self._stop.wait(period_s)
+
+        def watch():
+            strikes = 0
+            while not self._stop.wait(period_s):
+                if self.failing.is_set():
+                    return
+                verdict = self.verdict()
+                strikes = strikes + 1 if verdict else 0
+                if strikes >= 2:  # seen twice, a second apart: not a blip
+                    self._act(verdict)
+                    return
+
+        for name, target in (("hfllamarl-heartbeat", beat), ("hfllamarl-watchdog", watch)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._threads = []
+
+    def mark_done(self) -> None:
+        """This rank finished normally (it is not lost when its heartbeat stops)."""
+        try:
+            self._quick_client().set(self._key("done", self.topology.rank), "1")
+        except Exception:
+            pass
+        self.stop()
+
+    def record_failure(self, cause: str, reaction: bool = False) -> None:
+        """Write why this rank stops (once): its own error, or (`reaction`) the failure of another rank it saw."""
+        self.failing.set()
+        record = json.dumps({"time": time.time(), "cause": cause[-6000:], "reaction": reaction})
+        try:
+            client = self._quick_client()
+            key = self._key("failed", self.topology.rank)
+            if not client.check([key]):
+                client.set(key, record)
+        except Exception:
+            pass
+        _write_torchelastic_error(cause)
+
+    def give_up(self, cause: str, reaction: bool = False, linger_s: float = 15.0) -> None:
+        """This rank is failing: record why, drop the bridge at once (peers blocked on this rank fail now, not at
+        their timeout) and, if this process hosts the job's store, keep the store up until every other rank has
+        finished, failed or gone silent, so that they can still tell who failed first."""
+        self.record_failure(cause, reaction)
+        self.topology.drop_bridge()
+        if not self.topology.hosts_store:
+            return
+        deadline = time.monotonic() + linger_s
+        while time.monotonic() < deadline:
+            try:
+                client = self._quick_client()
+                pending = [r for r in self._others() if not client.check([self._key("done", r)])
+                           and not client.check([self._key("failed", r)])]
+            except Exception:
+                return
+            if not set(pending) - set(self.lost_ranks()):
+                return
+            time.sleep(0.5)
+
+    def announce_joining(self) -> None:
+        """A generator child is about to join the bridge (its parent waits for this before it does)."""
+        self._quick_client().set(self._key("joining", self.topology.rank), "1")
+
+    def await_joining(self, ranks: list[int], poll_s: float = 0.2) -> None:
+        """Single-process parent: wait until every child announced it joins the bridge, or raise the verdict
+        if one failed first (joining a group a peer never joins would block for the whole timeout)."""
+        deadline = time.monotonic() + self.topology.timeout_s
+        client = self._quick_client()
+        while not all(client.check([self._key("joining", r)]) for r in ranks):
+            verdict = self.verdict()
+            if verdict:
+                raise PeerLostError(f"{self.topology.describe(self.topology.rank)} stops because {verdict}")
+            if time.monotonic() > deadline:
+                raise PeerLostError(f"the generator processes did not start within {self.topology.timeout_s:.0f} s "
+                                    "(collective_timeout_s)")
+            time.sleep(poll_s)
+
+    # ---------------------------------------------------------------- the others
+    def _others(self) -> list[int]:
+        return [r for r in range(self.topology.world_size) if r != self.topology.rank]
+
+    def failures(self) -> dict[int, dict]:
+        """Ranks that recorded a failure: rank -> {"time", "cause", "reaction"}."""
+        out = {}
+        client = self._quick_client()
+        for r in self._others():
+            key = self._key("failed", r)
+            if client.check([key]):
+                try:
+                    out[r] = json.loads(client.get(key).decode())
+                except ValueError:
+                    out[r] = {"time": 0.0, "cause": client.get(key).decode(), "reaction": False}
+        return out
+
+    def lost_ranks(self) -> list[int]:
+        """Ranks whose heartbeat stopped (and that did not finish), the longest silent first."""
+        silent = []
+        now = time.time()
+        try:
+            client = self._quick_client()
+            for r in self._others():
+                if client.check([self._key("done", r)]) or not client.check([self._key("heartbeat", r)]):
+                    continue  # finished, or never started beating (cannot tell yet)
+                last = float(client.get(self._key("heartbeat", r)).decode())
+                if now - last > self.stale_s:
+                    silent.append((last, r))
+        except Exception:
+            return []
+        return [r for _, r in sorted(silent)]
+
+    def verdict(self) -> str | None:
+        """Why this job cannot go on, naming the rank at fault and ending with its own error; None if it can."""
+        topo = self.topology
+        try:
+            failed = self.failures()
+            self._store_silent_since = None
+        except Exception:
+            now = time.monotonic()
+            self._store_silent_since = self._store_silent_since or now
+            if now - self._store_silent_since < self.stale_s:
+                return None
+            host = topo.store_host_rank
+            who = f"{topo.describe(host)}, which hosts the job's store," if host is not None else "the job's store"
+            return (f"{who} stopped answering for {self.stale_s:.0f} s (the process is frozen, e.g. SIGSTOP, or gone "
+                    f"together with its machine).")
+        own = [(rec["time"], r, rec) for r, rec in failed.items() if not rec.get("reaction")]
+        if own:
+            _, r, rec = min(own)
+            return f"{topo.describe(r)} failed:\n{rec['cause']}"
+        for r, code in topo.exited_children():  # a single-process job's generator children
+            if r not in failed:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                return f"{topo.describe(r)} {how} without reporting an error."
+        lost = self.lost_ranks()
+        if lost:
+            names = ", ".join(topo.describe(r) for r in lost)
+            return (f"{names} stopped answering: no heartbeat for more than {self.stale_s:.0f} s (the process was "
+                    "killed, or is frozen, e.g. SIGSTOP).")
+        if failed:  # only reactions: name the first
+            _, r, rec = min((rec["time"], r, rec) for r, rec in failed.items())
+            return f"{topo.describe(r)} stopped:\n{rec['cause']}"
+        return None
+
+    def explain(self, exc: BaseException) -> PeerLostError | None:
+        """After a failed collective: the verdict as an error (waiting long enough for a peer that just died to
+        miss its heartbeat), or None when no other rank is at fault."""
+        deadline = time.monotonic() + self.stale_s + 2.0
+        while True:
+            verdict = self.verdict_cause or self.verdict()
+            if verdict or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if not verdict:
+            return None
+        return PeerLostError(f"{self.topology.describe(self.topology.rank)} stops because {verdict}")
+
+    def _act(self, verdict: str) -> None:
+        """The watchdog's decision: this job cannot go on."""
+        topo = self.topology
+        me = topo.describe(topo.rank)
+        message = f"{me} stops because {verdict}"
+        self.verdict_cause = verdict
+        if topo.mode == "single":
+            # The user's process (maybe a notebook) stays: kill the children, whose sockets closing fails the
+            # main thread's pending collectives at once; it then raises the verdict.
+            topo.kill_children()
+            return
+        self.record_failure(message, reaction=True)
+        sys.stderr.write(f"\n[hfllamarl] {message}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _write_torchelastic_error(message: str) -> None:
+    """Give torchrun the message it prints as this rank's error (its "root cause" section)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        if os.path.exists(path):
+            return
+        with open(path, "w") as fh:
+            json.dump({"message": {"message": message.splitlines()[-1] if message else "failed",
+                                   "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}, fh)
+    except OSError:
+        pass

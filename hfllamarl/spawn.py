@@ -1,0 +1,93 @@
+"""Single-process jobs (`python script.py`, a notebook): the trainer starts its generator ranks as children.
+
+The parent hosts the job's store; each child joins it as one generator rank (`python -m hfllamarl.worker`).
+On a CPU the parent and each child get cores of their own, so that generation and training overlap
+instead of fighting over the same cores. A child exits as soon as its parent is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+ENV_STORE = "HFLLAMARL_STORE"  # host:port of the store a single-process parent hosts
+ENV_RANK = "HFLLAMARL_RANK"
+ENV_WORLD = "HFLLAMARL_WORLD_SIZE"
+ENV_PARENT = "HFLLAMARL_PARENT_PID"
+ENV_JOB = "HFLLAMARL_JOB_ID"
+ENV_CPUS = "HFLLAMARL_CPUS"  # cores a generator child is pinned to
+
+
+def split_cpus(topo) -> dict[int, list[int]]:
+    """Disjoint cores for the trainer (rank 0) and each generator child (empty: no split)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not topo.use_cpu or len(cpus) < topo.world_size or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    trainer_share = len(cpus) - topo.num_generators
+    split = {0: cpus[:trainer_share]}
+    for i, rank in enumerate(topo.generator_ranks):
+        split[rank] = [cpus[trainer_share + i]]
+    return split
+
+
+def start_children(topo, spec_path: str) -> list[tuple[int, subprocess.Popen]]:
+    """Start one `hfllamarl.worker` process per generator rank; returns (rank, process) pairs."""
+    host, port = topo.store_addr or ("127.0.0.1", topo.store().port)
+    split = split_cpus(topo)
+    if split:  # the trainer (this process) keeps the first cores
+        import torch
+
+        os.sched_setaffinity(0, split[0])
+        torch.set_num_threads(len(split[0]))
+    children = []
+    for rank in topo.generator_ranks:
+        env = dict(os.environ)
+        env.update({
+            ENV_STORE: f"{host}:{port}",
+            ENV_RANK: str(rank),
+            ENV_WORLD: str(topo.world_size),
+            ENV_PARENT: str(os.getpid()),
+            ENV_JOB: str(topo.job_id),
+            # vLLM's external launcher reads these; they describe the generator world.
+            "RANK": str(rank - topo.num_trainers),
+            "LOCAL_RANK": str(rank - topo.num_trainers),
+            "WORLD_SIZE": str(topo.num_generators),
+            "LOCAL_WORLD_SIZE": str(topo.num_generators),
+        })
+        if split:
+            env["OMP_NUM_THREADS"] = str(len(split[rank]))
+            env[ENV_CPUS] = ",".join(map(str, split[rank]))
+        cmd = [sys.executable, "-m", "hfllamarl.worker", spec_path]
+        children.append((rank, subprocess.Popen(cmd, env=env)))
+    return children
+
+
+def child_settings() -> dict | None:
+    """In a generator child: where the parent's store is and which rank this is (None: not a child)."""
+    if ENV_STORE not in os.environ:
+        return None
+    host, port = os.environ[ENV_STORE].rsplit(":", 1)
+    return {"store_addr": (host, int(port)), "rank": int(os.environ[ENV_RANK]),
+            "world_size": int(os.environ[ENV_WORLD]), "job_id": int(os.environ.get(ENV_JOB, "0")),
+            "parent": int(os.environ[ENV_PARENT]), "cpus": os.environ.get(ENV_CPUS)}
+
+
+def become_child(settings: dict) -> None:
+    """In a generator child: take the cores the parent gave, and exit as soon as the parent is gone."""
+    if settings["cpus"] and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, [int(c) for c in settings["cpus"].split(",")])
+    parent = settings["parent"]
+
+    def watch():
+        while True:
+            if os.getppid() != parent:
+                sys.stderr.write(f"\n[hfllamarl] rank {settings['rank']} (generator): the trainer process (pid "
+                                 f"{parent}, rank 0) is gone; this generator exits too.\n")
+                sys.stderr.flush()
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="hfllamarl-parent-watch", daemon=True).start()
