@@ -99,7 +99,10 @@ def split_even(items: list, parts: int) -> list[list]:
 class Channel:
     """A named link from `src_ranks` to `dst_ranks` (bridge ranks) of one `ChannelKind`."""
 
-    def __init__(self, name: str, kind: ChannelKind, src_ranks: list[int], dst_ranks: list[int], topology: Topology):
+    def __init__(self, name: str, kind: ChannelKind, src_ranks: list[int], dst_ranks: list[int], topology: Topology,
+                 split=split_even):
+        """`split(items, parts)` cuts a SCATTER source's list into one chunk per destination (default: contiguous
+        chunks of sizes differing by at most one)."""
         if kind in (ChannelKind.BROADCAST,) and len(src_ranks) != 1:
             raise ValueError(f"channel {name!r}: a BROADCAST has exactly one source, got {src_ranks}")
         if kind is ChannelKind.GATHER and len(dst_ranks) != 1:
@@ -107,6 +110,7 @@ class Channel:
         self.name, self.kind = name, kind
         self.src_ranks, self.dst_ranks = list(src_ranks), list(dst_ranks)
         self.topology = topology
+        self.split = split
 
     @property
     def is_source(self) -> bool:
@@ -130,7 +134,7 @@ class Channel:
         waits = []
         if self.is_source:
             chunks = (
-                split_even(payload, len(self.dst_ranks))
+                self.split(payload, len(self.dst_ranks))
                 if kind is ChannelKind.SCATTER
                 else [payload] * len(self.dst_ranks)
             )
@@ -153,7 +157,7 @@ class Channel:
         my_index = self.dst_ranks.index(me)
         for src in self.src_ranks:
             if src == me:
-                received.extend(split_even(payload, len(self.dst_ranks))[my_index])
+                received.extend(self.split(payload, len(self.dst_ranks))[my_index])
             else:
                 received.extend(recv_object(topo, src, what))
         return received

@@ -2,9 +2,11 @@
 
 `output_dir/checkpoint-<step>` holds, after trainer step `step` (policy version `step`):
 
-- the trainer side in transformers' Trainer format: the full policy (`model.safetensors`, config,
-  tokenizer), `optimizer.pt` (the full AdamW state), `scheduler.pt`, `rng_state_<rank>.pth`,
-  `trainer_state.json`;
+- the trainer side: the policy as a Hugging Face model (`model*.safetensors`, config, tokenizer; a LoRA
+  policy with its adapters merged), written tensor by tensor so that no rank ever holds the model;
+  `hfllamarl/optimizer/` (the AdamW state in torch distributed checkpoint format: every trainer rank
+  writes its own shards); `hfllamarl/adapters.pt` (LoRA); `scheduler.pt`, `rng_state_<rank>.pth`,
+  `trainer_state.json` as transformers' Trainer writes them;
 - `hfllamarl/trainer-<rank>.pt`: rollouts a trainer rank received but has not trained on yet;
 - `hfllamarl/generator.pt`: the batches the generator finished but has not sent yet, the batches it
   is still generating (partial rollouts: every token so far with its log-prob and version), its
@@ -82,43 +84,63 @@ def resolve(resume_from_checkpoint, output_dir: str) -> tuple[str, dict] | None:
 
 
 # ---------------------------------------------------------------------------- saving
-def save_policy(trainer, directory: str) -> dict[str, torch.Tensor]:
-    """Gather the full policy (a collective over the trainer world) and save it, with the tokenizer, on
-    trainer rank 0 in the Hugging Face format (a LoRA policy with its adapters merged). Returns what was
-    gathered (a LoRA policy: with the adapters under peft's names)."""
+def policy_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """The policy under its Hugging Face names, each weight once (a tied `lm_head` is its embedding), sharded
+    as trained; a LoRA policy with every adapted layer merged (`W + scaling * B @ A`, still sharded)."""
+    from hfllamarl.loading import checkpoint_name
+    from hfllamarl.lora import is_peft, merged_layers
+
+    merged = merged_layers(model) if is_peft(model) else {}
+    buffers = {n for n, _ in model.named_buffers()}
+    out = []
+    for name, t in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        key = checkpoint_name(name)
+        out.append((key, merged[key]() if key in merged else t))
+    persistent = [(n, t) for n, t in model.state_dict().items() if n in buffers]
+    return out + [(checkpoint_name(n), t) for n, t in persistent]
+
+
+def save_policy(trainer, directory: str) -> None:
+    """Save the policy (a LoRA policy merged) and its tokenizer in the Hugging Face format, streaming one
+    weight at a time from the shards (a collective over the trainer world: every trainer rank calls it);
+    trainer rank 0 writes."""
     import torch.distributed as dist
 
-    from hfllamarl.fsdp import full_state_dict
-    from hfllamarl.lora import is_peft, merged_full_state_dict
+    from hfllamarl.hf_export import write_safetensors, gathered
+    from hfllamarl.lora import is_peft
 
-    model = trainer.model
-    full = state = full_state_dict(model)
-    if is_peft(model):  # a plain model with the adapters merged: what vLLM and users load
-        state, model = merged_full_state_dict(model, full), model.get_base_model()
-    if trainer.topology.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        model.save_pretrained(directory, state_dict=state)
+    model, first = trainer.model, trainer.topology.rank == 0
+    base = model.get_base_model() if is_peft(model) else model
+    write_safetensors(gathered(policy_weights(model)), directory, write=first)
+    if first:
+        base.config.save_pretrained(directory)
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(directory)
         trainer.processing_class.save_pretrained(directory)
     if dist.is_initialized():
         dist.barrier()
-    return full
 
 
 def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
-    """Called on every trainer rank (the model and optimizer gathers are collectives)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    """Called on every trainer rank (the policy export and the optimizer's checkpoint are collectives)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from hfllamarl.lora import adapter_state_dict, is_peft
+    from hfllamarl.hf_export import full_tensor
+    from hfllamarl.lora import is_peft
 
     rank = trainer.topology.rank
     os.makedirs(os.path.join(directory, "hfllamarl"), exist_ok=True)
-    full = save_policy(trainer, directory)
-    if is_peft(trainer.model) and rank == 0:  # the adapters themselves, to train on from where they were
-        torch.save(adapter_state_dict(full), os.path.join(directory, "hfllamarl", ADAPTERS))
-    optim_state = get_optimizer_state_dict(trainer.model, trainer.optimizer,
-                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    save_policy(trainer, directory)
+    if is_peft(trainer.model):  # the adapters themselves (small), to train on from where they were
+        adapters = {n: full_tensor(p).cpu() for n, p in trainer.model.state_dict().items() if ".lora_" in n}
+        if rank == 0:
+            torch.save(adapters, os.path.join(directory, "hfllamarl", ADAPTERS))
+    dcp.save({"optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer)},
+             checkpoint_id=os.path.join(directory, "hfllamarl", "optimizer"))
     if rank == 0:
-        torch.save(optim_state, os.path.join(directory, "optimizer.pt"))
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(directory, "scheduler.pt"))
         trainer.state.save_to_json(os.path.join(directory, "trainer_state.json"))
     torch.save({"python": random.getstate(), "torch": torch.get_rng_state()},
@@ -144,7 +166,7 @@ def job_signature(args) -> dict:
             "prompts_per_step": args.prompts_per_step, "seed": args.seed, "shuffle_dataset": args.shuffle_dataset}
 
 
-def check_resumable(path: str, marker: dict, topology, args, num_batches: int) -> None:
+def check_resumable(path: str, marker: dict, topology, args) -> None:
     """Refuse, before any work, a resume whose layout or schedule differs from the checkpoint's."""
     if (marker["world_size"], marker["num_generators"]) != (topology.world_size, topology.num_generators):
         raise ValueError(f"checkpoint {path!r} was written by {marker['world_size']} processes with "
@@ -156,9 +178,6 @@ def check_resumable(path: str, marker: dict, topology, args, num_batches: int) -
         raise ValueError(f"checkpoint {path!r} was written by a job with other settings ({'; '.join(changed)}). "
                          "Its step and dataset position only mean something under the same settings: resume "
                          "with them, or start a new run from its policy (model=" f"{path!r}).")
-    if marker["step"] >= num_batches:
-        raise ValueError(f"checkpoint {path!r} is at step {marker['step']}, the end of a "
-                         f"{num_batches}-step job: nothing left to train (raise max_steps).")
 
 
 def remove_partial(output_dir: str) -> list[str]:
@@ -226,15 +245,37 @@ def load_model_weights(model: torch.nn.Module, directory: str) -> None:
                          f"unexpected {unexpected}")
 
 
+def load_adapter_shards(model: torch.nn.Module, directory: str) -> None:
+    """A sharded LoRA policy's adapters from the checkpoint in `directory` (each rank keeps its rows)."""
+    from hfllamarl.plugins.weight_sync.ddma import local_shard
+
+    path = os.path.join(directory, "hfllamarl", ADAPTERS)
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {directory!r} holds no LoRA adapters ({path}); it was not written by a "
+                         "run with this peft_config.")
+    saved = torch.load(path, weights_only=True)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    mine = {n: p for n, p in model.named_parameters() if ".lora_" in n}
+    if set(saved) != set(mine):
+        raise ValueError(f"the adapters in {path!r} do not match peft_config: missing {sorted(set(mine) - set(saved))}, "
+                         f"unexpected {sorted(set(saved) - set(mine))}")
+    with torch.no_grad():
+        for name, p in mine.items():
+            local, offset = local_shard(p, rank)
+            local.copy_(saved[name][offset:offset + local.shape[0]])
+
+
 def load_trainer_side(trainer, executor, directory: str) -> None:
     """After sharding and building the optimizer: restore optimizer, scheduler, RNG, state, inbox."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     from transformers.trainer_callback import TrainerState
 
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
     rank = trainer.topology.rank
-    optim = torch.load(os.path.join(directory, "optimizer.pt"), weights_only=False) if rank == 0 else {}
-    set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=optim,
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    state = {"optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer)}  # the layout to fill
+    dcp.load(state, checkpoint_id=os.path.join(directory, "hfllamarl", "optimizer"))
+    set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=state["optimizer"])
     trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(directory, "scheduler.pt"), weights_only=False))
     rng = torch.load(os.path.join(directory, f"rng_state_{rank}.pth"), weights_only=False)
     random.setstate(rng["python"])

@@ -5,6 +5,7 @@
     hfllamarl bench weight-sync ...   time the weight-sync backends side by side (hfllamarl.bench)
     hfllamarl bench learning ...      learning vs staleness on the demo task (hfllamarl.bench_learning)
     hfllamarl bench profile ...       measure decode-step and training-token times for plan --profile (hfllamarl.bench_profile)
+    hfllamarl bench load ...          each trainer rank's memory while loading the policy, sharded vs whole (hfllamarl.bench_load)
     hfllamarl plan ...          recommend a trainer/generator GPU split from the memory and step-time model (hfllamarl.plan)
     hfllamarl version
 """
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="action", required=True)
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
     # light modules: heavy imports happen inside their run()
-    from . import bench, bench_learning, bench_profile, evaluate, plan
+    from . import bench, bench_learning, bench_load, bench_profile, evaluate, plan
 
     _command(sub, "eval", "generate on a JSONL data set and score it", evaluate)
     bench_parser = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     _command(bench_parser, "learning", "the demo task: sync vs AIPO at staleness 1 and 4 vs no IS", bench_learning)
     _command(bench_parser, "profile", "measure decode-step and training-token times for plan --profile",
              bench_profile)
+    _command(bench_parser, "load", "each trainer rank's memory while loading the policy, sharded vs whole", bench_load)
     _command(sub, "plan", "recommend a trainer/generator GPU split (LlamaRL section 6 model)", plan)
     sub.add_parser("version", help="print the version").set_defaults(
         func=lambda a: print(__import__("hfllamarl").__version__) or 0)

@@ -91,10 +91,12 @@ def run_job(executor: Executor, backend, topology, num_batches: int, max_stalene
     """
     from .channels import Channel, ChannelKind
     from .generator import ROLLOUTS
+    from .rollout import split_by_batch
     from .weight_sync import WeightsChannel
 
     weights = WeightsChannel(backend, topology)
-    rollouts = Channel(ROLLOUTS, ChannelKind.SCATTER, [topology.generator_ranks[0]], topology.trainer_ranks, topology)
+    rollouts = Channel(ROLLOUTS, ChannelKind.SCATTER, [topology.generator_ranks[0]], topology.trainer_ranks, topology,
+                       split=split_by_batch)
     if hasattr(executor, "weights_channel"):
         executor.weights_channel = weights
     executor.backend = backend

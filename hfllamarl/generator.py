@@ -2,7 +2,8 @@
 
 Each tick it samples one
 generation batch with the newest weights it holds and records, for every sampled token, the
-behaviour log-prob (after temperature, as the trainer computes pi) and the policy version.
+behaviour log-prob (under the sampling transforms, `hfllamarl.sampling`, as the trainer computes pi) and
+the policy version.
 With partial rollouts a completion samples at most `partial_rollout_tokens` per tick; the
 unfinished ones are carried and continued at the next tick under the weights of that tick.
 New weights are loaded in place with vLLM's `reload_weights`, streaming from the weight sync; with
@@ -22,6 +23,7 @@ from .engine import WeightSyncMismatch, build_engine, load_weights, loader_boxes
 from .executor import Executor
 from .prompts import PromptEncoder, batch_rows
 from .rollout import UNFINISHED, InFlightBatch, Rollout, RolloutGroup
+from .sampling import Sampling
 from .topology import Topology
 from .weight_sync import POLICY_WEIGHTS, build_backend, verify_dir
 
@@ -44,12 +46,8 @@ class GeneratorSpec:
     max_model_len: int
     seed: int = 0
     shuffle: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    generation_kwargs: dict = field(default_factory=dict)
+    sampling: Sampling = field(default_factory=Sampling)  # temperature, top-p/k, min-p, penalties: both sides alike
+    generation_kwargs: dict = field(default_factory=dict)  # vLLM SamplingParams that leave the distribution alone
     chat_template_kwargs: dict = field(default_factory=dict)
     dtype: str = "auto"
     enforce_eager: bool = True
@@ -112,18 +110,8 @@ class GeneratorExecutor(Executor):
         from vllm import SamplingParams
 
         spec = self.spec
-        kw = dict(
-            n=n,
-            temperature=spec.temperature,
-            top_p=spec.top_p,
-            top_k=spec.top_k if spec.top_k else -1,
-            repetition_penalty=spec.repetition_penalty,
-            max_tokens=max_tokens,
-            logprobs=0,  # the sampled token's log-prob at every position
-        )
-        if spec.min_p is not None:
-            kw["min_p"] = spec.min_p
-        kw.update(spec.generation_kwargs or {})
+        kw = dict(n=n, max_tokens=max_tokens, logprobs=0,  # the sampled token's log-prob at every position
+                  **spec.sampling.vllm_kwargs(), **(spec.generation_kwargs or {}))
         return SamplingParams(**kw)
 
     # ------------------------------------------------------------------ channels

@@ -43,6 +43,30 @@ def describe_exception(exc: BaseException, frames: int = 12) -> str:
     return f"{head}\n" + "".join(stack).rstrip() + f"\n{head}"
 
 
+def timed(fn, timeout_s: float):
+    """`fn()`, or TimeoutError after `timeout_s`: a store whose host is frozen accepts connections and never
+    answers, and no store call may block the watchdog or a failing rank on it (the helper thread is left)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="hfllamarl-store-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"the job's store did not answer within {timeout_s:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+STORE_CALL_S = 4.0  # the longest one look at the store may take
+
+
 class Liveness:
     """Heartbeats, failure causes and the watchdog of one rank of a job (`topology.liveness`)."""
 
@@ -54,6 +78,7 @@ class Liveness:
         self._client = None
         self._store_silent_since: float | None = None
         self.verdict_cause: str | None = None  # what the watchdog found (a single-process parent raises it)
+        self._lock = threading.Lock()  # one store call at a time on the shared client
 
     # ---------------------------------------------------------------- keys
     def _key(self, kind: str, rank: int) -> str:
@@ -64,7 +89,7 @@ class Liveness:
         return heartbeat_timeout(self.topology.timeout_s)
 
     def _quick_client(self):
-        """A store client of its own with a short timeout: a frozen store host must not block the watchdog."""
+        """A store client of its own with a short timeout (call under `self._lock`, through `timed`)."""
         if self._client is None:
             import datetime
 
@@ -89,6 +114,13 @@ class Liveness:
         beat_client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=5))
         key = self._key("heartbeat", self.topology.rank)
+        try:  # where this rank runs, so that a survivor on the same machine can clean up after it
+            import socket
+
+            beat_client.set(self._key("process", self.topology.rank),
+                            json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        except Exception:
+            pass
 
         def beat():
             while not self._stop.is_set():
@@ -99,13 +131,11 @@ class Liveness:
                 self._stop.wait(period_s)
 
         def watch():
-            strikes = 0
             while not self._stop.wait(period_s):
                 if self.failing.is_set():
                     return
-                verdict = self.verdict()
-                strikes = strikes + 1 if verdict else 0
-                if strikes >= 2:  # seen twice, a second apart: not a blip
+                verdict = self.verdict()  # (its evidence already spans stale_s: no second look needed)
+                if verdict and not self.failing.is_set():
                     self._act(verdict)
                     return
 
@@ -121,7 +151,7 @@ class Liveness:
     def mark_done(self) -> None:
         """This rank finished normally (it is not lost when its heartbeat stops)."""
         try:
-            self._quick_client().set(self._key("done", self.topology.rank), "1")
+            timed(lambda: self._locked(lambda c: c.set(self._key("done", self.topology.rank), "1")), STORE_CALL_S)
         except Exception:
             pass
         self.stop()
@@ -130,11 +160,14 @@ class Liveness:
         """Write why this rank stops (once): its own error, or (`reaction`) the failure of another rank it saw."""
         self.failing.set()
         record = json.dumps({"time": time.time(), "cause": cause[-6000:], "reaction": reaction})
-        try:
-            client = self._quick_client()
-            key = self._key("failed", self.topology.rank)
+        key = self._key("failed", self.topology.rank)
+
+        def write(client):
             if not client.check([key]):
                 client.set(key, record)
+
+        try:
+            timed(lambda: self._locked(write), STORE_CALL_S)
         except Exception:
             pass
         _write_torchelastic_error(cause)
@@ -150,25 +183,24 @@ class Liveness:
         deadline = time.monotonic() + linger_s
         while time.monotonic() < deadline:
             try:
-                client = self._quick_client()
-                pending = [r for r in self._others() if not client.check([self._key("done", r)])
-                           and not client.check([self._key("failed", r)])]
+                failed, beats, done = timed(self._read_store, STORE_CALL_S)
             except Exception:
                 return
-            if not set(pending) - set(self.lost_ranks()):
+            pending = [r for r in self._others() if r not in done and r not in failed]
+            if not set(pending) - set(self._stale(beats, done)):
                 return
             time.sleep(0.5)
 
     def announce_joining(self) -> None:
         """A generator child is about to join the bridge (its parent waits for this before it does)."""
-        self._quick_client().set(self._key("joining", self.topology.rank), "1")
+        timed(lambda: self._locked(lambda c: c.set(self._key("joining", self.topology.rank), "1")), STORE_CALL_S)
 
     def await_joining(self, ranks: list[int], poll_s: float = 0.2) -> None:
         """Single-process parent: wait until every child announced it joins the bridge, or raise the verdict
         if one failed first (joining a group a peer never joins would block for the whole timeout)."""
         deadline = time.monotonic() + self.topology.timeout_s
-        client = self._quick_client()
-        while not all(client.check([self._key("joining", r)]) for r in ranks):
+        keys = [self._key("joining", r) for r in ranks]
+        while not timed(lambda: self._locked(lambda c: all(c.check([k]) for k in keys)), STORE_CALL_S):
             verdict = self.verdict()
             if verdict:
                 raise PeerLostError(f"{self.topology.describe(self.topology.rank)} stops because {verdict}")
@@ -181,44 +213,54 @@ class Liveness:
     def _others(self) -> list[int]:
         return [r for r in range(self.topology.world_size) if r != self.topology.rank]
 
-    def failures(self) -> dict[int, dict]:
-        """Ranks that recorded a failure: rank -> {"time", "cause", "reaction"}."""
-        out = {}
-        client = self._quick_client()
+    def _locked(self, fn):
+        with self._lock:
+            return fn(self._quick_client())
+
+    def _read_store(self) -> tuple[dict[int, dict], dict[int, float], set[int]]:
+        """The other ranks' failure records, last heartbeats and done marks (call it through `timed`)."""
+        return self._locked(self._read)
+
+    def _read(self, client) -> tuple[dict[int, dict], dict[int, float], set[int]]:
+        failed, beats, done = {}, {}, set()
         for r in self._others():
+            if client.check([self._key("done", r)]):
+                done.add(r)
             key = self._key("failed", r)
             if client.check([key]):
+                raw = client.get(key).decode()
                 try:
-                    out[r] = json.loads(client.get(key).decode())
+                    failed[r] = json.loads(raw)
                 except ValueError:
-                    out[r] = {"time": 0.0, "cause": client.get(key).decode(), "reaction": False}
-        return out
+                    failed[r] = {"time": 0.0, "cause": raw, "reaction": False}
+            if client.check([self._key("heartbeat", r)]):
+                beats[r] = float(client.get(self._key("heartbeat", r)).decode())
+        return failed, beats, done
+
+    def _stale(self, beats: dict[int, float], done: set[int]) -> list[int]:
+        """Ranks whose heartbeat stopped (and that did not finish), the longest silent first. A rank that never
+        beat is not counted: it may still be starting."""
+        now = time.time()
+        return [r for last, r in sorted((last, r) for r, last in beats.items()
+                                        if r not in done and now - last > self.stale_s)]
 
     def lost_ranks(self) -> list[int]:
-        """Ranks whose heartbeat stopped (and that did not finish), the longest silent first."""
-        silent = []
-        now = time.time()
         try:
-            client = self._quick_client()
-            for r in self._others():
-                if client.check([self._key("done", r)]) or not client.check([self._key("heartbeat", r)]):
-                    continue  # finished, or never started beating (cannot tell yet)
-                last = float(client.get(self._key("heartbeat", r)).decode())
-                if now - last > self.stale_s:
-                    silent.append((last, r))
+            _, beats, done = timed(self._read_store, STORE_CALL_S)
         except Exception:
             return []
-        return [r for _, r in sorted(silent)]
+        return self._stale(beats, done)
 
     def verdict(self) -> str | None:
         """Why this job cannot go on, naming the rank at fault and ending with its own error; None if it can."""
         topo = self.topology
+        asked = time.monotonic()
         try:
-            failed = self.failures()
+            failed, beats, done = timed(self._read_store, STORE_CALL_S)
             self._store_silent_since = None
         except Exception:
             now = time.monotonic()
-            self._store_silent_since = self._store_silent_since or now
+            self._store_silent_since = self._store_silent_since or asked
             if now - self._store_silent_since < self.stale_s:
                 return None
             host = topo.store_host_rank
@@ -233,7 +275,7 @@ class Liveness:
             if r not in failed:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 return f"{topo.describe(r)} {how} without reporting an error."
-        lost = self.lost_ranks()
+        lost = self._stale(beats, done)
         if lost:
             names = ", ".join(topo.describe(r) for r in lost)
             return (f"{names} stopped answering: no heartbeat for more than {self.stale_s:.0f} s (the process was "
@@ -270,7 +312,24 @@ class Liveness:
         self.record_failure(message, reaction=True)
         sys.stderr.write(f"\n[hfllamarl] {message}\n")
         sys.stderr.flush()
+        if topo.mode == "launcher":  # (a generator child leaves its frozen parent, the user's process, alone)
+            self._kill_frozen_local_peers()
         os._exit(1)
+
+    def _kill_frozen_local_peers(self) -> None:
+        """A frozen rank (SIGSTOP) never exits by itself and holds its launcher (torchrun waits 30 s before it
+        kills it; a bare launch waits forever): the survivor that gives up kills the frozen ranks of its machine."""
+        import signal
+        import socket
+
+        try:
+            for r in self.lost_ranks():
+                raw = timed(lambda r=r: self._locked(lambda c: c.get(self._key("process", r))), STORE_CALL_S)
+                where = json.loads(raw.decode())
+                if where["host"] == socket.gethostname():
+                    os.kill(int(where["pid"]), signal.SIGKILL)
+        except Exception:
+            pass
 
 
 def _write_torchelastic_error(message: str) -> None:

@@ -111,24 +111,6 @@ class MergedLoraWeights:
         return out
 
 
-def merged_full_state_dict(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The whole policy with the adapters merged, under HF names, from `full` (the peft model's gathered
-    state dict, `hfllamarl.fsdp.full_state_dict`): what `save_model` and checkpoints write, so vLLM and users
-    load it as a plain model."""
-    out = {}
-    for key, tensor in full.items():
-        if ".lora_" in key:
-            continue
-        out[key.removeprefix(_PREFIX).replace(".base_layer.", ".")] = tensor
-    for name, layer in _lora_layers(model).items():
-        adapter = layer.active_adapters[0]
-        prefix = f"{_PREFIX}{name}.lora_"
-        a = full[f"{prefix}A.{adapter}.weight"]
-        b = full[f"{prefix}B.{adapter}.weight"]
-        out[f"{name}.weight"] = _merge(out[f"{name}.weight"], a, b, layer.scaling[adapter])
-    return out
-
-
-def adapter_state_dict(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapters only (peft's own names) from the gathered state dict: what a checkpoint keeps to resume."""
-    return {k: v for k, v in full.items() if ".lora_" in k}
+def merged_layers(model) -> dict[str, object]:
+    """HF weight name of every adapted layer -> a function returning its merged weight (sharded like `W`)."""
+    return {f"{name}.weight": (lambda layer=layer: _merged(layer)) for name, layer in _lora_layers(model).items()}

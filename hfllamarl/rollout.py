@@ -63,3 +63,22 @@ class InFlightBatch:
 
     def unfinished(self) -> list[Rollout]:
         return [r for group in self.groups for r in group if r.finish_reason == UNFINISHED]
+
+
+def split_by_batch(groups: list[RolloutGroup], parts: int) -> list[list[RolloutGroup]]:
+    """Cut the groups the generator sends in one tick into one chunk per trainer rank, batch by batch: with
+    partial rollouts several batches can finish in one tick, and each trainer rank must get its share of
+    every batch (not batch k on one rank and batch k+1 on another)."""
+    from .channels import split_even
+
+    chunks: list[list[RolloutGroup]] = [[] for _ in range(parts)]
+    order: list[int] = []
+    by_batch: dict[int, list[RolloutGroup]] = {}
+    for g in groups:
+        if g.batch_index not in by_batch:
+            order.append(g.batch_index)
+        by_batch.setdefault(g.batch_index, []).append(g)
+    for b in order:
+        for chunk, share in zip(chunks, split_even(by_batch[b], parts)):
+            chunk.extend(share)
+    return chunks

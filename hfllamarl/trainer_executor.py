@@ -23,6 +23,7 @@ from .generator import ROLLOUTS
 from .plugins.algorithms.aipo import masked_mean, reference_kl
 from .rewards import RewardRunner
 from .rollout import Rollout, RolloutGroup
+from .sampling import Sampling, sampled_logprobs, seen_tokens
 from .topology import Topology
 from .weight_sync import POLICY_WEIGHTS, WeightSyncBackend
 
@@ -43,7 +44,7 @@ class TrainerJob:
     num_generations: int
     micro_batch_size: int
     grad_accum: int
-    temperature: float
+    sampling: Sampling  # the transforms vLLM samples under (temperature, top-p/k, min-p, penalties)
     max_grad_norm: float | None
     pad_token_id: int
     device: torch.device
@@ -84,14 +85,20 @@ def pad_batch(rollouts: list[Rollout], pad_id: int, device) -> dict[str, torch.T
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in out.items()}
 
 
-def completion_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
-    """log pi of every completion token, `[B, T]`, with logits divided by the sampling temperature."""
+def completion_logprobs(model, batch: dict, sampling: Sampling | float) -> torch.Tensor:
+    """log pi of every completion token, `[B, T]`, under the distribution vLLM samples from (`sampling`: its
+    transforms, or just a temperature)."""
+    if not isinstance(sampling, Sampling):
+        sampling = Sampling(temperature=float(sampling))
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 position_ids=batch["position_ids"], use_cache=False)
     P = batch["prompt_width"]
-    T = batch["completion_ids"].shape[1]
-    logits = out.logits[:, P - 1:P - 1 + T, :].float() / temperature  # [B, T, V]
-    return torch.log_softmax(logits, dim=-1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    tokens = batch["completion_ids"]
+    logits = out.logits[:, P - 1:P - 1 + tokens.shape[1], :]  # [B, T, V]
+    seen = None
+    if sampling.penalties:
+        seen = seen_tokens(batch["input_ids"][:, :P], batch["attention_mask"][:, :P], tokens, logits.shape[-1])
+    return sampled_logprobs(logits, tokens, sampling, seen)
 
 
 class TrainerExecutor(Executor):
@@ -227,12 +234,12 @@ class TrainerExecutor(Executor):
             batch = pad_batch(chunk, job.pad_token_id, job.device)
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(k == steps - 1)  # reduce-scatter once per optimizer step
-            logprobs = completion_logprobs(model, batch, job.temperature)
+            logprobs = completion_logprobs(model, batch, job.sampling)
             chunk_advantages = advantages[k * mb:(k + 1) * mb].to(job.device)
             loss, m = job.algorithm.loss(logprobs, batch["behavior_logprobs"], chunk_advantages, batch["mask"])
             if job.ref_model is not None:
                 with torch.no_grad():
-                    ref_logprobs = completion_logprobs(job.ref_model, batch, job.temperature)
+                    ref_logprobs = completion_logprobs(job.ref_model, batch, job.sampling)
                 kl = masked_mean(reference_kl(logprobs, ref_logprobs), batch["mask"])
                 loss = loss + job.beta * kl
                 m["kl"] = kl.item()

@@ -51,6 +51,20 @@ def test_grpo_double_clip_values_and_gradients():
         assert m["clipped_frac"] == pytest.approx(0.5)
 
 
+def test_grpo_delta_caps_the_unclipped_term():
+    """TRL's `delta` (two-sided clipping): with A < 0 a ratio of 3 costs min(3, delta) = 2, not 3, and its
+    gradient stops; without delta it costs 3 with gradient -r*A = 3 (per token, over 2 tokens)."""
+    mu = torch.zeros(1, 2)
+    x = torch.log(torch.tensor([[1.0, 3.0]]))
+    for delta, loss_value, grad in ((None, (1.0 + 3.0) / 2, [0.5, 1.5]), (2.0, (1.0 + 2.0) / 2, [0.5, 0.0])):
+        grpo = load_plugin("algorithms", "grpo")(epsilon=0.2, epsilon_high=0.3, delta=delta)
+        logp = x.clone().requires_grad_()
+        loss, _ = grpo.loss(logp, mu, torch.tensor([-1.0]), torch.ones(1, 2))
+        assert loss.item() == pytest.approx(loss_value, rel=1e-6), delta
+        loss.backward()
+        assert torch.allclose(logp.grad[0], torch.tensor(grad), atol=1e-6), (delta, logp.grad)
+
+
 def test_grpo_group_scaled_advantages():
     grpo = load_plugin("algorithms", "grpo")()
     adv = grpo.advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4)

@@ -22,3 +22,16 @@ def test_dead_rank_is_named_and_nobody_hangs():
         assert procs[rank].returncode != 0
         assert "rank 1 (trainer 1) stopped" in outs[rank][1], outs[rank][1][-3000:]
     assert elapsed < 60, elapsed
+
+
+def test_two_batches_finished_in_one_tick_are_shared_batch_by_batch():
+    """Partial rollouts can finish batches k and k+1 in the same tick; each trainer rank gets half of each,
+    not batch k on one rank and batch k+1 on the other."""
+    from hfllamarl.rollout import RolloutGroup, split_by_batch
+
+    groups = [RolloutGroup([], b, 0, 0.0, 0) for b in (3, 3, 3, 3, 4, 4, 4, 4)]
+    chunks = split_by_batch(groups, 2)
+    assert [[g.batch_index for g in c] for c in chunks] == [[3, 3, 4, 4], [3, 3, 4, 4]]
+    assert [g for c in chunks for g in c if g.batch_index == 3] == groups[:4]  # order kept within a batch
+    three = split_by_batch(groups[:3] + groups[4:7], 2)  # uneven: sizes differ by at most one per batch
+    assert [[g.batch_index for g in c] for c in three] == [[3, 3, 4, 4], [3, 4]]

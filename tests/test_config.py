@@ -58,3 +58,12 @@ def test_bad_settings_are_explained(kw, match):
 
 def test_epsilon_allowed_for_grpo_algorithm():
     assert make(algorithm="grpo", epsilon=0.3).epsilon == 0.3
+
+
+def test_save_strategy_epoch_and_best(tmp_path):
+    from hfllamarl.trainers.learner import save_every
+
+    args = AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", save_strategy="epoch")
+    assert save_every(args, num_batches=10, batches_per_epoch=4) == 4  # a checkpoint at the end of every epoch
+    with pytest.raises(ValueError, match="save_strategy='best'.*no metric to compare.*'steps' or 'epoch'"):
+        AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", save_strategy="best")

@@ -3,7 +3,8 @@
 Each run trains 3 on-policy steps (max_staleness=0) with a reward that moves the policy, with
 `verify_weight_sync`: after every sync each generator rank reloads the trainer's weights from disk
 with vLLM's own loader and must compute with exactly what it held (an independent check), and pi/mu
-must be 1 on every token of every step.
+must be 1 on every token of every step. Sampling uses every transform vLLM applies (temperature,
+top-k, top-p, min-p, repetition penalty), which the trainer's pi must follow for that.
 """
 
 import pytest
@@ -26,7 +27,7 @@ def test_family_on_layout_is_on_policy_and_verified(family_model, tmp_path, fami
     out = str(tmp_path / "out")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), family_model(family), out, "--steps", "3",
                        "--max-staleness", "0", "--num-generators", str(generators), "--reward", "digits",
-                       "--verify-weight-sync", "--report-to", "none"], nproc=nproc, timeout=400)
+                       "--verify-weight-sync", "--transforms", "--report-to", "none"], nproc=nproc, timeout=400)
     assert proc.returncode == 0, tail(proc)
     logs = step_logs(proc.stdout)
     assert len(logs) == 3

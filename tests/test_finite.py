@@ -8,6 +8,7 @@ import torch
 from hfllamarl.finite import NonFiniteError
 from hfllamarl.plugins.algorithms.aipo import AIPO, masked_mean
 from hfllamarl.rewards import RewardRunner
+from hfllamarl.sampling import Sampling
 from hfllamarl.rollout import Rollout, RolloutGroup
 from hfllamarl.topology import Topology
 from hfllamarl.trainer_executor import TrainerExecutor, TrainerJob
@@ -39,7 +40,7 @@ def executor(model, algorithm=None):
     job = TrainerJob(model=model, optimizer=opt, scheduler=None, algorithm=algorithm or AIPO(rho=4.0),
                      rewards=RewardRunner([lambda completions, **kw: [float(c) for c in completions]]), backend=None,
                      num_batches=1, max_staleness=0, generation_ticks=1, num_generations=2, micro_batch_size=2,
-                     grad_accum=1, temperature=1.0, max_grad_norm=1.0, pad_token_id=0, device=torch.device("cpu"))
+                     grad_accum=1, sampling=Sampling(), max_grad_norm=1.0, pad_token_id=0, device=torch.device("cpu"))
     topo = Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=10, use_cpu=True)
     return TrainerExecutor(job, topo)
 

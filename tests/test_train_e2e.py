@@ -122,6 +122,14 @@ def test_kill_and_resume_trains_exactly_the_same_prompts(tiny_model, tmp_path, s
     assert {"checkpoint-4", "checkpoint-6"} <= set(os.listdir(cut))
     assert not any(name.startswith(".checkpoint-") for name in os.listdir(cut)), "a partial checkpoint was left"
 
+    if not half_written:  # resuming from the final checkpoint of a finished run returns at once, as Trainer does
+        started = time.monotonic()
+        proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, "--resume"], timeout=200)
+        assert proc.returncode == 0 and "TRAINED global_step=6" in proc.stdout, tail(proc)
+        assert [h["step"] for h in step_logs(proc.stdout)] == [1, 2, 3, 4, 5, 6]
+        assert "hfllamarl.worker" not in proc.stderr and "Loading safetensors" not in proc.stderr  # no generator
+        assert time.monotonic() - started < 60
+
 
 def _wait_for_first_step(out, proc, timeout=240, steps=1):
     log = os.path.join(out, "trained_prompts-rank0.jsonl")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hfllamarl.plugins.algorithms.aipo import AIPO
+from hfllamarl.sampling import Sampling
 from hfllamarl.rollout import Rollout
 from hfllamarl.trainer_executor import completion_logprobs, pad_batch
 
@@ -32,12 +33,15 @@ def test_padding_puts_every_completion_at_the_same_column():
     assert b["position_ids"][2].tolist()[1:4] == [0, 1, 2]  # positions count real tokens only
 
 
-def test_logprobs_do_not_depend_on_padding(model):
-    alone = pad_batch([rollout([5, 6, 7], [8, 9])], 0, "cpu")
-    padded = pad_batch([rollout([5, 6, 7], [8, 9]), rollout([1], [2, 3, 4, 5])], 0, "cpu")
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0.7),
+                                      Sampling(temperature=0.7, top_k=10, repetition_penalty=1.5, presence_penalty=0.3)])
+def test_logprobs_do_not_depend_on_padding(model, sampling):
+    """Padding (token 0, left of the short prompt) is not a token the penalties have seen."""
+    alone = pad_batch([rollout([1], [2, 0, 4, 5])], 0, "cpu")
+    padded = pad_batch([rollout([5, 6, 7], [8, 9]), rollout([1], [2, 0, 4, 5])], 0, "cpu")
     with torch.no_grad():
-        a = completion_logprobs(model, alone, temperature=0.7)[0]
-        b = completion_logprobs(model, padded, temperature=0.7)[0, :2]
+        a = completion_logprobs(model, alone, sampling)[0]
+        b = completion_logprobs(model, padded, sampling)[1]
     assert torch.allclose(a, b, atol=1e-5)
 
 
@@ -81,7 +85,7 @@ def test_the_trainer_refuses_a_token_staler_than_max_staleness():
 
     job = TrainerJob(model=None, optimizer=None, scheduler=None, algorithm=None, rewards=never, backend=None,
                      num_batches=10, max_staleness=2, generation_ticks=3, num_generations=2, micro_batch_size=2,
-                     grad_accum=1, temperature=1.0, max_grad_norm=None, pad_token_id=0, device="cpu")
+                     grad_accum=1, sampling=Sampling(), max_grad_norm=None, pad_token_id=0, device="cpu")
     trainer = TrainerExecutor(job, topology=None)
     trainer.version = 5
     fresh = Rollout(prompt="p", prompt_ids=[1], completion_ids=[2, 3], behavior_logprobs=[-1.0, -1.0],

@@ -32,7 +32,7 @@ from hfllamarl.weight_sync import build_backend
 
 from .config import AsyncAIPOConfig
 from .learner import save_every
-from .model_io import resolve_model, save_for_generator
+from .model_io import load_policy, resolve_model, save_for_generator
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +71,11 @@ class AsyncAIPOTrainer:
         self.reward_funcs = resolve_reward_funcs(reward_funcs)
         self.rewards = RewardRunner(self.reward_funcs, args.reward_weights, on_error=args.reward_errors)
         self.algorithm = load_plugin("algorithms", args.algorithm)(
-            rho=args.aipo_rho, scale_rewards=args.scale_rewards, epsilon=args.epsilon, epsilon_high=args.epsilon_high)
+            rho=args.aipo_rho, scale_rewards=args.scale_rewards, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+            delta=args.delta)
         load_plugin("weight_sync", args.weight_sync_backend)  # an unknown name fails now, not mid-run
         self.model_path, model_obj, model_config = resolve_model(model, args)
+        self.model_config = model_config
         self._model_obj = model_obj
         check_generator(model_config, use_cpu=args.use_cpu, dtype=self._generator_dtype(),
                         tensor_parallel_size=args.generator_tensor_parallel_size)
@@ -90,6 +92,7 @@ class AsyncAIPOTrainer:
             raise ValueError("Cannot tell the model's context length; set vllm_max_model_length in AsyncAIPOConfig.")
         encoder = PromptEncoder(processing_class, args.chat_template_kwargs)
         validate_dataset(train_dataset, encoder, args.max_completion_length, self.max_model_len)
+        self.batches_per_epoch = math.ceil(len(train_dataset) / args.prompts_per_step)
         if args.max_steps and args.max_steps > 0:
             self.num_batches = args.max_steps
         else:
@@ -97,7 +100,7 @@ class AsyncAIPOTrainer:
         self.callbacks = callbacks
         self.model = None
         if self.topology.role == "trainer":
-            self.model = model_obj if model_obj is not None else _load_policy(self.model_path, args)
+            self.model = model_obj if model_obj is not None else load_policy(self.model_path, args, model_config)
             if peft_config is not None:  # the trainer trains adapters; the generator gets merged weights
                 from hfllamarl.lora import apply_peft
 
@@ -113,7 +116,9 @@ class AsyncAIPOTrainer:
         start_tick, resume_dir = 0, None
         if resume is not None:
             resume_dir, marker = resume
-            checkpoint.check_resumable(resume_dir, marker, topo, self.args, self.num_batches)
+            checkpoint.check_resumable(resume_dir, marker, topo, self.args)
+            if marker["step"] >= self.num_batches:  # a finished run: nothing to do, as transformers' Trainer
+                return self._finished(resume_dir, marker)
             start_tick = marker["tick"] + 1
             # The generator starts from the checkpoint's policy: what it would hold at the next tick.
             spec.model_path = spec.tokenizer_path = resume_dir
@@ -156,6 +161,16 @@ class AsyncAIPOTrainer:
                 topo.stop_children(grace_s=60.0 if finished else 2.0)
                 shutil.rmtree(getattr(self, "_workdir", ""), ignore_errors=True)
 
+    def _finished(self, directory: str, marker: dict) -> TrainOutput:
+        """Resuming from a checkpoint at (or past) the last step: return its state at once, starting nothing."""
+        from transformers.trainer_callback import TrainerState
+
+        logger.info("checkpoint %s is at step %d of a %d-step run: nothing left to train", directory, marker["step"],
+                    self.num_batches)
+        if self.topology.role == "trainer":
+            self.state = TrainerState.load_from_json(os.path.join(directory, "trainer_state.json"))
+        return TrainOutput(marker["step"], self._last_loss(), {})
+
     def add_callback(self, callback) -> None:
         """Add a `transformers.TrainerCallback` (an instance or a class), as `Trainer.add_callback`."""
         self.callbacks = list(self.callbacks or []) + [callback]
@@ -180,12 +195,8 @@ class AsyncAIPOTrainer:
             max_model_len=self.max_model_len,
             seed=a.seed,
             shuffle=a.shuffle_dataset,
-            temperature=a.temperature,
-            top_p=a.top_p,
-            top_k=a.top_k or 0,
-            min_p=a.min_p,
-            repetition_penalty=a.repetition_penalty,
-            generation_kwargs=a.generation_kwargs or {},
+            sampling=a.sampling,
+            generation_kwargs=a.neutral_generation_kwargs,
             chat_template_kwargs=a.chat_template_kwargs or {},
             dtype=self._generator_dtype(),
             enforce_eager=a.generator_enforce_eager,
@@ -196,7 +207,7 @@ class AsyncAIPOTrainer:
             weight_sync_backend=a.weight_sync_backend,
             weight_sync_options={"transfer_dtype": self._generator_dtype()},
             output_dir=a.output_dir,
-            save_steps=save_every(a, self.num_batches),
+            save_steps=save_every(a, self.num_batches, self.batches_per_epoch),
             save_total_limit=a.save_total_limit,
             max_staleness=a.max_staleness,
             partial_rollout_tokens=a.partial_rollout_tokens,
@@ -244,11 +255,3 @@ class AsyncAIPOTrainer:
 def _reject(name: str, value, why: str) -> None:
     if value is not None:
         raise ValueError(f"{name}: {why}.")
-
-
-def _load_policy(path: str, args: AsyncAIPOConfig):
-    from transformers import AutoModelForCausalLM
-
-    kwargs = dict(args.model_init_kwargs or {})
-    kwargs.setdefault("dtype", torch.float32)
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)

@@ -12,6 +12,8 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from trl import GRPOConfig
 
+from hfllamarl.sampling import NEUTRAL_KWARGS, TRANSFORM_KWARGS, Sampling
+
 # GRPOConfig fields that have no meaning here, with what to do instead. Checked against the
 # dataclass default: setting one to anything else is an error.
 _UNSUPPORTED = {
@@ -42,6 +44,16 @@ _UNSUPPORTED = {
     "fp16": "use bf16 (GPU) or fp32 (CPU)",
     "vllm_structured_outputs_regex": "not supported",
     "max_tool_calling_iterations": "tool calling is not supported",
+}
+# generation_kwargs the trainer sets itself, with what to set instead.
+_SET_BY_TRAINER = {
+    "n": "the group size is num_generations",
+    "max_tokens": "the completion length is max_completion_length",
+    "logprobs": "the generator asks vLLM for the sampled token's log-prob itself",
+    "prompt_logprobs": "the generator asks vLLM for the sampled token's log-prob itself",
+    "min_tokens": "it masks the end-of-sequence token for the first tokens, which the trainer's pi does not follow",
+    "truncate_prompt_tokens": "the prompts are validated against the context instead (a truncated prompt would "
+                              "differ from the one the trainer scores)",
 }
 # vLLM quantization methods that quantize full-precision weights on load (so also at every weight sync).
 _ONLINE_QUANTIZATION = {"fp8": "vLLM's fp8 kernels, compute capability 8.9+, e.g. H100 or L40S"}
@@ -193,6 +205,7 @@ class AsyncAIPOConfig(GRPOConfig):
         if self.max_staleness < 0:
             raise ValueError("AsyncAIPOConfig: max_staleness must be >= 0 (0 = strictly on-policy).")
         self._check_partial_rollouts()
+        self._check_sampling()
         if not (math.isfinite(self.aipo_rho) and self.aipo_rho >= 1.0):
             raise ValueError(
                 f"AsyncAIPOConfig: aipo_rho={self.aipo_rho}; it must be >= 1 (a lower clip would down-weight "
@@ -215,8 +228,66 @@ class AsyncAIPOConfig(GRPOConfig):
             raise ValueError(f"AsyncAIPOConfig: reward_errors must be 'raise' or 'zero', not {self.reward_errors!r}.")
         if self.collective_timeout_s <= 0:
             raise ValueError("AsyncAIPOConfig: collective_timeout_s must be > 0.")
+        if str(getattr(self.save_strategy, "value", self.save_strategy)) == "best" or self.load_best_model_at_end:
+            raise ValueError(
+                "AsyncAIPOConfig: save_strategy='best' / load_best_model_at_end keep the checkpoint with the best "
+                "evaluation metric, and evaluation during training is not supported, so there is no metric to compare. "
+                "Use save_strategy='steps' or 'epoch'.")
         if self.eval_strategy not in ("no", None):
             raise ValueError("AsyncAIPOConfig: evaluation during training is not supported; use `hfllamarl eval`.")
+
+    @property
+    def sampling(self) -> Sampling:
+        """The sampling transforms, applied alike by vLLM and by the trainer's pi: the config's fields, where
+        generation_kwargs does not set them (as TRL, generation_kwargs takes precedence)."""
+        kw = self.generation_kwargs or {}
+        top_k = kw.get("top_k", self.top_k)
+        return Sampling(
+            temperature=float(kw.get("temperature", self.temperature)),
+            top_p=float(kw.get("top_p", self.top_p)),
+            top_k=0 if top_k is None or top_k < 0 else int(top_k),
+            min_p=float(kw.get("min_p", self.min_p) or 0.0),
+            repetition_penalty=float(kw.get("repetition_penalty", self.repetition_penalty)),
+            presence_penalty=float(kw.get("presence_penalty", 0.0)),
+            frequency_penalty=float(kw.get("frequency_penalty", 0.0)),
+        )
+
+    @property
+    def neutral_generation_kwargs(self) -> dict:
+        """generation_kwargs that leave the sampled distribution alone (stop strings, ...), passed to vLLM as is."""
+        return {k: v for k, v in (self.generation_kwargs or {}).items() if k in NEUTRAL_KWARGS}
+
+    def _check_sampling(self) -> None:
+        if isinstance(self.generation_kwargs, str):  # from a command line or a YAML recipe
+            import json
+
+            self.generation_kwargs = json.loads(self.generation_kwargs)
+        kw = self.generation_kwargs or {}
+        if not isinstance(kw, dict):
+            raise ValueError(f"AsyncAIPOConfig: generation_kwargs must be a dict of vLLM SamplingParams, got "
+                             f"{type(kw).__name__}.")
+        for key in kw:
+            if key in NEUTRAL_KWARGS or key in TRANSFORM_KWARGS:
+                continue
+            why = _SET_BY_TRAINER.get(key, "it changes which tokens can be sampled in a way the trainer's pi does not "
+                                           "follow, so pi/mu would not be 1 even on-policy")
+            raise ValueError(f"AsyncAIPOConfig: generation_kwargs[{key!r}] is not supported: {why}. Supported: the "
+                             f"sampling transforms {sorted(TRANSFORM_KWARGS)} (applied by both the generator and the "
+                             f"trainer) and {sorted(NEUTRAL_KWARGS)}.")
+        s = self.sampling
+        checks = [
+            (math.isfinite(s.temperature) and s.temperature > 0, f"temperature={s.temperature}: it must be > 0 (RL "
+             "samples; a greedy generator has no distribution to correct)"),
+            (0 < s.top_p <= 1, f"top_p={s.top_p}: it must be in (0, 1]"),
+            (0 <= s.min_p <= 1, f"min_p={s.min_p}: it must be in [0, 1]"),
+            (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0,
+             f"repetition_penalty={s.repetition_penalty}: it must be > 0"),
+            (math.isfinite(s.presence_penalty) and math.isfinite(s.frequency_penalty),
+             "presence_penalty and frequency_penalty must be finite"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"AsyncAIPOConfig: {message}.")
 
     @property
     def generation_ticks(self) -> int:

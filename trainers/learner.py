@@ -10,10 +10,13 @@ import torch
 
 from hfllamarl import checkpoint
 from hfllamarl.fsdp import broadcast_from_rank0, loaded_on_rank0_only, shard_model
+from hfllamarl.loading import build_empty, init_lora, load_shards, materialize
 from hfllamarl.lora import is_peft
 from hfllamarl.reporting import Reporter
 from hfllamarl.trainer_executor import TrainerExecutor, TrainerJob
 from hfllamarl.weight_sync import verify_dir
+
+from .model_io import is_meta
 
 
 def _check_accelerate(args) -> None:
@@ -42,12 +45,61 @@ def build_optimizer(model, args):
                              eps=args.adam_epsilon, weight_decay=args.weight_decay)
 
 
-def save_every(args, num_batches: int) -> int:
-    """Trainer steps between checkpoints (0: none), as TrainingArguments' save_strategy/save_steps mean it."""
-    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "steps" or not args.save_steps:
+def save_every(args, num_batches: int, batches_per_epoch: int | None = None) -> int:
+    """Trainer steps between checkpoints (0: none), as TrainingArguments' save_strategy/save_steps mean it
+    ("epoch": at the end of every pass over the dataset, `batches_per_epoch` steps)."""
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if strategy == "epoch":
+        return max(1, batches_per_epoch or num_batches)
+    if strategy != "steps" or not args.save_steps:
         return 0
     steps = args.save_steps
     return max(1, math.ceil(steps * num_batches)) if steps < 1 else int(steps)
+
+
+def prepare_policy(trainer, device: torch.device, resume_dir: str | None) -> None:
+    """Shard the policy with FSDP2 and give each trainer rank its weights: read rank by rank from the model (or,
+    on resume, the checkpoint) when it was built on the meta device; else from the object in memory."""
+    args, topo, model = trainer.args, trainer.topology, trainer.model
+    mixed = "bf16" if args.bf16 else None
+    if is_meta(model):
+        shard_model(model, topo.device_type, mixed)
+        materialize(model, device)
+        peft = is_peft(model)
+        load_shards(model, resume_dir if resume_dir and not peft else trainer.model_path)
+        if peft:  # the adapters: a fresh start, or the checkpoint's
+            init_lora(model, seed=args.seed)
+            if resume_dir:
+                checkpoint.load_adapter_shards(model, resume_dir)
+        return
+    if loaded_on_rank0_only():  # the other trainer ranks hold empty weights until rank 0's arrive
+        broadcast_from_rank0(model, device)
+    if resume_dir:
+        checkpoint.load_model_weights(model, resume_dir)  # a LoRA policy: its adapters
+    model.to(device)
+    shard_model(model, topo.device_type, mixed)
+
+
+def prepare_reference(trainer, device: torch.device) -> torch.nn.Module:
+    """The frozen reference policy (`beta > 0`): the starting policy, also after a resume, sharded like it."""
+    args, topo = trainer.args, trainer.topology
+    if is_meta(trainer.model):
+        dtype = next(trainer.model.parameters()).dtype
+        ref = build_empty(trainer.model_config, dtype, (args.model_init_kwargs or {}).get("attn_implementation"))
+        ref.requires_grad_(False)
+        shard_model(ref, topo.device_type, "bf16" if args.bf16 else None)
+        materialize(ref, device)
+        load_shards(ref, trainer.model_path)
+        return ref.eval()
+    import copy
+
+    if loaded_on_rank0_only():
+        broadcast_from_rank0(trainer.model, device)
+    ref = copy.deepcopy(trainer.model)
+    ref.requires_grad_(False)
+    ref.to(device).eval()
+    shard_model(ref, topo.device_type, "bf16" if args.bf16 else None)
+    return ref
 
 
 def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> TrainerExecutor:
@@ -67,21 +119,9 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
                 m.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
-    if loaded_on_rank0_only():  # the other trainer ranks hold empty weights until rank 0's arrive
-        broadcast_from_rank0(model, device)
-    ref_model = None
-    if args.beta > 0:  # the starting policy (copied before a resume loads the checkpoint), frozen, sharded alike
-        import copy
-
-        ref_model = copy.deepcopy(model)
-        ref_model.requires_grad_(False)
-        ref_model.to(device).eval()
-        shard_model(ref_model, topo.device_type, "bf16" if args.bf16 else None)
-    if resume_dir:
-        checkpoint.load_model_weights(model, resume_dir)  # a LoRA policy: its adapters
-    model.to(device)
+    ref_model = prepare_reference(trainer, device) if args.beta > 0 else None
+    prepare_policy(trainer, device, resume_dir)
     model.train()
-    shard_model(model, topo.device_type, "bf16" if args.bf16 else None)
     weights = None
     if is_peft(model):
         from hfllamarl.lora import MergedLoraWeights
@@ -97,7 +137,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
     trainer.state, trainer._reporter = reporter.state, reporter
     trainer.optimizer, trainer.lr_scheduler = optimizer, scheduler
 
-    every = save_every(args, trainer.num_batches)
+    every = save_every(args, trainer.num_batches, trainer.batches_per_epoch)
     prompts_log = os.path.join(args.output_dir, f"trained_prompts-rank{topo.rank}.jsonl")
     holder = {}
 
@@ -124,7 +164,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         max_staleness=args.max_staleness, generation_ticks=args.generation_ticks,
         num_generations=args.num_generations,
         micro_batch_size=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
-        temperature=args.temperature, max_grad_norm=args.max_grad_norm,
+        sampling=args.sampling, max_grad_norm=args.max_grad_norm,
         pad_token_id=trainer.processing_class.pad_token_id, device=device, on_step=on_step,
         trainer_state=reporter.state, save_checkpoint=on_save, ref_model=ref_model, beta=args.beta,
         weights=weights,

@@ -1,4 +1,4 @@
-"""Where the policy comes from: a local directory, a hub id, or a model object."""
+"""Where the policy comes from: a local directory, a hub id, or a model object; and how it is loaded."""
 
 from __future__ import annotations
 
@@ -45,3 +45,40 @@ def save_for_generator(model, tokenizer, directory: str) -> str:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def load_policy(path: str, args, config):
+    """The policy of the model at `path` for a trainer rank: built on the meta device, to be sharded and then
+    filled rank by rank (`hfllamarl.loading`), when this loader can read the checkpoint; otherwise loaded whole
+    with `from_pretrained` (said in the log)."""
+    import logging
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hfllamarl.loading import build_empty, readable
+
+    kwargs = dict(args.model_init_kwargs or {})
+    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", torch.float32))
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    attn = kwargs.pop("attn_implementation", None)
+    kwargs.pop("trust_remote_code", None)
+    if not kwargs and dtype != "auto":  # nothing from_pretrained would do that the sharded loader does not
+        model = build_empty(config, dtype, attn)
+        unread = readable(model, path)
+        if not unread:
+            return model
+        reason = f"its weights are not all readable by name ({unread[:3]})"
+    else:
+        reason = f"model_init_kwargs {sorted(kwargs) or ['dtype=auto']} need from_pretrained"
+    logging.getLogger(__name__).warning(
+        "Loading %s whole on every trainer rank (%s); sharded loading reads only each rank's rows.", path, reason)
+    full = dict(args.model_init_kwargs or {})
+    full.setdefault("dtype", torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, **full)
+
+
+def is_meta(model) -> bool:
+    """Whether `model` was built on the meta device (its weights are loaded after sharding)."""
+    return any(p.is_meta for p in model.parameters())

@@ -2,9 +2,11 @@
 
 Per completion token t with advantage A and ratio r_t = pi_t / mu_t (gradient flows through r_t):
 
-    loss = - mean_t( min(r_t * A, clip(r_t, 1 - epsilon, 1 + epsilon_high) * A) )
+    loss = - mean_t( min(r'_t * A, clip(r_t, 1 - epsilon, 1 + epsilon_high) * A) )
 
-A clipped token gets no gradient (unlike AIPO). Advantages: reward minus the group mean, divided
+with r'_t = r_t, or with `delta` set (two-sided clipping, INTELLECT-2; TRL's `delta`) r'_t = min(r_t, delta),
+which bounds the unclipped term of a negative-advantage token too. A clipped token gets no gradient
+(unlike AIPO). Advantages: reward minus the group mean, divided
 by the group's std unless `scale_rewards="none"`.
 """
 
@@ -16,12 +18,14 @@ from .aipo import group_advantages, masked_mean, ratio_metrics
 
 
 class GRPO:
-    """The `grpo` algorithm plugin. Args: epsilon (0.2), epsilon_high (default: epsilon), scale_rewards."""
+    """The `grpo` algorithm plugin. Args: epsilon (0.2), epsilon_high (default: epsilon), delta (None: off),
+    scale_rewards."""
 
     def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, scale_rewards: str = "group",
-                 **unused):
+                 delta: float | None = None, **unused):
         self.epsilon = float(epsilon)
         self.epsilon_high = float(epsilon_high) if epsilon_high is not None else self.epsilon
+        self.delta = None if delta is None else float(delta)
         self.scale_rewards = scale_rewards
 
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -31,7 +35,7 @@ class GRPO:
         mask = mask.to(logprobs.dtype)
         ratio = torch.exp(logprobs - behavior_logprobs)  # [B, T], with gradient
         adv = advantages[:, None]
-        unclipped = ratio * adv
+        unclipped = (ratio if self.delta is None else ratio.clamp(max=self.delta)) * adv
         clipped = ratio.clamp(1 - self.epsilon, 1 + self.epsilon_high) * adv
         loss = masked_mean(-torch.minimum(unclipped, clipped), mask)
         metrics = ratio_metrics(ratio.detach(), mask)

@@ -57,6 +57,7 @@ def local_generator(path: str, **spec_kw):
 def partial(workdir: str) -> dict:
     from transformers import LlamaForCausalLM
 
+    from hfllamarl.sampling import Sampling
     from hfllamarl.tiny import build_tiny_model
     from hfllamarl.trainer_executor import completion_logprobs, pad_batch
     from hfllamarl.weight_sync import POLICY_WEIGHTS
@@ -65,7 +66,7 @@ def partial(workdir: str) -> dict:
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     versions = weight_versions({k: v.clone() for k, v in model.state_dict().items()}, 2)
     gen = local_generator(path, num_batches=2, prompts_per_batch=3, num_generations=2, max_completion_length=LENGTH,
-                          temperature=TEMPERATURE, max_staleness=3, partial_rollout_tokens=BUDGET)
+                          sampling=Sampling(temperature=TEMPERATURE), max_staleness=3, partial_rollout_tokens=BUDGET)
 
     finished, carried_after = [], []
     for tick in range(4):  # weights of version min(tick, 2) at tick `tick`

@@ -1,0 +1,179 @@
+"""Drills: every rank of a running job killed (SIGKILL) or frozen (SIGSTOP: alive, answering nothing), under
+torchrun and under plain `python`; and a generator that fails while it starts. Every survivor ends within
+`collective_timeout_s + 30 s` of the signal, naming the rank, and nothing is left behind.
+
+Jobs of one kind run side by side (most of a drill is waiting), each with collective_timeout_s=40 (a frozen
+rank is found by its missing heartbeat within 10 s of that, whatever the timeout).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from conftest import SCRIPTS, free_port, launch_bare, orphans
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 40  # collective_timeout_s of the drilled jobs (start-ups side by side on 2 cores are slow)
+BOUND_S = TIMEOUT_S + 30
+NAMES = {"trainer0": "rank 0 (trainer 0)", "trainer1": "rank 1 (trainer 1)", "generator": "generator 0)"}
+
+
+def start(model: str, out: str, launch: str, extra=()) -> subprocess.Popen:
+    args = [str(SCRIPTS / "train_tiny.py"), model, out, "--steps", "200", "--report-to", "none",
+            "--timeout", str(TIMEOUT_S), *extra]
+    if launch == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), *args]
+    else:
+        cmd = [sys.executable, *args]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def ranks_of(proc: subprocess.Popen, launch: str) -> dict[str, psutil.Process]:
+    """The job's processes by role."""
+    if launch == "python":
+        kids = [p for p in psutil.Process(proc.pid).children(recursive=True) if "hfllamarl.worker" in " ".join(p.cmdline())]
+        return {"trainer0": psutil.Process(proc.pid), "generator": kids[0]}
+    out = {}
+    for p in psutil.Process(proc.pid).children():
+        if "train_tiny.py" in " ".join(p.cmdline()):
+            out[{"0": "trainer0", "1": "trainer1", "2": "generator"}[p.environ()["LOCAL_RANK"]]] = p
+    return out
+
+
+def wait_first_step(out: str, proc: subprocess.Popen, timeout: float = 400) -> None:
+    log = os.path.join(out, "trained_prompts-rank0.jsonl")
+    deadline = time.monotonic() + timeout
+    while not (os.path.exists(log) and os.path.getsize(log)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the job never finished its first step"
+        time.sleep(0.5)
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def drill(model: str, out: str, launch: str, victim: str, sig: str, results: dict) -> None:
+    """Start a job, signal `victim` after the first step; record how the survivors ended."""
+    proc = start(model, out, launch)
+    try:
+        wait_first_step(out, proc)
+        time.sleep(1.0)  # somewhere inside a later step
+        ranks = ranks_of(proc, launch)
+        survivors = [p for role, p in ranks.items() if role != victim]
+        signalled = time.monotonic()
+        ranks[victim].send_signal(getattr(signal, sig))
+        if launch == "python" and victim == "trainer0":  # the survivors are the children; the parent is the victim
+            while any(alive(p) for p in survivors) and time.monotonic() - signalled < BOUND_S + 30:
+                time.sleep(0.2)
+            ended = time.monotonic() - signalled
+            proc.kill()
+            _, err = proc.communicate(timeout=60)
+            code = 1
+        else:
+            _, err = proc.communicate(timeout=BOUND_S + 60)
+            ended, code = time.monotonic() - signalled, proc.returncode
+        results[(launch, victim, sig)] = {"seconds": ended, "code": code, "err": err,
+                                          "left": [p.pid for p in survivors if alive(p)]}
+    finally:
+        for p in psutil.Process(os.getpid()).children(recursive=True):
+            if out in " ".join(p.cmdline()):
+                p.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def run_side_by_side(model, tmp_path, cases) -> dict:
+    results: dict = {}
+    threads = [threading.Thread(target=drill, args=(model, str(tmp_path / "-".join(c)), *c, results)) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def check(results: dict, case: tuple) -> None:
+    launch, victim, sig = case
+    r = results.get(case)
+    assert r is not None, f"{case}: the drill itself failed"
+    tail = "\n".join(r["err"].strip().splitlines()[-12:])
+    assert r["seconds"] < BOUND_S, (case, r["seconds"], tail)
+    assert r["code"] != 0 and not r["left"], (case, r, tail)
+    if launch == "torchrun" and sig == "SIGKILL":  # torchrun itself sees the death and names the rank
+        rank = {"trainer0": 0, "trainer1": 1, "generator": 2}[victim]
+        assert f"rank      : {rank}" in tail and "Signal 9" in tail, (case, tail)
+    elif launch == "python" and victim == "trainer0":  # the generator child tells why it left
+        assert ("rank 0 (trainer 0)" in tail and ("stopped answering" in tail or "is gone" in tail)), (case, tail)
+    else:  # the last lines name the lost rank
+        assert NAMES[victim] in tail and ("stopped answering" in tail or "killed by signal 9" in tail), (case, tail)
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_every_rank_under_torchrun(family_model, tmp_path, sig):
+    cases = [("torchrun", victim, sig) for victim in ("trainer0", "trainer1", "generator")]
+    results = run_side_by_side(family_model("llama"), tmp_path, cases)
+    for case in cases:
+        check(results, case)
+        assert not orphans(str(tmp_path / "-".join(case)))
+
+
+def test_every_rank_under_plain_python(family_model, tmp_path):
+    cases = [("python", victim, sig) for victim in ("trainer0", "generator") for sig in ("SIGKILL", "SIGSTOP")]
+    results = run_side_by_side(family_model("llama"), tmp_path, cases)
+    for case in cases:
+        check(results, case)
+        assert not orphans(str(tmp_path / "-".join(case)))
+
+
+def test_store_host_frozen_under_a_bare_launch(family_model, tmp_path):
+    """Ranks started bare (as mpirun or a batch scheduler would): rank 0 hosts the job's store. Frozen, it
+    answers nothing, store included: the others end naming it, and kill it (nobody else would)."""
+    out = str(tmp_path / "bare")
+    procs = launch_bare(3, [str(SCRIPTS / "train_tiny.py"), family_model("llama"), out, "--steps", "200",
+                            "--report-to", "none", "--timeout", str(TIMEOUT_S)], env={})
+    try:
+        wait_first_step(out, procs[0])
+        time.sleep(1.0)
+        frozen_at = time.monotonic()
+        procs[0].send_signal(signal.SIGSTOP)
+        for rank in (1, 2):
+            _, err = procs[rank].communicate(timeout=BOUND_S + 30)
+            assert procs[rank].returncode not in (0, None)
+            assert "rank 0 (trainer 0), which hosts the job's store, stopped answering" in err, err[-3000:]
+        assert time.monotonic() - frozen_at < BOUND_S
+        procs[0].wait(timeout=30)  # killed by a survivor
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate(timeout=60)
+    assert not orphans(out)
+
+
+@pytest.mark.parametrize("launch", ["python", "torchrun"])
+def test_generator_start_up_failure_ends_with_its_own_error(family_model, tmp_path, launch):
+    """vLLM cannot start (a KV cache too small for one sequence): the job ends with the generator's own
+    exception as its last lines, not with a lost heartbeat."""
+    out = str(tmp_path / launch)
+    started = time.monotonic()
+    proc = start(family_model("llama"), out, launch, extra=["--kv-cache-bytes", "4096", "--steps", "2"])
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    last = "\n".join(line for line in err.strip().splitlines()[-6:])
+    assert "ValueError: No available memory for the cache blocks" in last, err[-4000:]
+    assert "generator 0)" in err and "no heartbeat" not in last
+    assert time.monotonic() - started < 120
+    assert not orphans(out)
