@@ -63,7 +63,7 @@ def _worker(opts: dict) -> None:
     seconds = time.perf_counter() - start
     local = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
     # A check that the rows are the right ones: every rank sums its shard; rank 0 compares with the file.
-    checksum = torch.tensor([sum(float(p.to_local().double().sum()) for p in model.parameters())], dtype=torch.float64)
+    checksum = torch.tensor([sum(float(p.to_local().detach().double().sum()) for p in model.parameters())], dtype=torch.float64)
     dist.all_reduce(checksum)
     result = {"rank": dist.get_rank(), "mode": mode, "peak_growth": mem.peak - mem.start,
               "final_growth": _rss() - mem.start, "local_bytes": local, "seconds": seconds,

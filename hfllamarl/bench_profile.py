@@ -47,22 +47,19 @@ def _vocab_and_length(model_dir: str) -> tuple[int, int]:
 
 
 def measure_decode(args, concurrencies: list[int], dtype: str, on_gpu: bool) -> list[dict]:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine stays in this process
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import random
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from .engine import build_engine
 
     vocab, max_len = _vocab_and_length(args.model)
     short, long = 2, 2 + args.decode_tokens
-    kwargs = dict(model=args.model, dtype=dtype, seed=args.seed, enforce_eager=True, enable_prefix_caching=False,
-                  max_model_len=min(max_len, args.prompt_length + long), max_num_seqs=max(concurrencies))
-    if on_gpu:  # pragma: no cover - needs a GPU
-        kwargs["gpu_memory_utilization"] = 0.85
-    else:
-        kwargs["kv_cache_memory_bytes"] = args.kv_cache_bytes
-    llm = LLM(**kwargs)
+    llm = build_engine(args.model, args.model, dtype=dtype, seed=args.seed,
+                       max_model_len=min(max_len, args.prompt_length + long), tensor_parallel_size=1,
+                       distributed=False, use_cpu=not on_gpu, kv_cache_bytes=args.kv_cache_bytes,
+                       gpu_memory_utilization=0.85, enable_prefix_caching=False, max_num_seqs=max(concurrencies))
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     rng = random.Random(args.seed)
 
     def timed(c: int, tokens: int) -> float:

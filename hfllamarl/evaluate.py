@@ -87,16 +87,14 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
 
 
 def _build_engine(args, max_model_len: int):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine stays in this process
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch
-    from vllm import LLM
 
-    kwargs: dict[str, Any] = dict(model=args.model, dtype=args.dtype, seed=args.seed, enforce_eager=True,
-                                  max_model_len=max_model_len)
-    if not torch.cuda.is_available():
-        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-    return LLM(**kwargs)
+    from .engine import build_engine
+
+    on_cpu = not torch.cuda.is_available()
+    return build_engine(args.model, args.model, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len,
+                        tensor_parallel_size=1, distributed=False, use_cpu=on_cpu, kv_cache_bytes=CPU_KV_CACHE_BYTES,
+                        gpu_memory_utilization=0.85)
 
 
 def request_seed(seed: int, row_index: int, samples: int) -> int:

@@ -79,6 +79,8 @@ class Liveness:
         self._store_silent_since: float | None = None
         self.verdict_cause: str | None = None  # what the watchdog found (a single-process parent raises it)
         self._lock = threading.Lock()  # one store call at a time on the shared client
+        self._where: dict[int, dict] = {}  # rank -> {"host", "pid"}, read while the store answers
+        self._frozen: list[int] = []  # the ranks the last verdict found silent
 
     # ---------------------------------------------------------------- keys
     def _key(self, kind: str, rank: int) -> str:
@@ -235,6 +237,8 @@ class Liveness:
                     failed[r] = {"time": 0.0, "cause": raw, "reaction": False}
             if client.check([self._key("heartbeat", r)]):
                 beats[r] = float(client.get(self._key("heartbeat", r)).decode())
+            if r not in self._where and client.check([self._key("process", r)]):
+                self._where[r] = json.loads(client.get(self._key("process", r)).decode())
         return failed, beats, done
 
     def _stale(self, beats: dict[int, float], done: set[int]) -> list[int]:
@@ -264,6 +268,7 @@ class Liveness:
             if now - self._store_silent_since < self.stale_s:
                 return None
             host = topo.store_host_rank
+            self._frozen = [host] if host is not None else []
             who = f"{topo.describe(host)}, which hosts the job's store," if host is not None else "the job's store"
             return (f"{who} stopped answering for {self.stale_s:.0f} s (the process is frozen, e.g. SIGSTOP, or gone "
                     f"together with its machine).")
@@ -275,7 +280,7 @@ class Liveness:
             if r not in failed:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 return f"{topo.describe(r)} {how} without reporting an error."
-        lost = self._stale(beats, done)
+        lost = self._frozen = self._stale(beats, done)
         if lost:
             names = ", ".join(topo.describe(r) for r in lost)
             return (f"{names} stopped answering: no heartbeat for more than {self.stale_s:.0f} s (the process was "
@@ -322,14 +327,13 @@ class Liveness:
         import signal
         import socket
 
-        try:
-            for r in self.lost_ranks():
-                raw = timed(lambda r=r: self._locked(lambda c: c.get(self._key("process", r))), STORE_CALL_S)
-                where = json.loads(raw.decode())
-                if where["host"] == socket.gethostname():
+        for r in self._frozen:
+            where = self._where.get(r)
+            if where and where["host"] == socket.gethostname() and where["pid"] != os.getpid():
+                try:
                     os.kill(int(where["pid"]), signal.SIGKILL)
-        except Exception:
-            pass
+                except OSError:
+                    pass
 
 
 def _write_torchelastic_error(message: str) -> None:

@@ -64,17 +64,32 @@ class SafetensorsRows:
 
     def read_rows(self, name: str, start: int, end: int) -> torch.Tensor:
         """Rows `[start, end)` (dim 0) of tensor `name`, in its stored dtype."""
+        path, dtype, shape, _ = self.entries[name]
+        out = torch.empty((end - start,) + tuple(shape[1:]), dtype=dtype)
+        self.read_rows_into(name, start, out)
+        return out if shape else out.reshape(())
+
+    def read_rows_into(self, name: str, start: int, out: torch.Tensor, block_bytes: int = 16 << 20) -> None:
+        """Fill `out` (`[rows, ...]`) with rows `start ...` of tensor `name`: read straight into `out` when it has
+        the stored dtype, else through blocks of at most `block_bytes` (a dtype change costs no second copy)."""
         path, dtype, shape, offset = self.entries[name]
         row = math.prod(shape[1:]) if len(shape) > 1 else 1
-        out = torch.empty((end - start,) + tuple(shape[1:]), dtype=dtype)
-        if not out.numel():
-            return out
-        raw = out.view(-1).view(torch.uint8).numpy()
+        rows = out.shape[0] if out.dim() else 1
+        target = out.reshape(rows, row)  # a view of `out` when it is contiguous
+        direct = out.dtype == dtype and out.is_contiguous()
+        step = max(1, rows) if direct else max(1, block_bytes // (row * dtype.itemsize))
         with open(path, "rb") as fh:
             fh.seek(offset + start * row * dtype.itemsize)
-            if fh.readinto(raw) != raw.nbytes:
-                raise ValueError(f"{path}: tensor {name} is truncated")
-        return out if shape else out.reshape(())
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                buf = target[r0:r1] if direct else torch.empty((r1 - r0, row), dtype=dtype)
+                raw = buf.reshape(-1).view(torch.uint8).numpy()
+                if fh.readinto(raw) != raw.nbytes:
+                    raise ValueError(f"{path}: tensor {name} is truncated")
+                if not direct:
+                    target[r0:r1].copy_(buf)
+        if not out.is_contiguous():
+            out.copy_(target.view(out.shape))
 
 
 def build_empty(config, dtype: torch.dtype, attn_implementation: str | None = None) -> torch.nn.Module:
@@ -126,10 +141,7 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
 
 def load_shards(model: torch.nn.Module, directory: str) -> None:
     """Fill each rank's rows of every (FSDP2-sharded, materialized) parameter from `directory`."""
-    from hfllamarl.plugins.weight_sync.ddma import local_shard
-
     rows = SafetensorsRows(directory)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_" in name:
@@ -137,19 +149,24 @@ def load_shards(model: torch.nn.Module, directory: str) -> None:
             key = checkpoint_name(name)
             if key not in rows:
                 raise ValueError(f"{directory!r} holds no weight {key!r} for parameter {name}")
-            local, offset = local_shard(p, rank) if hasattr(p, "to_local") else (p.detach(), 0)
-            if hasattr(p, "to_local"):
-                local = p.to_local()
-            data = rows.read_rows(key, offset, offset + local.shape[0]) if local.dim() else rows.read_rows(key, 0, 1)
-            local.copy_(data.reshape(local.shape))
+            local, offset = _local_rows(p)
+            rows.read_rows_into(key, offset, local)
+
+
+def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's part of `p`, the offset of its first row): a Shard(0) DTensor's rows, or all of a plain or
+    replicated one."""
+    if not hasattr(p, "to_local"):
+        return p.detach(), 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, tuple(p.placements))
+    return p.to_local(), int(offset[0]) if len(offset) else 0
 
 
 def init_lora(model: torch.nn.Module, seed: int = 0) -> None:
     """peft's default initialisation of every LoRA adapter, on sharded weights: A Kaiming-uniform from one
     generator (so every rank draws the same full matrix and keeps its rows), B zero."""
-    from hfllamarl.plugins.weight_sync.ddma import local_shard
-
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -157,7 +174,7 @@ def init_lora(model: torch.nn.Module, seed: int = 0) -> None:
                 full = torch.empty(tuple(p.shape))
                 bound = 1.0 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)) on [r, in]
                 full.uniform_(-bound, bound, generator=generator)
-                local, offset = local_shard(p, rank)
+                local, offset = _local_rows(p)
                 local.copy_(full[offset:offset + local.shape[0]].to(local.dtype))
             elif ".lora_B." in name:
                 (p.to_local() if hasattr(p, "to_local") else p).zero_()

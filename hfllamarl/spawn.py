@@ -84,8 +84,8 @@ def become_child(settings: dict) -> None:
     def watch():
         while True:
             if os.getppid() != parent:
-                sys.stderr.write(f"\n[hfllamarl] rank {settings['rank']} (generator): the trainer process (pid "
-                                 f"{parent}, rank 0) is gone; this generator exits too.\n")
+                sys.stderr.write(f"\n[hfllamarl] rank {settings['rank']} (generator {settings['rank'] - 1}) stops "
+                                 f"because rank 0 (trainer 0), its parent process (pid {parent}), is gone.\n")
                 sys.stderr.flush()
                 os._exit(3)
             time.sleep(0.5)

@@ -17,9 +17,11 @@ def load(path):
 
 
 def test_lora_updates_reach_the_generator_every_step(tiny_model, tmp_path):
+    """2 trainer ranks (torchrun) + 1 generator: every rank takes part in the LoRA checkpoints."""
     out = str(tmp_path / "lora")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--lora", "--steps", "4", "--max-staleness",
-                       "0", "--save-steps", "2", "--learning-rate", "2e-2", "--report-to", "none"], timeout=400)
+                       "0", "--save-steps", "2", "--learning-rate", "2e-2", "--report-to", "none"], nproc=3,
+                      timeout=400)
     assert proc.returncode == 0, tail(proc)
     steps = step_logs(proc.stdout)
     assert len(steps) == 4
