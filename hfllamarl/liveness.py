@@ -147,7 +147,12 @@ class Liveness:
             self._threads.append(thread)
 
     def stop(self) -> None:
+        """Stop the heartbeat and the watchdog and wait for them (a thread left inside a store call when the
+        interpreter exits can abort the process)."""
         self._stop.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=STORE_CALL_S + 2)
         self._threads = []
 
     def mark_done(self) -> None:

@@ -92,12 +92,13 @@ class SafetensorsRows:
             out.copy_(target.view(out.shape))
 
 
-def build_empty(config, dtype: torch.dtype, attn_implementation: str | None = None) -> torch.nn.Module:
+def build_empty(config, dtype: torch.dtype, attn_implementation: str | None = None,
+                trust_remote_code: bool = False) -> torch.nn.Module:
     """The model of `config` with its parameters on the meta device and its buffers computed."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": dtype}
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     with init_empty_weights(include_buffers=False):

@@ -50,6 +50,11 @@ class Sampling:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def truncates(self) -> bool:
+        """Whether some tokens get probability 0 (top-k, top-p, min-p)."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+
+    @property
     def temperature_only(self) -> bool:
         """Whether pi is just a tempered softmax (the fast path)."""
         return not self.penalties and self.top_p >= 1.0 and self.top_k <= 0 and self.min_p <= 0.0
@@ -118,3 +123,17 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: Sampl
     else:
         x = processed_logits(logits, sampling, seen)
     return torch.log_softmax(x, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+OUTSIDE_LOGPROB = -1e4  # what a sampled token outside the current policy's support counts as: pi ~ 0, weight 0
+
+
+def within_support(logprobs: torch.Tensor, mask: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logprobs [B, T]` ready for a loss: padding positions 0, and under truncation (top-k, top-p, min-p) a
+    sampled token the *current* policy can no longer sample (possible only off-policy: its log-prob is -inf)
+    set to `OUTSIDE_LOGPROB` without gradient, so that its importance weight is 0 instead of NaN. Returns the
+    logprobs and the mask of those tokens."""
+    real = mask.bool()
+    outside = real & torch.isneginf(logprobs.detach()) if sampling.truncates else torch.zeros_like(real)
+    safe = torch.where(real & ~outside, logprobs, torch.zeros_like(logprobs))
+    return torch.where(outside, torch.full_like(safe, OUTSIDE_LOGPROB), safe), outside

@@ -23,7 +23,7 @@ from .generator import ROLLOUTS
 from .plugins.algorithms.aipo import masked_mean, reference_kl
 from .rewards import RewardRunner
 from .rollout import Rollout, RolloutGroup
-from .sampling import Sampling, sampled_logprobs, seen_tokens
+from .sampling import Sampling, sampled_logprobs, seen_tokens, within_support
 from .topology import Topology
 from .weight_sync import POLICY_WEIGHTS, WeightSyncBackend
 
@@ -227,24 +227,28 @@ class TrainerExecutor(Executor):
         mb = job.micro_batch_size
         steps = math.ceil(len(rollouts) / mb)
         stats = {"is_ratio_mean": [], "is_ratio_max": [], "is_ratio_min": [], "clipped_frac": [], "behavior_kl": [],
-                 "kl": []}
+                 "kl": [], "outside_support": []}
         loss_total = 0.0
         for k in range(steps):
             chunk = rollouts[k * mb:(k + 1) * mb]
             batch = pad_batch(chunk, job.pad_token_id, job.device)
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(k == steps - 1)  # reduce-scatter once per optimizer step
-            logprobs = completion_logprobs(model, batch, job.sampling)
+            raw = completion_logprobs(model, batch, job.sampling)
+            logprobs, outside = within_support(raw, batch["mask"], job.sampling)
             chunk_advantages = advantages[k * mb:(k + 1) * mb].to(job.device)
             loss, m = job.algorithm.loss(logprobs, batch["behavior_logprobs"], chunk_advantages, batch["mask"])
+            m["outside_support"] = float(outside.sum()) / max(float(batch["mask"].sum()), 1.0)
             if job.ref_model is not None:
                 with torch.no_grad():
-                    ref_logprobs = completion_logprobs(job.ref_model, batch, job.sampling)
-                kl = masked_mean(reference_kl(logprobs, ref_logprobs), batch["mask"])
+                    ref, ref_outside = within_support(completion_logprobs(job.ref_model, batch, job.sampling),
+                                                      batch["mask"], job.sampling)
+                    ref = torch.where(outside | ref_outside, logprobs.detach(), ref)  # KL only where both can sample
+                kl = masked_mean(reference_kl(logprobs, ref), batch["mask"])
                 loss = loss + job.beta * kl
                 m["kl"] = kl.item()
             # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
-            agree(self._nonfinite(batch, logprobs, chunk_advantages, loss, chunk, k * mb),
+            agree(self._nonfinite(batch, raw.masked_fill(outside, 0.0), chunk_advantages, loss, chunk, k * mb),
                   step=self.version + 1, rank_name=self.topology.describe(self.topology.rank))
             (loss / steps).backward()
             loss_total += loss.item() / steps
@@ -288,7 +292,7 @@ class TrainerExecutor(Executor):
             "empty": sum(length == 0 for length in lengths),
             "loss": loss_total,
             **{key: sum(stats[key]) / max(len(stats[key]), 1)  # means over this rank's micro-batches
-               for key in ("is_ratio_mean", "clipped_frac", "behavior_kl", "kl")},
+               for key in ("is_ratio_mean", "clipped_frac", "behavior_kl", "kl", "outside_support")},
         }
         for name, scores in per_func.items():
             vals = [s for s in scores if s is not None]
@@ -311,6 +315,8 @@ class TrainerExecutor(Executor):
         metrics["is_ratio/min"] = -maxed["neg_is_ratio_min"]
         metrics["clipped_frac"] = summed["clipped_frac"] / world
         metrics["behavior_kl"] = summed["behavior_kl"] / world
+        # Sampled tokens the current policy's top-k/top-p/min-p no longer allow (weight 0; only off-policy).
+        metrics["is_ratio/outside_support_frac"] = summed["outside_support"] / world
         if job.ref_model is not None:
             metrics["kl"] = summed["kl"] / world  # KL(pi || pi_ref) on the sampled tokens, as TRL logs it
         metrics["staleness/mean"] = summed["staleness_sum"] / max(summed["staleness_n"], 1)

@@ -133,37 +133,60 @@ def test_every_rank_under_torchrun(family_model, tmp_path, sig):
         assert not orphans(str(tmp_path / "-".join(case)))
 
 
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
-def test_every_rank_under_plain_python(family_model, tmp_path, sig):
-    cases = [("python", victim, sig) for victim in ("trainer0", "generator")]
+def test_every_rank_under_plain_python(family_model, tmp_path):
+    cases = [("python", victim, sig) for victim in ("trainer0", "generator") for sig in ("SIGKILL", "SIGSTOP")]
     results = run_side_by_side(family_model("llama"), tmp_path, cases)
     for case in cases:
         check(results, case)
         assert not orphans(str(tmp_path / "-".join(case)))
 
 
-def test_store_host_frozen_under_a_bare_launch(family_model, tmp_path):
-    """Ranks started bare (as mpirun or a batch scheduler would): rank 0 hosts the job's store. Frozen, it
-    answers nothing, store included: the others end naming it, and kill it (nobody else would)."""
-    out = str(tmp_path / "bare")
-    procs = launch_bare(3, [str(SCRIPTS / "train_tiny.py"), family_model("llama"), out, "--steps", "200",
-                            "--report-to", "none", "--timeout", str(TIMEOUT_S)], env={})
+def bare_drill(model: str, out: str, victim: int, sig: str, results: dict) -> None:
+    procs = launch_bare(3, [str(SCRIPTS / "train_tiny.py"), model, out, "--steps", "200", "--report-to", "none",
+                            "--timeout", str(TIMEOUT_S)], env={"OMP_NUM_THREADS": "1"})
     try:
         wait_first_step(out, procs[0])
         time.sleep(1.0)
-        frozen_at = time.monotonic()
-        procs[0].send_signal(signal.SIGSTOP)
-        for rank in (1, 2):
-            _, err = procs[rank].communicate(timeout=BOUND_S + 30)
-            assert procs[rank].returncode not in (0, None)
-            assert "rank 0 (trainer 0), which hosts the job's store, stopped answering" in err, err[-3000:]
-        assert time.monotonic() - frozen_at < BOUND_S
-        procs[0].wait(timeout=30)  # killed by a survivor
+        signalled = time.monotonic()
+        procs[victim].send_signal(getattr(signal, sig))
+        errs = {}
+        for rank in {0, 1, 2} - {victim}:
+            _, errs[rank] = procs[rank].communicate(timeout=BOUND_S + 30)
+        seconds = time.monotonic() - signalled
+        try:
+            procs[victim].wait(timeout=30)  # a frozen rank is killed by a survivor
+            victim_gone = True
+        except subprocess.TimeoutExpired:
+            victim_gone = False
+        results[victim] = {"seconds": seconds, "codes": {r: procs[r].returncode for r in errs}, "errs": errs,
+                           "victim_gone": victim_gone}
     finally:
         for proc in procs:
             proc.kill()
             proc.communicate(timeout=60)
-    assert not orphans(out)
+
+
+def test_under_a_bare_launch_the_store_host_frozen_or_a_rank_killed(family_model, tmp_path):
+    """Ranks started bare (as mpirun or a batch scheduler would: nobody stops the survivors for them), rank 0
+    hosting the job's store. Frozen, rank 0 answers nothing, store included: the others end naming it, and kill
+    it (nobody else would). Killed, trainer 1 is named by the others. Two jobs side by side."""
+    results: dict = {}
+    threads = [threading.Thread(target=bare_drill, args=(family_model("llama"), str(tmp_path / f"bare{v}"), v, sig,
+                                                         results)) for v, sig in ((0, "SIGSTOP"), (1, "SIGKILL"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    frozen, killed = results[0], results[1]
+    for r in (frozen, killed):
+        assert r["seconds"] < BOUND_S and all(code not in (0, None) for code in r["codes"].values()), r["codes"]
+    for err in frozen["errs"].values():
+        assert "rank 0 (trainer 0), which hosts the job's store, stopped answering" in err, err[-3000:]
+    assert frozen["victim_gone"], "the frozen store host was left behind"
+    for err in killed["errs"].values():
+        assert "rank 1 (trainer 1) stopped answering" in err, err[-3000:]
+    for v in (0, 1):
+        assert not orphans(str(tmp_path / f"bare{v}"))
 
 
 @pytest.mark.parametrize("launch", ["python", "torchrun"])

@@ -104,3 +104,29 @@ def test_one_distribution_for_both_sides():
 def test_what_the_trainer_cannot_follow_is_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         make(**kw)
+
+
+def test_a_stale_token_the_current_policy_can_no_longer_sample_weighs_zero():
+    """Off-policy, a token sampled under old weights may fall outside the current top-k: pi = 0. Its weight is
+    0 and nothing turns NaN (loss, gradient, the KL to a reference), as it would with log pi = -inf. Padding
+    (here the second sample's last position) does not count either."""
+    from hfllamarl.plugins.algorithms.aipo import AIPO, masked_mean, reference_kl
+    from hfllamarl.sampling import within_support
+
+    s = Sampling(top_k=2)
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0]],
+                           [[2.0, 1.0, 0.0, -1.0], [0.0, 1.0, 2.0, 9.0]]], requires_grad=True)
+    tokens = torch.tensor([[0, 3], [1, 0]])  # token 3 at [0, 1] is outside the top-2; [1, 1] is padding (also outside)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    raw = sampled_logprobs(logits, tokens, s)
+    assert torch.isneginf(raw[0, 1]) and torch.isneginf(raw[1, 1])
+    logp, outside = within_support(raw, mask, s)
+    assert outside.tolist() == [[False, True], [False, False]] and torch.isfinite(logp).all()
+    mu = torch.full((2, 2), -1.0)
+    loss, m = AIPO(rho=4.0).loss(logp, mu, torch.tensor([1.0, -1.0]), mask)
+    ref = torch.where(outside, logp.detach(), logp.detach() - 0.1)
+    loss = loss + 0.1 * masked_mean(reference_kl(logp, ref), mask)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
+    assert logits.grad[0, 1].abs().sum() == 0 and logits.grad[0, 0].abs().sum() > 0  # the outside token: no gradient
+    assert m["is_ratio_min"] == 0.0

@@ -38,19 +38,6 @@ def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
     assert not orphans(out)
 
 
-def test_synchronous_mode_is_exactly_on_policy_under_torchrun(tiny_model, tmp_path):
-    out = str(tmp_path / "sync")
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "3", "--max-staleness", "0",
-                       "--report-to", "none"], nproc=2, timeout=400)
-    assert proc.returncode == 0, tail(proc)
-    steps = step_logs(proc.stdout)
-    assert len(steps) == 3
-    for h in steps:
-        # The generator always samples with the trainer's current weights (bitwise, fp32): pi/mu == 1.
-        assert h["staleness/max"] == 0
-        assert_on_policy(h)
-
-
 def test_staleness_bound_n_holds_and_nothing_is_dropped(tiny_model, tmp_path):
     """max_staleness=3: the generator runs up to 3 versions ahead and no further; every batch is trained."""
     from hfllamarl.prompts import batch_rows
@@ -68,9 +55,9 @@ def test_staleness_bound_n_holds_and_nothing_is_dropped(tiny_model, tmp_path):
         assert rows[step] == batch_rows(64, 4, step - 1, seed=0)
 
 
-@pytest.mark.parametrize("bad,message", [("raise", "reward function 'broken' raised RuntimeError"),
-                                         ("length", "reward function 'short' returned 15 values for 16")])
+@pytest.mark.parametrize("bad,message", [("raise", "reward function 'broken' raised RuntimeError")])
 def test_bad_reward_function_fails_cleanly(tiny_model, tmp_path, bad, message):
+    """(A reward returning the wrong number of values: tests/test_reward_runner.py.)"""
     out = str(tmp_path / bad)
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--bad-reward", bad, "--report-to", "none"],
                       timeout=300)
@@ -184,37 +171,3 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     # Steps 1-2 came from the checkpoint (trained once); step 3 was trained before the cut and again after.
     logged = [json.loads(line)["step"] for line in open(os.path.join(out, "trained_prompts-rank1.jsonl"))]
     assert logged.count(1) == logged.count(2) == 1 and logged.count(3) == 2, logged
-
-
-@pytest.mark.parametrize("victim,sig", [(1, "SIGKILL")], ids=["trainer-1-killed"])
-def test_rank_killed_mid_step_is_named_by_every_survivor(tiny_model, tmp_path, victim, sig):
-    """Ranks started bare (as mpirun or a batch scheduler would: nobody stops the survivors): 2 trainers and
-    1 generator. SIGKILL one mid-run; each other rank exits non-zero within the timeout, naming it. (Every
-    rank killed or frozen under torchrun and plain python, and the store's host frozen under a bare launch:
-    tests/test_drills.py.)"""
-    import signal
-
-    from conftest import launch_bare
-
-    out = str(tmp_path / "bare")
-    procs = launch_bare(3, [str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "200", "--report-to", "none"],
-                        env={})
-    try:
-        _wait_for_first_step(out, procs[0])
-        time.sleep(1.0)  # somewhere inside a later step
-        killed_at = time.monotonic()
-        procs[victim].send_signal(getattr(signal, sig))
-        name = {1: "rank 1 (trainer 1)", 2: "rank 2 (generator 0)"}[victim]
-        for rank, proc in enumerate(procs):
-            if rank == victim:
-                continue
-            _, err = proc.communicate(timeout=120)
-            assert proc.returncode not in (0, None), f"rank {rank} exited {proc.returncode}"
-            assert f"{name} stopped" in err, f"rank {rank}:\n{err[-3000:]}"
-        assert time.monotonic() - killed_at < 60 + 15  # collective_timeout_s of the script, plus exit
-    finally:
-        for proc in procs:
-            proc.kill()  # the frozen rank too: it cannot exit by itself
-        for proc in procs:
-            proc.communicate(timeout=60)
-    assert not orphans(out)

@@ -85,7 +85,9 @@ def prepare_reference(trainer, device: torch.device) -> torch.nn.Module:
     args, topo = trainer.args, trainer.topology
     if is_meta(trainer.model):
         dtype = next(trainer.model.parameters()).dtype
-        ref = build_empty(trainer.model_config, dtype, (args.model_init_kwargs or {}).get("attn_implementation"))
+        init = args.model_init_kwargs or {}
+        ref = build_empty(trainer.model_config, dtype, init.get("attn_implementation"),
+                          bool(init.get("trust_remote_code", args.trust_remote_code)))
         ref.requires_grad_(False)
         shard_model(ref, topo.device_type, "bf16" if args.bf16 else None)
         materialize(ref, device)

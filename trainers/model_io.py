@@ -63,9 +63,9 @@ def load_policy(path: str, args, config):
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     attn = kwargs.pop("attn_implementation", None)
-    kwargs.pop("trust_remote_code", None)
+    remote = bool(kwargs.pop("trust_remote_code", args.trust_remote_code))
     if not kwargs and dtype != "auto":  # nothing from_pretrained would do that the sharded loader does not
-        model = build_empty(config, dtype, attn)
+        model = build_empty(config, dtype, attn, remote)
         unread = readable(model, path)
         if not unread:
             return model

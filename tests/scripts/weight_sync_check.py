@@ -80,7 +80,7 @@ def main():
     generators = int(os.environ.get("GENERATORS", "1"))
     topo = init_topology(num_generator_processes=generators, timeout_s=120, use_cpu=True)
     topo.bridge("object"), topo.bridge("tensor")
-        options = {"bucket_bytes": int(sys.argv[3])} if len(sys.argv) > 3 else {}
+    options = {"bucket_bytes": int(sys.argv[3])} if len(sys.argv) > 3 else {}
     if int(os.environ.get("DIE", "-1")) == topo.rank:
         die_mid_transfer()
     wire = os.environ.get("TRANSFER_DTYPE")
