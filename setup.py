@@ -28,6 +28,8 @@ setup(
     python_requires=">=3.10",
     packages=[
         "hfllamarl",
+        "hfllamarl.runtime",
+        "hfllamarl.tools",
         "hfllamarl.plugins",
         "hfllamarl.plugins.algorithms",
         "hfllamarl.plugins.rewards",

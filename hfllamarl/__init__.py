@@ -13,11 +13,11 @@ __all__ = ["AsyncAIPOConfig", "AsyncAIPOTrainer", "load_plugin"]
 
 def __getattr__(name):
     if name == "AsyncAIPOConfig":
-        from .trainers.config import AsyncAIPOConfig
+        from hfllamarl.trainers.config import AsyncAIPOConfig
 
         return AsyncAIPOConfig
     if name == "AsyncAIPOTrainer":
-        from .trainers.async_aipo_trainer import AsyncAIPOTrainer
+        from hfllamarl.trainers.async_aipo_trainer import AsyncAIPOTrainer
 
         return AsyncAIPOTrainer
     raise AttributeError(f"module 'hfllamarl' has no attribute {name!r}")

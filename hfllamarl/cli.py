@@ -1,12 +1,12 @@
 """The `hfllamarl` command.
 
     hfllamarl plugins list      every installed plugin: group, name, distribution, version (nothing imported)
-    hfllamarl eval ...          generate with vLLM on a JSONL data set and score with a reward (hfllamarl.evaluate)
-    hfllamarl bench weight-sync ...   time the weight-sync backends side by side (hfllamarl.bench)
-    hfllamarl bench learning ...      learning vs staleness on the demo task (hfllamarl.bench_learning)
-    hfllamarl bench profile ...       measure decode-step and training-token times for plan --profile (hfllamarl.bench_profile)
-    hfllamarl bench load ...          each trainer rank's memory while loading the policy, sharded vs whole (hfllamarl.bench_load)
-    hfllamarl plan ...          recommend a trainer/generator GPU split from the memory and step-time model (hfllamarl.plan)
+    hfllamarl eval ...          generate with vLLM on a JSONL data set and score with a reward (hfllamarl.tools.evaluate)
+    hfllamarl bench weight-sync ...   time the weight-sync backends side by side (hfllamarl.tools.bench_weight_sync)
+    hfllamarl bench learning ...      learning vs staleness on the demo task (hfllamarl.tools.bench_learning)
+    hfllamarl bench profile ...       measure decode-step and training-token times for plan --profile (hfllamarl.tools.bench_profile)
+    hfllamarl bench load ...          each trainer rank's memory while loading the policy, sharded vs whole (hfllamarl.tools.bench_load)
+    hfllamarl plan ...          recommend a trainer/generator GPU split from the memory and step-time model (hfllamarl.tools.plan)
     hfllamarl version
 """
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="action", required=True)
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
     # light modules: heavy imports happen inside their run()
-    from . import bench, bench_learning, bench_load, bench_profile, evaluate, plan
+    from .tools import bench_learning, bench_load, bench_profile, bench_weight_sync as bench, evaluate, plan
 
     _command(sub, "eval", "generate on a JSONL data set and score it", evaluate)
     bench_parser = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)

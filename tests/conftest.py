@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A random-init tiny Llama with the answer format warmed up, saved with save_pretrained."""
-    from hfllamarl.tiny import build_tiny_model, warm_start_format
+    from hfllamarl.tools.tiny import build_tiny_model, warm_start_format
 
     path = str(tmp_path_factory.mktemp("tiny") / "model")
     build_tiny_model(path, seed=0)
@@ -31,8 +31,8 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def family_model(tmp_path_factory):
-    """`family_model(name)`: a random-init model of one of `hfllamarl.tiny.FAMILIES`, built once per session."""
-    from hfllamarl.tiny import build_tiny_model
+    """`family_model(name)`: a random-init model of one of `hfllamarl.tools.tiny.FAMILIES`, built once per session."""
+    from hfllamarl.tools.tiny import build_tiny_model
 
     built = {}
 

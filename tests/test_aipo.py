@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hfllamarl import load_plugin
-from hfllamarl.plugins.algorithms.aipo import AIPO, group_advantages
+from hfllamarl.losses import group_advantages
+from hfllamarl.plugins.algorithms.aipo import AIPO
 
 
 def test_advantage_is_reward_minus_group_mean():
@@ -51,15 +52,15 @@ def test_loss_and_gradient_match_hand_computation():
     assert logp.grad[1, 2].item() == 0.0  # padding gets nothing
 
     assert metrics["clipped_frac"] == pytest.approx(1 / 5)
-    assert metrics["is_ratio_max"] == pytest.approx(math.exp(1.5), rel=1e-5)
-    assert metrics["is_ratio_min"] == pytest.approx(math.exp(-1.0), rel=1e-5)
+    assert metrics["is_ratio/max"] == pytest.approx(math.exp(1.5), rel=1e-5)
+    assert metrics["is_ratio/min"] == pytest.approx(math.exp(-1.0), rel=1e-5)
 
 
 def test_on_policy_tokens_have_weight_one():
     algo = AIPO(rho=4.0)
     logp = torch.randn(4, 5).clamp(max=-0.01).requires_grad_()
     loss, m = algo.loss(logp, logp.detach().clone(), torch.ones(4), torch.ones(4, 5))
-    assert m["is_ratio_mean"] == pytest.approx(1.0) and m["clipped_frac"] == 0.0
+    assert m["is_ratio/mean"] == pytest.approx(1.0) and m["clipped_frac"] == 0.0
 
 
 def test_rho_below_one_rejected():

@@ -25,7 +25,7 @@ def test_on_policy_pg_has_no_importance_weight():
     assert loss.item() == pytest.approx(-(2.0 * -1.0 + 2.0 * -2.0) / 2)
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-1.0, -1.0]]))  # -A / num_tokens, weight 1
-    assert m["is_ratio_max"] == pytest.approx(math.exp(2.0), rel=1e-5)
+    assert m["is_ratio/max"] == pytest.approx(math.exp(2.0), rel=1e-5)
     assert pg.advantages(torch.tensor([1.0, 0.0]), 2).tolist() == [0.5, -0.5]
 
 
@@ -83,7 +83,7 @@ def test_behavior_kl_metric_is_zero_on_policy_and_positive_off():
 
 
 def test_reference_kl_is_trls_k3_estimator_with_its_gradient():
-    from hfllamarl.plugins.algorithms.aipo import masked_mean, reference_kl
+    from hfllamarl.losses import masked_mean, reference_kl
 
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
     ref = torch.tensor([[-1.0, -1.0], [-1.5, 0.0]])
@@ -98,3 +98,48 @@ def test_reference_kl_is_trls_k3_estimator_with_its_gradient():
     # d/dlogp [exp(d) - d - 1] = -(exp(d) - 1), divided by the 3 unmasked tokens
     assert torch.allclose(logp.grad, -(torch.exp(ref - logp.detach()) - 1) * mask / 3, atol=1e-6)
     assert logp.grad[0, 0] == 0 and logp.grad[1, 1] == 0
+
+
+@pytest.mark.parametrize("name", ["aipo", "grpo", "rloo", "on_policy_pg"])
+def test_each_algorithm_adds_beta_times_trls_kl_itself(name):
+    cls = load_plugin("algorithms", name)
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+    mu = torch.tensor([[-1.2, -2.0], [-0.5, -2.5]])
+    ref = torch.tensor([[-1.0, -1.0], [-1.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    base, plain = cls().loss(logp, mu, adv, mask)
+    with_kl, m = cls(beta=0.5).loss(logp, mu, adv, mask, ref_logprobs=ref)
+    kl = (0.0 + (math.e - 2.0) + math.exp(-1.0)) / 3  # exp(d) - d - 1, d = ref - logp = 0, 1, -1 (and one masked)
+    assert m["kl"] == pytest.approx(kl, rel=1e-6) and "kl" not in plain
+    assert with_kl.item() == pytest.approx(base.item() + 0.5 * kl, rel=1e-6)
+    assert cls(beta=0.5).loss(logp, mu, adv, mask)[0].item() == pytest.approx(base.item())  # no reference: no term
+
+
+def test_an_option_the_algorithm_does_not_take_is_refused_not_ignored():
+    from types import SimpleNamespace
+
+    from hfllamarl.contracts import algorithm_kwargs
+
+    class RhoOnly:
+        def __init__(self, rho: float = 4.0):
+            self.rho = rho
+
+    defaults = {"aipo_rho": 4.0, "scale_rewards": "none", "epsilon": 0.2, "epsilon_high": None, "delta": None,
+                "beta": 0.0}
+    config = SimpleNamespace(**defaults)
+    assert algorithm_kwargs("rho_only", RhoOnly, config, defaults) == {"rho": 4.0}
+    config.aipo_rho = 2.0
+    assert algorithm_kwargs("rho_only", RhoOnly, config, defaults) == {"rho": 2.0}
+    config.beta = 0.1
+    with pytest.raises(ValueError, match=r"`beta=0.1` is set, but the 'rho_only' algorithm does not use it \(it takes "
+                                         r"aipo_rho\).*KL term"):
+        algorithm_kwargs("rho_only", RhoOnly, config, defaults)
+
+
+def test_algorithm_metrics_reduce_by_their_names():
+    from hfllamarl.runtime.trainer import reduce_metrics
+
+    out = reduce_metrics({"loss": [0.5], "mine/thing": [1.0, 3.0], "is_ratio/max": [1.5, 4.0],
+                          "is_ratio/min": [0.5, 0.25], "empty": []})
+    assert out == {"loss": 0.5, "mine/thing": 2.0, "is_ratio/max": 4.0, "is_ratio/min": 0.25}

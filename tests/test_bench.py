@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hfllamarl.bench_worker import llama_config_for
+from hfllamarl.tools.bench_rank import llama_config_for
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ def test_dead_rank_is_named_and_nobody_hangs():
 def test_two_batches_finished_in_one_tick_are_shared_batch_by_batch():
     """Partial rollouts can finish batches k and k+1 in the same tick; each trainer rank gets half of each,
     not batch k on one rank and batch k+1 on the other."""
-    from hfllamarl.rollout import RolloutGroup, split_by_batch
+    from hfllamarl.runtime.rollout import RolloutGroup, split_by_batch
 
     groups = [RolloutGroup([], b, 0, 0.0, 0) for b in (3, 3, 3, 3, 4, 4, 4, 4)]
     chunks = split_by_batch(groups, 2)

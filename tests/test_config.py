@@ -36,7 +36,8 @@ def test_defaults_and_derived_sizes():
     ({"vllm_mode": "server"}, "vllm_mode"),
     ({"steps_per_generation": 2}, "steps_per_generation"),
     ({"loss_type": "grpo"}, "loss_type"),
-    ({"epsilon": 0.3}, "only applies to algorithm"),
+    ({"epsilon": 0.3}, "the .aipo. algorithm does not use it"),
+    ({"algorithm": "grpo", "aipo_rho": 2.0}, "the .grpo. algorithm does not use it"),
     ({"num_generations": 1, "per_device_train_batch_size": 1}, "num_generations must be >= 2"),
     ({"per_device_train_batch_size": 6, "num_generations": 4}, "multiple of num_generations"),
     ({"aipo_rho": 0.5}, "aipo_rho"),
@@ -61,7 +62,7 @@ def test_epsilon_allowed_for_grpo_algorithm():
 
 
 def test_save_strategy_epoch_and_best(tmp_path):
-    from hfllamarl.trainers.learner import save_every
+    from hfllamarl.trainers.trainer_ranks import save_every
 
     args = AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", save_strategy="epoch")
     assert save_every(args, num_batches=10, batches_per_epoch=4) == 4  # a checkpoint at the end of every epoch

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import SCRIPTS, free_port, launch_bare, orphans
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.drill]
 
 TIMEOUT_S = 60  # collective_timeout_s of the drilled jobs (start-ups side by side on 2 cores are slow)
 BOUND_S = TIMEOUT_S + 30
@@ -42,7 +42,7 @@ def start(model: str, out: str, launch: str, extra=()) -> subprocess.Popen:
 def ranks_of(proc: subprocess.Popen, launch: str) -> dict[str, psutil.Process]:
     """The job's processes by role."""
     if launch == "python":
-        kids = [p for p in psutil.Process(proc.pid).children(recursive=True) if "hfllamarl.worker" in " ".join(p.cmdline())]
+        kids = [p for p in psutil.Process(proc.pid).children(recursive=True) if "hfllamarl.runtime.generator_child" in " ".join(p.cmdline())]
         return {"trainer0": psutil.Process(proc.pid), "generator": kids[0]}
     out = {}
     for p in psutil.Process(proc.pid).children():

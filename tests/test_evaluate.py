@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from hfllamarl import load_plugin
-from hfllamarl.eval_data import (INSTRUCTION, EvalDataError, build_prompt, check_rows, columns_of, default_reward,
+from hfllamarl.tools.eval_data import (INSTRUCTION, EvalDataError, build_prompt, check_rows, columns_of, default_reward,
                                  detect_shape, gold_answer, read_jsonl, score_completions)
-from hfllamarl.evaluate import request_seed, summarize
-from hfllamarl.tiny import build_tokenizer
+from hfllamarl.tools.evaluate import request_seed, summarize
+from hfllamarl.tools.tiny import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -123,7 +123,8 @@ def test_chat_template_prompt_is_a_user_message(chat_tokenizer):
     messages, text = build_prompt({"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]},
                                   "prompt", chat_tokenizer)
     assert text == "<system>s\n<user>u\n<assistant>" and len(messages) == 2
-    assert build_prompt({"prompt": "3+1="}, "prompt", chat_tokenizer)[1] == "<user>3+1=\n<assistant>"
+    # A text prompt is used as training uses it: verbatim, no chat template (as TRL).
+    assert build_prompt({"prompt": "3+1="}, "prompt", chat_tokenizer) == ("3+1=", "3+1=")
 
 
 def test_chat_messages_need_a_chat_template(plain_tokenizer):
@@ -174,7 +175,7 @@ def test_rewards_get_columns_and_chat_completions():
     assert seen["prompts"] == [chat_prompt, chat_prompt]
     assert seen["completions"] == [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "b"}]]
     assert seen["completion_ids"] == [[1, 2], [3]]
-    assert seen["columns"] == {"answer": ["2", "2"], "level": [3, 3]}
+    assert seen["columns"] == {"answer": ["2", "2"], "level": [3, 3], "trainer_state": None}  # TRL passes it
 
 
 def test_summary_accuracy_and_any_correct():
@@ -208,7 +209,7 @@ def test_cli_errors_exit_2_without_loading_a_model(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
 def tiny_long_model(tmp_path_factory) -> str:
-    from hfllamarl.tiny import build_tiny_model
+    from hfllamarl.tools.tiny import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny_eval") / "model"), max_position_embeddings=2048)
 

@@ -5,13 +5,15 @@ import copy
 import pytest
 import torch
 
-from hfllamarl.finite import NonFiniteError
-from hfllamarl.plugins.algorithms.aipo import AIPO, masked_mean
-from hfllamarl.rewards import RewardRunner
-from hfllamarl.sampling import Sampling
-from hfllamarl.rollout import Rollout, RolloutGroup
-from hfllamarl.topology import Topology
-from hfllamarl.trainer_executor import TrainerExecutor, TrainerJob
+from hfllamarl.runtime.finite import NonFiniteError
+from hfllamarl.losses import masked_mean
+from hfllamarl.plugins.algorithms.aipo import AIPO
+from hfllamarl.runtime.rewards import RewardRunner
+from hfllamarl.runtime.sampling import Sampling
+from hfllamarl.runtime.schedule import Schedule
+from hfllamarl.runtime.rollout import Rollout, RolloutGroup
+from hfllamarl.runtime.topology import Topology
+from hfllamarl.runtime.trainer import TrainerExecutor, TrainerSpec
 
 
 @pytest.fixture
@@ -37,18 +39,18 @@ def groups(mu_nan_at=None):
 
 def executor(model, algorithm=None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    job = TrainerJob(model=model, optimizer=opt, scheduler=None, algorithm=algorithm or AIPO(rho=4.0),
+    spec = TrainerSpec(model=model, optimizer=opt, scheduler=None, algorithm=algorithm or AIPO(rho=4.0),
                      rewards=RewardRunner([lambda completions, **kw: [float(c) for c in completions]]), backend=None,
-                     num_batches=1, max_staleness=0, generation_ticks=1, num_generations=2, micro_batch_size=2,
-                     grad_accum=1, sampling=Sampling(), max_grad_norm=1.0, pad_token_id=0, device=torch.device("cpu"))
+                     schedule=Schedule(1, 0), num_generations=2, micro_batch_size=2,
+                     sampling=Sampling(), max_grad_norm=1.0, pad_token_id=0, device=torch.device("cpu"))
     topo = Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=10, use_cpu=True)
-    return TrainerExecutor(job, topo)
+    return TrainerExecutor(spec, topo)
 
 
 def assert_untouched(model, before, ex):
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
-    assert not ex.job.optimizer.state, "the optimizer took a step"
+    assert not ex.spec.optimizer.state, "the optimizer took a step"
     assert ex.version == 0
 
 

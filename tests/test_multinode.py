@@ -36,7 +36,7 @@ def launch_nodes(launcher: str, nodes: int, per_node: int, script_args: list[str
 
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_two_nodes_train_and_the_generator_ends_with_the_trainers_weights(tiny_model, tmp_path, launcher):
-    from hfllamarl.prompts import batch_rows
+    from hfllamarl.runtime.prompts import batch_rows
 
     out = str(tmp_path / "two_nodes")
     procs = launch_nodes(launcher, 2, 2, [str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "3",

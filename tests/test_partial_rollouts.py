@@ -61,7 +61,7 @@ def test_carried_tokens_keep_the_logprob_and_version_they_were_sampled_under(tmp
 def test_partial_rollouts_train_and_survive_a_kill(tiny_model, tmp_path):
     """Staleness 2, completions of 4 tokens at 2 per tick: SIGKILL after step 3 (checkpoint 2 holds a batch
     mid-generation), resume; the carried tokens keep their versions, the bound holds, no prompt is lost."""
-    from hfllamarl.prompts import batch_rows
+    from hfllamarl.runtime.prompts import batch_rows
 
     out = str(tmp_path / "partial")
     common = ["--steps", "6", "--save-steps", "2", "--report-to", "none", "--max-staleness", "2",
@@ -101,7 +101,7 @@ def test_partial_rollouts_through_a_tensor_parallel_generator(tiny_model, tmp_pa
     """torchrun with 3 processes: one trainer and one generator engine sharded over 2 ranks (TP=2). The
     continued completions are sampled by the sharded engine under each new set of weights, each token still
     scored against the version it came from."""
-    from hfllamarl.prompts import batch_rows
+    from hfllamarl.runtime.prompts import batch_rows
 
     out = str(tmp_path / "tp")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "4", "--max-staleness", "2",

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from hfllamarl import cli, plan as pl, plan_model as pm
+from hfllamarl import cli
+from hfllamarl.tools import plan as pl, plan_model as pm
 
 from conftest import REPO
 
@@ -313,7 +314,7 @@ def test_command_line_last_line_is_json():
 def test_bench_profile_feeds_plan(capsys, tmp_path):
     """`hfllamarl bench profile` measures this machine (vLLM decode steps, transformers training) and writes
     the file `plan --profile` reads; the plan then uses it."""
-    from hfllamarl.tiny import build_tiny_model
+    from hfllamarl.tools.tiny import build_tiny_model
 
     model = tmp_path / "tiny"
     build_tiny_model(str(model), seed=0)

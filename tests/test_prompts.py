@@ -3,8 +3,8 @@
 import pytest
 from datasets import Dataset
 
-from hfllamarl.prompts import PromptEncoder, batch_rows, validate_dataset
-from hfllamarl.tiny import build_tokenizer
+from hfllamarl.runtime.prompts import PromptEncoder, batch_rows, validate_dataset
+from hfllamarl.tools.tiny import build_tokenizer
 
 
 def test_batches_cover_each_epoch_once_and_are_reproducible():

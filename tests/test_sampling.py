@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hfllamarl import AsyncAIPOConfig
-from hfllamarl.sampling import Sampling, processed_logits, sampled_logprobs, seen_tokens
+from hfllamarl.runtime.sampling import Sampling, processed_logits, sampled_logprobs, seen_tokens
 
 LOGITS = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]])  # [B=1, T=1, V=4]
 P = torch.softmax(LOGITS[0, 0], -1).tolist()  # 0.644, 0.237, 0.087, 0.032
@@ -110,8 +110,8 @@ def test_a_stale_token_the_current_policy_can_no_longer_sample_weighs_zero():
     """Off-policy, a token sampled under old weights may fall outside the current top-k: pi = 0. Its weight is
     0 and nothing turns NaN (loss, gradient, the KL to a reference), as it would with log pi = -inf. Padding
     (here the second sample's last position) does not count either."""
-    from hfllamarl.plugins.algorithms.aipo import AIPO, masked_mean, reference_kl
-    from hfllamarl.sampling import within_support
+    from hfllamarl.plugins.algorithms.aipo import AIPO
+    from hfllamarl.runtime.sampling import within_support
 
     s = Sampling(top_k=2)
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0]],
@@ -123,10 +123,10 @@ def test_a_stale_token_the_current_policy_can_no_longer_sample_weighs_zero():
     logp, outside = within_support(raw, mask, s)
     assert outside.tolist() == [[False, True], [False, False]] and torch.isfinite(logp).all()
     mu = torch.full((2, 2), -1.0)
-    loss, m = AIPO(rho=4.0).loss(logp, mu, torch.tensor([1.0, -1.0]), mask)
-    ref = torch.where(outside, logp.detach(), logp.detach() - 0.1)
-    loss = loss + 0.1 * masked_mean(reference_kl(logp, ref), mask)
+    ref = torch.where(outside, logp.detach(), logp.detach() - 0.1)  # as the trainer hands it to the algorithm
+    loss, m = AIPO(rho=4.0, beta=0.1).loss(logp, mu, torch.tensor([1.0, -1.0]), mask, ref_logprobs=ref)
+    assert m["kl"] > 0
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
     assert logits.grad[0, 1].abs().sum() == 0 and logits.grad[0, 0].abs().sum() > 0  # the outside token: no gradient
-    assert m["is_ratio_min"] == 0.0
+    assert m["is_ratio/min"] == 0.0

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, assert_on_policy, orphans, run_script, step_logs, tail, trained_rows
+from conftest import SCRIPTS, orphans, run_script, step_logs, tail, trained_rows
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
 
 def test_staleness_bound_n_holds_and_nothing_is_dropped(tiny_model, tmp_path):
     """max_staleness=3: the generator runs up to 3 versions ahead and no further; every batch is trained."""
-    from hfllamarl.prompts import batch_rows
+    from hfllamarl.runtime.prompts import batch_rows
 
     out = str(tmp_path / "s3")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "6", "--max-staleness", "3",
@@ -114,7 +114,7 @@ def test_kill_and_resume_trains_exactly_the_same_prompts(tiny_model, tmp_path, s
         proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, "--resume"], timeout=200)
         assert proc.returncode == 0 and "TRAINED global_step=6" in proc.stdout, tail(proc)
         assert [h["step"] for h in step_logs(proc.stdout)] == [1, 2, 3, 4, 5, 6]
-        assert "hfllamarl.worker" not in proc.stderr and "Loading safetensors" not in proc.stderr  # no generator
+        assert "hfllamarl.runtime.generator_child" not in proc.stderr and "Loading safetensors" not in proc.stderr  # no generator
         assert time.monotonic() - started < 60
 
 
@@ -137,7 +137,7 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     import psutil
 
     from conftest import free_port
-    from hfllamarl.prompts import batch_rows
+    from hfllamarl.runtime.prompts import batch_rows
 
     out = str(tmp_path / "two")
     common = ["--steps", "5", "--save-steps", "2", "--report-to", "none"]

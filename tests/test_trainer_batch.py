@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from hfllamarl.plugins.algorithms.aipo import AIPO
-from hfllamarl.sampling import Sampling
-from hfllamarl.rollout import Rollout
-from hfllamarl.trainer_executor import completion_logprobs, pad_batch
+from hfllamarl.runtime.sampling import Sampling
+from hfllamarl.runtime.schedule import Schedule
+from hfllamarl.runtime.rollout import Rollout
+from hfllamarl.runtime.trainer import completion_logprobs, pad_batch
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +78,15 @@ def test_a_rollout_must_carry_one_logprob_and_version_per_token():
 
 def test_the_trainer_refuses_a_token_staler_than_max_staleness():
     """A schedule bug that let one token of a partial rollout go past the bound must stop the run, not train."""
-    from hfllamarl.rollout import RolloutGroup
-    from hfllamarl.trainer_executor import TrainerExecutor, TrainerJob
+    from hfllamarl.runtime.rollout import RolloutGroup
+    from hfllamarl.runtime.trainer import TrainerExecutor, TrainerSpec
 
     def never(**_):
         raise AssertionError("the rewards ran: the stale token was not caught before scoring")
 
-    job = TrainerJob(model=None, optimizer=None, scheduler=None, algorithm=None, rewards=never, backend=None,
-                     num_batches=10, max_staleness=2, generation_ticks=3, num_generations=2, micro_batch_size=2,
-                     grad_accum=1, sampling=Sampling(), max_grad_norm=None, pad_token_id=0, device="cpu")
+    job = TrainerSpec(model=None, optimizer=None, scheduler=None, algorithm=None, rewards=never, backend=None,
+                     schedule=Schedule(10, 2, 3), num_generations=2, micro_batch_size=2,
+                     sampling=Sampling(), max_grad_norm=None, pad_token_id=0, device="cpu")
     trainer = TrainerExecutor(job, topology=None)
     trainer.version = 5
     fresh = Rollout(prompt="p", prompt_ids=[1], completion_ids=[2, 3], behavior_logprobs=[-1.0, -1.0],

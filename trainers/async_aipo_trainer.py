@@ -21,17 +21,17 @@ import tempfile
 import torch
 from transformers.trainer_utils import TrainOutput
 
-from hfllamarl import checkpoint
-from hfllamarl.controller import run_job
-from hfllamarl.generator import GeneratorExecutor, GeneratorSpec
-from hfllamarl.preflight import check_generator
-from hfllamarl.prompts import PromptEncoder, validate_dataset
-from hfllamarl.registry import load_plugin
-from hfllamarl.rewards import RewardRunner, resolve_reward_funcs
-from hfllamarl.weight_sync import build_backend
+from hfllamarl.runtime import checkpoint
+from hfllamarl.runtime.controller import run_job
+from hfllamarl.runtime.generator import GeneratorExecutor, GeneratorSpec
+from hfllamarl.runtime.preflight import check_generator
+from hfllamarl.runtime.prompts import PromptEncoder, validate_dataset
+from hfllamarl.runtime.rewards import RewardRunner, resolve_reward_funcs
+from hfllamarl.runtime.schedule import Schedule
+from hfllamarl.runtime.weight_sync import build_backend
 
 from .config import AsyncAIPOConfig
-from .learner import save_every
+from .trainer_ranks import save_every
 from .model_io import load_policy, resolve_model, save_for_generator
 
 logger = logging.getLogger(__name__)
@@ -70,10 +70,7 @@ class AsyncAIPOTrainer:
         self.args, self.topology = args, args.topology
         self.reward_funcs = resolve_reward_funcs(reward_funcs)
         self.rewards = RewardRunner(self.reward_funcs, args.reward_weights, on_error=args.reward_errors)
-        self.algorithm = load_plugin("algorithms", args.algorithm)(
-            rho=args.aipo_rho, scale_rewards=args.scale_rewards, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-            delta=args.delta)
-        load_plugin("weight_sync", args.weight_sync_backend)  # an unknown name fails now, not mid-run
+        self.algorithm = args.build_algorithm()
         self.model_path, model_obj, model_config = resolve_model(model, args)
         self.model_config = model_config
         self._model_obj = model_obj
@@ -93,16 +90,16 @@ class AsyncAIPOTrainer:
         encoder = PromptEncoder(processing_class, args.chat_template_kwargs)
         validate_dataset(train_dataset, encoder, args.max_completion_length, self.max_model_len)
         self.batches_per_epoch = math.ceil(len(train_dataset) / args.prompts_per_step)
-        if args.max_steps and args.max_steps > 0:
-            self.num_batches = args.max_steps
-        else:
-            self.num_batches = math.ceil(args.num_train_epochs * len(train_dataset) / args.prompts_per_step)
+        num_batches = args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(
+            args.num_train_epochs * len(train_dataset) / args.prompts_per_step)
+        self.schedule = Schedule(num_batches, args.max_staleness, args.generation_ticks)
+        self.num_batches = num_batches
         self.callbacks = callbacks
         self.model = None
         if self.topology.role == "trainer":
             self.model = model_obj if model_obj is not None else load_policy(self.model_path, args, model_config)
             if peft_config is not None:  # the trainer trains adapters; the generator gets merged weights
-                from hfllamarl.lora import apply_peft
+                from hfllamarl.runtime.lora import apply_peft
 
                 self.model = apply_peft(self.model, peft_config)
         self.state = None
@@ -142,13 +139,11 @@ class AsyncAIPOTrainer:
                     where = os.path.join(self.args.output_dir, ".hfllamarl", f"generator-model-rank{topo.rank}")
                     spec.model_path = spec.tokenizer_path = save_for_generator(
                         self._model_obj, self.processing_class, where)
-                run_job(GeneratorExecutor(spec, topo), backend, topo, self.num_batches, self.args.max_staleness,
-                        start_tick)
+                run_job(GeneratorExecutor(spec, topo), backend, topo, self.schedule, start_tick)
                 return TrainOutput(self.num_batches, 0.0, {})
-            from .learner import build_trainer_executor
+            from .trainer_ranks import build_trainer_executor
 
-            run_job(build_trainer_executor(self, backend, resume_dir), backend, topo, self.num_batches,
-                    self.args.max_staleness, start_tick)
+            run_job(build_trainer_executor(self, backend, resume_dir), backend, topo, self.schedule, start_tick)
             summary = self._reporter.train_end()
             finished = True
             return TrainOutput(self.state.global_step, self._last_loss(), summary)
@@ -188,7 +183,7 @@ class AsyncAIPOTrainer:
             model_path=self.model_path,
             tokenizer_path=self.model_path,
             dataset=self.train_dataset,
-            num_batches=self.num_batches,
+            schedule=self.schedule,
             prompts_per_batch=a.prompts_per_step,
             num_generations=a.num_generations,
             max_completion_length=a.max_completion_length,
@@ -209,7 +204,6 @@ class AsyncAIPOTrainer:
             output_dir=a.output_dir,
             save_steps=save_every(a, self.num_batches, self.batches_per_epoch),
             save_total_limit=a.save_total_limit,
-            max_staleness=a.max_staleness,
             partial_rollout_tokens=a.partial_rollout_tokens,
             verify_weight_sync=a.verify_weight_sync,
         )
@@ -240,8 +234,7 @@ class AsyncAIPOTrainer:
         spec_path = os.path.join(workdir, "generator_spec.pkl")
         with open(spec_path, "wb") as fh:
             pickle.dump({"spec": spec, "use_cpu": self.args.use_cpu, "timeout_s": self.args.collective_timeout_s,
-                         "num_generators": self.topology.num_generators, "max_staleness": self.args.max_staleness,
-                         "start_tick": start_tick}, fh)
+                         "num_generators": self.topology.num_generators, "start_tick": start_tick}, fh)
         self.topology.store()
         self.topology.start_children(spec_path)
 

@@ -12,7 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from trl import GRPOConfig
 
-from hfllamarl.sampling import NEUTRAL_KWARGS, TRANSFORM_KWARGS, Sampling
+from hfllamarl.runtime.sampling import NEUTRAL_KWARGS, TRANSFORM_KWARGS, Sampling
 
 # GRPOConfig fields that have no meaning here, with what to do instead. Checked against the
 # dataclass default: setting one to anything else is an error.
@@ -57,7 +57,6 @@ _SET_BY_TRAINER = {
 }
 # vLLM quantization methods that quantize full-precision weights on load (so also at every weight sync).
 _ONLINE_QUANTIZATION = {"fp8": "vLLM's fp8 kernels, compute capability 8.9+, e.g. H100 or L40S"}
-_ALGORITHM_FIELDS = {"epsilon": ("grpo",), "epsilon_high": ("grpo",), "delta": ("grpo",)}
 
 
 @dataclass
@@ -150,7 +149,6 @@ class AsyncAIPOConfig(GRPOConfig):
 
     def __post_init__(self):
         changed = {f.name for f in fields(GRPOConfig) if f.name in _UNSUPPORTED and _differs(self, f)}
-        changed |= {f.name for f in fields(GRPOConfig) if f.name in _ALGORITHM_FIELDS and _differs(self, f)}
         self._check_own_fields(changed)
         # On a machine without a GPU, train on the CPU as TRL users do with `use_cpu=True`.
         if not self.use_cpu:
@@ -163,7 +161,7 @@ class AsyncAIPOConfig(GRPOConfig):
         self._check_quantization()
         # The launcher's processes must be split into a trainer world and a generator world
         # before TrainingArguments sets up the distributed state (it does so in __post_init__).
-        from hfllamarl.topology import init_topology
+        from hfllamarl.runtime.topology import init_topology
 
         self._topology = init_topology(
             num_generator_processes=self.num_generator_processes,
@@ -176,11 +174,6 @@ class AsyncAIPOConfig(GRPOConfig):
         for name in sorted(changed):
             if name in _UNSUPPORTED:
                 raise ValueError(f"AsyncAIPOConfig: `{name}` is set, but {_UNSUPPORTED[name]}. Remove it.")
-            if self.algorithm not in _ALGORITHM_FIELDS[name]:
-                raise ValueError(
-                    f"AsyncAIPOConfig: `{name}` only applies to algorithm(s) {_ALGORITHM_FIELDS[name]}, "
-                    f"not {self.algorithm!r}; AIPO's knob is `aipo_rho`."
-                )
         if self.generator_tensor_parallel_size is None:  # one engine across all generator ranks
             tp = self.vllm_tensor_parallel_size
             self.generator_tensor_parallel_size = tp if tp != 1 else self.num_generator_processes
@@ -224,6 +217,10 @@ class AsyncAIPOConfig(GRPOConfig):
             )
         if not (math.isfinite(self.beta) and self.beta >= 0.0):
             raise ValueError(f"AsyncAIPOConfig: beta={self.beta}; the KL coefficient must be >= 0 (0: no reference model).")
+        self.algorithm_options  # an unknown algorithm, or an option it does not take, is refused now
+        from hfllamarl.registry import load_plugin
+
+        load_plugin("weight_sync", self.weight_sync_backend)  # an unknown name fails now, not mid-run
         if self.reward_errors not in ("raise", "zero"):
             raise ValueError(f"AsyncAIPOConfig: reward_errors must be 'raise' or 'zero', not {self.reward_errors!r}.")
         if self.collective_timeout_s <= 0:
@@ -290,10 +287,27 @@ class AsyncAIPOConfig(GRPOConfig):
                 raise ValueError(f"AsyncAIPOConfig: {message}.")
 
     @property
+    def algorithm_options(self) -> dict:
+        """The options the algorithm plugin is built with (`hfllamarl.contracts.ALGORITHM_OPTIONS`, those its
+        `__init__` names); an option set to other than its default that the algorithm does not take is refused."""
+        from hfllamarl.contracts import ALGORITHM_OPTIONS, algorithm_kwargs
+        from hfllamarl.registry import load_plugin
+
+        defaults = {f.name: f.default for f in fields(self) if f.name in ALGORITHM_OPTIONS.values()}
+        return algorithm_kwargs(self.algorithm, load_plugin("algorithms", self.algorithm), self, defaults)
+
+    def build_algorithm(self):
+        """The algorithm plugin (`hfllamarl.contracts.Algorithm`) this config names, built with its options."""
+        from hfllamarl.registry import load_plugin
+
+        return load_plugin("algorithms", self.algorithm)(**self.algorithm_options)
+
+    @property
     def generation_ticks(self) -> int:
         """The most ticks the generator spends on one batch (more than 1 only with partial rollouts)."""
-        budget = self.partial_rollout_tokens or self.max_completion_length
-        return max(1, -(-self.max_completion_length // budget))
+        from hfllamarl.runtime.schedule import ticks_per_batch
+
+        return ticks_per_batch(self.max_completion_length, self.partial_rollout_tokens)
 
     def _check_partial_rollouts(self) -> None:
         budget = self.partial_rollout_tokens
@@ -342,7 +356,7 @@ class AsyncAIPOConfig(GRPOConfig):
 
     @property
     def topology(self):
-        """The process layout of this job (`hfllamarl.topology.Topology`)."""
+        """The process layout of this job (`hfllamarl.runtime.topology.Topology`)."""
         return self._topology
 
     @property

@@ -49,14 +49,14 @@ def save_for_generator(model, tokenizer, directory: str) -> str:
 
 def load_policy(path: str, args, config):
     """The policy of the model at `path` for a trainer rank: built on the meta device, to be sharded and then
-    filled rank by rank (`hfllamarl.loading`), when this loader can read the checkpoint; otherwise loaded whole
+    filled rank by rank (`hfllamarl.runtime.loading`), when this loader can read the checkpoint; otherwise loaded whole
     with `from_pretrained` (said in the log)."""
     import logging
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfllamarl.loading import build_empty, readable
+    from hfllamarl.runtime.loading import build_empty, readable
 
     kwargs = dict(args.model_init_kwargs or {})
     dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", torch.float32))

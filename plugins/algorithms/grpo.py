@@ -14,24 +14,24 @@ from __future__ import annotations
 
 import torch
 
-from .aipo import group_advantages, masked_mean, ratio_metrics
+from hfllamarl.losses import add_kl, group_advantages, masked_mean, ratio_metrics
 
 
 class GRPO:
     """The `grpo` algorithm plugin. Args: epsilon (0.2), epsilon_high (default: epsilon), delta (None: off),
-    scale_rewards."""
+    scale_rewards, beta (KL coefficient, 0: none)."""
 
     def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, scale_rewards: str = "group",
-                 delta: float | None = None, **unused):
+                 delta: float | None = None, beta: float = 0.0):
         self.epsilon = float(epsilon)
         self.epsilon_high = float(epsilon_high) if epsilon_high is not None else self.epsilon
         self.delta = None if delta is None else float(delta)
-        self.scale_rewards = scale_rewards
+        self.scale_rewards, self.beta = scale_rewards, float(beta)
 
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         return group_advantages(rewards, group_size, self.scale_rewards)
 
-    def loss(self, logprobs, behavior_logprobs, advantages, mask):
+    def loss(self, logprobs, behavior_logprobs, advantages, mask, ref_logprobs=None):
         mask = mask.to(logprobs.dtype)
         ratio = torch.exp(logprobs - behavior_logprobs)  # [B, T], with gradient
         adv = advantages[:, None]
@@ -42,4 +42,4 @@ class GRPO:
         valid = mask.bool()
         out = ((ratio.detach() < 1 - self.epsilon) | (ratio.detach() > 1 + self.epsilon_high))[valid]
         metrics["clipped_frac"] = out.float().mean().item() if out.numel() else 0.0
-        return loss, metrics
+        return add_kl(loss, metrics, logprobs, ref_logprobs, mask, self.beta), metrics

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import torch
 
-from hfllamarl.channels import recv_object, recv_tensor, send_objects, send_tensor
-from hfllamarl.weight_sync import WeightSyncBackend
+from hfllamarl.runtime.channels import recv_object, recv_tensor, send_objects, send_tensor
+from hfllamarl.contracts import WeightSyncBackend
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

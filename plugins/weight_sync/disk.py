@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
-from hfllamarl.channels import recv_object, send_objects
-from hfllamarl.weight_sync import WeightSyncBackend
+from hfllamarl.runtime.channels import recv_object, send_objects
+from hfllamarl.contracts import WeightSyncBackend
 
 from .broadcast import full_tensor
 

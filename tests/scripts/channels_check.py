@@ -10,9 +10,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hfllamarl.channels import Channel, ChannelKind
-from hfllamarl.controller import fail
-from hfllamarl.topology import init_topology
+from hfllamarl.runtime.channels import Channel, ChannelKind
+from hfllamarl.runtime.controller import fail
+from hfllamarl.runtime.topology import init_topology
 
 die = int(sys.argv[sys.argv.index("--die") + 1]) if "--die" in sys.argv else None
 topo = init_topology(num_generator_processes=1, timeout_s=float(os.environ.get("T", "60")), use_cpu=True)

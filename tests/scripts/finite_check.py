@@ -13,9 +13,9 @@ import torch.distributed as dist
 sys.path.insert(0, __file__.rsplit("/", 1)[0] + "/..")
 from test_finite import executor, groups  # noqa: E402
 
-from hfllamarl.finite import NonFiniteError  # noqa: E402
-from hfllamarl.fsdp import shard_model  # noqa: E402
-from hfllamarl.topology import Topology  # noqa: E402
+from hfllamarl.runtime.finite import NonFiniteError  # noqa: E402
+from hfllamarl.runtime.fsdp import shard_model  # noqa: E402
+from hfllamarl.runtime.topology import Topology  # noqa: E402
 
 
 def main():

@@ -22,6 +22,8 @@ from types import SimpleNamespace
 
 import torch
 
+from hfllamarl.runtime.schedule import Schedule
+
 BUDGET, LENGTH, TEMPERATURE = 4, 12, 0.8
 
 
@@ -43,8 +45,8 @@ def local_generator(path: str, **spec_kw):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from hfllamarl.generator import GeneratorExecutor, GeneratorSpec
-    from hfllamarl.prompts import PromptEncoder
+    from hfllamarl.runtime.generator import GeneratorExecutor, GeneratorSpec
+    from hfllamarl.runtime.prompts import PromptEncoder
 
     spec = GeneratorSpec(model_path=path, tokenizer_path=path, dataset=Dataset.from_list(ROWS), max_model_len=64,
                          dtype="float32", **spec_kw)
@@ -57,16 +59,16 @@ def local_generator(path: str, **spec_kw):
 def partial(workdir: str) -> dict:
     from transformers import LlamaForCausalLM
 
-    from hfllamarl.sampling import Sampling
-    from hfllamarl.tiny import build_tiny_model
-    from hfllamarl.trainer_executor import completion_logprobs, pad_batch
-    from hfllamarl.weight_sync import POLICY_WEIGHTS
+    from hfllamarl.runtime.sampling import Sampling
+    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.runtime.trainer import completion_logprobs, pad_batch
+    from hfllamarl.runtime.weight_sync import POLICY_WEIGHTS
 
     path = build_tiny_model(os.path.join(workdir, "model"), seed=3)
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     versions = weight_versions({k: v.clone() for k, v in model.state_dict().items()}, 2)
-    gen = local_generator(path, num_batches=2, prompts_per_batch=3, num_generations=2, max_completion_length=LENGTH,
-                          sampling=Sampling(temperature=TEMPERATURE), max_staleness=3, partial_rollout_tokens=BUDGET)
+    gen = local_generator(path, schedule=Schedule(2, 3), prompts_per_batch=3, num_generations=2, max_completion_length=LENGTH,
+                          sampling=Sampling(temperature=TEMPERATURE), partial_rollout_tokens=BUDGET)
 
     finished, carried_after = [], []
     for tick in range(4):  # weights of version min(tick, 2) at tick `tick`
@@ -117,15 +119,15 @@ def lora_greedy(workdir: str) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    from hfllamarl.lora import MergedLoraWeights
-    from hfllamarl.tiny import build_tiny_model
-    from hfllamarl.weight_sync import POLICY_WEIGHTS
+    from hfllamarl.runtime.lora import MergedLoraWeights
+    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.runtime.weight_sync import POLICY_WEIGHTS
 
     path = build_tiny_model(os.path.join(workdir, "model"), seed=4)
     model = get_peft_model(LlamaForCausalLM.from_pretrained(path, dtype=torch.float32),
                            LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"])).eval()
     merged = MergedLoraWeights(model)
-    gen = local_generator(path, num_batches=0, prompts_per_batch=1, num_generations=1, max_completion_length=10)
+    gen = local_generator(path, schedule=Schedule(0, 1), prompts_per_batch=1, num_generations=1, max_completion_length=10)
     prompts = [gen.encoder.encode(row["prompt"]) for row in ROWS]
 
     def vllm_greedy():

@@ -11,7 +11,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
-from hfllamarl.tiny import successor_rows
+from hfllamarl.tools.tiny import successor_rows
 
 
 def broken(completions, **kwargs):
@@ -46,7 +46,7 @@ def kill_inside_checkpoint(step):
     import os
     import signal
 
-    from hfllamarl import checkpoint
+    from hfllamarl.runtime import checkpoint
 
     commit = checkpoint.commit
 
@@ -78,6 +78,7 @@ def main():
     p.add_argument("--lora", action="store_true", help="train LoRA adapters on q_proj and v_proj")
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the reference model")
+    p.add_argument("--algorithm", default="aipo", help="algorithm plugin name")
     p.add_argument("--partial-rollout-tokens", type=int, default=None, help="per-tick token budget of a completion")
     p.add_argument("--kill-in-checkpoint", type=int, default=0, help="SIGKILL while this step's checkpoint is written")
     p.add_argument("--verify-weight-sync", action="store_true", help="check every sync against vLLM's own loader")
@@ -95,6 +96,7 @@ def main():
         max_staleness=a.max_staleness, num_generator_processes=a.num_generators, seed=0,
         generator_tensor_parallel_size=a.generator_tp,
         collective_timeout_s=a.timeout, generator_kv_cache_bytes=a.kv_cache_bytes, save_steps=a.save_steps, beta=a.beta, partial_rollout_tokens=a.partial_rollout_tokens,
+        algorithm=a.algorithm,
         verify_weight_sync=a.verify_weight_sync,
         **(dict(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.3) if a.transforms else {}),
     )

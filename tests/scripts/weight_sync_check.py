@@ -15,13 +15,13 @@ import sys
 
 import torch
 
-from hfllamarl.channels import Channel, ChannelKind
-from hfllamarl.controller import fail
-from hfllamarl.engine import build_engine, loader_boxes, verify_against_disk
-from hfllamarl.fsdp import full_state_dict, shard_model
-from hfllamarl.hf_export import export_weights
-from hfllamarl.topology import init_topology
-from hfllamarl.weight_sync import WeightsChannel, build_backend
+from hfllamarl.runtime.channels import Channel, ChannelKind
+from hfllamarl.runtime.controller import fail
+from hfllamarl.runtime.engine import build_engine, loader_boxes, verify_against_disk
+from hfllamarl.runtime.fsdp import full_state_dict, shard_model
+from hfllamarl.runtime.hf_export import export_weights
+from hfllamarl.runtime.topology import init_topology
+from hfllamarl.runtime.weight_sync import WeightsChannel, build_backend
 
 PROMPT = [7, 14, 5, 18]  # "3+1="
 
@@ -39,7 +39,7 @@ class Receiver:  # the generator side: loads what arrives
         self.llm, self.version = llm, 0
 
     def put_input(self, name, value):
-        from hfllamarl.engine import load_weights
+        from hfllamarl.runtime.engine import load_weights
 
         self.version, weights = value
         load_weights(self.llm, weights)
@@ -150,7 +150,7 @@ def main():
 
 
 if __name__ == "__main__":  # vLLM may start spawn workers that import this file
-    from hfllamarl.topology import current
+    from hfllamarl.runtime.topology import current
 
     try:
         main()

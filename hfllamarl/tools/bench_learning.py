@@ -47,7 +47,7 @@ def train_variant(job: dict) -> None:
     from datasets import Dataset
 
     from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
-    from hfllamarl.tiny import successor_rows
+    from hfllamarl.tools.tiny import successor_rows
 
     config = AsyncAIPOConfig(
         output_dir=job["output_dir"], max_steps=job["steps"], per_device_train_batch_size=COMPLETIONS_PER_STEP,
@@ -95,7 +95,7 @@ def mean_curve(curves: list[list[float]]) -> list[float]:
 
 
 def run(args) -> int:
-    from hfllamarl.tiny import prepare_demo_model
+    from hfllamarl.tools.tiny import prepare_demo_model
 
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
@@ -118,7 +118,7 @@ def run(args) -> int:
                    "model": model, "output_dir": os.path.join(args.output_dir, tag),
                    "history": os.path.join(args.output_dir, f"{tag}.json")}
             print(f"training {name}, seed {seed} ...", flush=True)
-            proc = subprocess.run([sys.executable, "-m", "hfllamarl.bench_learning", json.dumps(job)],
+            proc = subprocess.run([sys.executable, "-m", "hfllamarl.tools.bench_learning", json.dumps(job)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"variant {name} (seed {seed}) failed:\n{proc.stderr[-3000:]}")

@@ -5,7 +5,7 @@
 
 The data file is MATH-shaped (`problem`, `answer`), GSM8K-shaped (`question`, `answer` ending in
 `#### N`) or has a `prompt` column; the shape is told from the columns and decides the prompt and
-the default reward (`math_sympy`, `gsm8k`); see :mod:`hfllamarl.eval_data`. MATH and GSM8K
+the default reward (`math_sympy`, `gsm8k`); see :mod:`hfllamarl.tools.eval_data`. MATH and GSM8K
 questions are followed by "Solve the problem step by step. Put your final answer within \\boxed{}."
 and sent as a user message when the tokenizer has a chat template, else as plain text.
 
@@ -89,7 +89,7 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
 def _build_engine(args, max_model_len: int):
     import torch
 
-    from .engine import build_engine
+    from hfllamarl.runtime.engine import build_engine
 
     on_cpu = not torch.cuda.is_available()
     return build_engine(args.model, args.model, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len,
@@ -115,7 +115,7 @@ def _generate(llm, rows: list[int], prompt_ids: list[list[int]], args, temperatu
 
 def run(args) -> int:
     from .eval_data import EvalDataError
-    from .registry import PluginError
+    from hfllamarl.registry import PluginError
 
     try:
         return _run(args)
@@ -125,7 +125,9 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from . import load_plugin
+    from hfllamarl import load_plugin
+    from hfllamarl.runtime.prompts import PromptEncoder
+
     from .eval_data import (EvalDataError, build_prompt, check_rows, columns_of, default_reward, detect_shape,
                             gold_answer, read_jsonl, score_completions)
 
@@ -152,7 +154,8 @@ def _run(args) -> int:
         raise EvalDataError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's context of "
                             f"{max_model_len} tokens.")
     built = [build_prompt(row, shape, tokenizer) for row in rows]
-    ids = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for _, text in built]
+    encoder = PromptEncoder(tokenizer)  # the token ids training would give the same prompt
+    ids = [encoder.encode(prompt) for prompt, _ in built]
     keep = [i for i, x in enumerate(ids) if 0 < len(x) <= max_model_len - args.max_tokens]
     skipped = len(rows) - len(keep)
 

@@ -10,7 +10,7 @@ B, the global batch, counts completions: the sequences trained per optimizer ste
 (TRL: generation_batch_size = prompts x num_generations); `--prompts-per-step` gives it in prompts instead.
 The trainer is tp tensor shards x an FSDP (ZeRO-3) shard group, replicated across the rest of its GPUs; the
 generator is a vLLM group of m_g = tp x pp GPUs. Every formula, constant and its source is in
-`pydoc hfllamarl.plan_model`. The search covers GPU counts, trainer tp and FSDP shard group, generator
+`pydoc hfllamarl.tools.plan_model`. The search covers GPU counts, trainer tp and FSDP shard group, generator
 model-parallel size, micro-batch and decode concurrency, under the per-GPU memory limit.
 
 Sync: the trainer uses all N GPUs; the co-located generator's tensor-parallel size is the trainer's (a hybrid
@@ -277,7 +277,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mfu", type=float, default=0.4)
     p.add_argument("--bandwidth-efficiency", type=float, default=0.8, help="achieved / peak HBM of decode kernels")
     p.add_argument("--memory-headroom", type=float, default=0.1, help="fraction of GPU memory kept free")
-    p.add_argument("--profile", help="JSON of measured decode-step and training-token times (`pydoc hfllamarl.plan`)")
+    p.add_argument("--profile", help="JSON of measured decode-step and training-token times (`pydoc hfllamarl.tools.plan`)")
 
 
 def run(args) -> int:

@@ -1,6 +1,6 @@
 """Entry point of a generator child process in a single-process job (`python script.py`).
 
-    python -m hfllamarl.worker SPEC.pkl
+    python -m hfllamarl.runtime.generator_child SPEC.pkl
 
 The parent (the trainer) writes the generator's spec and starts one such process per generator
 rank; the child joins the parent's store, runs the generator loop, and exits with its parent.
@@ -15,18 +15,17 @@ import sys
 def main(spec_path: str) -> int:
     with open(spec_path, "rb") as fh:
         job = pickle.load(fh)
-    from hfllamarl.controller import run_job
-    from hfllamarl.generator import GeneratorExecutor
-    from hfllamarl.topology import init_topology
-    from hfllamarl.weight_sync import build_backend
+    from hfllamarl.runtime.controller import run_job
+    from hfllamarl.runtime.generator import GeneratorExecutor
+    from hfllamarl.runtime.topology import init_topology
+    from hfllamarl.runtime.weight_sync import build_backend
 
     topo = init_topology(job["num_generators"], job["timeout_s"], job["use_cpu"])
     topo.liveness.announce_joining()
     topo.bridge("object"), topo.bridge("tensor")
     spec = job["spec"]
     backend = build_backend(spec.weight_sync_backend, topo, **spec.weight_sync_options)
-    run_job(GeneratorExecutor(spec, topo), backend, topo, spec.num_batches, job["max_staleness"],
-            start_tick=job.get("start_tick", 0))
+    run_job(GeneratorExecutor(spec, topo), backend, topo, spec.schedule, start_tick=job.get("start_tick", 0))
     return 0
 
 

@@ -1,7 +1,7 @@
 """An example hfllamarl reward plugin: ``last_digit``.
 
 Registered in ``pyproject.toml`` under the entry-point group ``hfllamarl.rewards``, so after
-``pip install ./examples/reward_plugin`` the trainer loads it by name::
+``pip install ./examples/plugin`` the trainer loads it by name::
 
     AsyncAIPOTrainer(..., reward_funcs="last_digit")
 

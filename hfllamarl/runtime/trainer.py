@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -20,16 +20,16 @@ import torch.distributed as dist
 from .executor import Executor
 from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from .generator import ROLLOUTS
-from .plugins.algorithms.aipo import masked_mean, reference_kl
 from .rewards import RewardRunner
 from .rollout import Rollout, RolloutGroup
 from .sampling import Sampling, sampled_logprobs, seen_tokens, within_support
+from .schedule import Schedule
 from .topology import Topology
 from .weight_sync import POLICY_WEIGHTS, WeightSyncBackend
 
 
 @dataclass
-class TrainerJob:
+class TrainerSpec:
     """What the trainer executor needs, built by the `AsyncAIPOTrainer` front-end."""
 
     model: torch.nn.Module  # already sharded with FSDP2
@@ -38,12 +38,9 @@ class TrainerJob:
     algorithm: Any
     rewards: RewardRunner
     backend: WeightSyncBackend
-    num_batches: int
-    max_staleness: int
-    generation_ticks: int  # the most ticks the generator spends on one batch (> 1 with partial rollouts)
+    schedule: Schedule  # which batch each tick trains, until when the generator samples
     num_generations: int
     micro_batch_size: int
-    grad_accum: int
     sampling: Sampling  # the transforms vLLM samples under (temperature, top-p/k, min-p, penalties)
     max_grad_norm: float | None
     pad_token_id: int
@@ -51,10 +48,9 @@ class TrainerJob:
     on_step: Callable[[int, dict], bool] = lambda step, metrics: False  # returns: is a checkpoint due
     save_checkpoint: Callable[[int], None] = lambda step: None  # writes this rank's part, then commits
     trainer_state: Any = None
-    metrics_extra: dict = field(default_factory=dict)
     weights: Any = None  # what the weight sync sends (`state_dict()`); None: the policy itself (LoRA: merged)
-    ref_model: Any = None  # with beta > 0: the frozen reference policy, sharded like the policy
-    beta: float = 0.0  # loss += beta * mean_t KL(pi || pi_ref) (TRL's k3 estimator)
+    ref_model: Any = None  # with beta > 0: the frozen reference policy, sharded like the policy (the algorithm
+    # adds the KL term from the reference log-probs it is given)
     verify_dir: Callable[[int], str] | None = None  # verify_weight_sync: where policy version v is exported
 
 
@@ -104,8 +100,8 @@ def completion_logprobs(model, batch: dict, sampling: Sampling | float) -> torch
 class TrainerExecutor(Executor):
     role = "trainer"
 
-    def __init__(self, job: TrainerJob, topology: Topology):
-        self.job, self.topology = job, topology
+    def __init__(self, spec: TrainerSpec, topology: Topology):
+        self.spec, self.topology = spec, topology
         self.version = 0  # optimizer steps taken = policy version of the current weights
         self.sent_version = 0  # the generator starts from the initial weights (version 0)
         self.inbox: dict[int, list[RolloutGroup]] = {}
@@ -118,10 +114,10 @@ class TrainerExecutor(Executor):
     @property
     def weights(self):
         """What the weight sync sends: the policy, or for a LoRA policy its merged weights."""
-        return self.job.weights if self.job.weights is not None else self.job.model
+        return self.spec.weights if self.spec.weights is not None else self.spec.model
 
     def init(self) -> None:
-        self.backend = self.backend or self.job.backend
+        self.backend = self.backend or self.spec.backend
         self.backend.setup_trainer(self.weights)
         self.sync_bytes = sum(t.numel() * self.backend.wire_dtype(t.dtype).itemsize
                               for t in self.weights.state_dict().values())
@@ -131,10 +127,10 @@ class TrainerExecutor(Executor):
         if channel != POLICY_WEIGHTS:
             return super().get_output(channel)
         # New weights go out when there are some and the generator still samples: new batches, or the
-        # carried completions of partial rollouts for up to generation_ticks - 1 ticks more.
-        if self.version > self.sent_version and self.tick < self.job.num_batches + self.job.generation_ticks - 1:
+        # carried completions of partial rollouts.
+        if self.version > self.sent_version and self.spec.schedule.generator_samples(self.tick):
             self.sent_version = self.version
-            if self.job.verify_dir is not None:
+            if self.spec.verify_dir is not None:
                 self._export_for_verify(self.version)
             return self.weights, self.version
         return None
@@ -146,9 +142,9 @@ class TrainerExecutor(Executor):
         from .hf_export import export_weights
 
         first = self.topology.rank == 0
-        directory = self.job.verify_dir(version)
+        directory = self.spec.verify_dir(version)
         export_weights(self.weights, directory, write=first, cast=self.backend.wire_dtype)
-        previous = self.job.verify_dir(version - 1)
+        previous = self.spec.verify_dir(version - 1)
         if first and os.path.isdir(previous):  # the generator checked it at the previous sync
             shutil.rmtree(previous, ignore_errors=True)
 
@@ -160,8 +156,8 @@ class TrainerExecutor(Executor):
 
     # ------------------------------------------------------------------ work
     def step(self) -> None:
-        batch_index = self.tick - self.job.max_staleness
-        if batch_index < 0 or batch_index >= self.job.num_batches:
+        batch_index = self.spec.schedule.trainer_batch(self.tick)
+        if batch_index is None:
             return
         groups = self.inbox.pop(batch_index, None)
         if not groups:
@@ -169,29 +165,29 @@ class TrainerExecutor(Executor):
         self.train_on(groups)
 
     def train_on(self, groups: list[RolloutGroup]) -> dict:
-        job = self.job
+        spec = self.spec
         start = time.perf_counter()
         rollouts = [r for g in groups for r in g.rollouts]
         staleness = [[self.version - v for v in r.versions] for r in rollouts]  # per token, at this step
         worst = max((max(s) for s in staleness if s), default=0)
-        if worst > job.max_staleness:
+        if worst > spec.schedule.max_staleness:
             raise RuntimeError(f"trainer: a token of batch {groups[0].batch_index} was sampled {worst} policy versions "
-                               f"ago, past max_staleness={job.max_staleness}; the schedule is broken")
+                               f"ago, past max_staleness={spec.schedule.max_staleness}; the schedule is broken")
         rewards_t0 = time.perf_counter()
         columns = {k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns}
-        rewards, per_func = job.rewards(
+        rewards, per_func = spec.rewards(
             prompts=[r.prompt for r in rollouts],
             completions=[r.completion_text for r in rollouts],
             completion_ids=[r.completion_ids for r in rollouts],
             columns=columns,
-            trainer_state=job.trainer_state,
+            trainer_state=spec.trainer_state,
         )
         reward_seconds = time.perf_counter() - rewards_t0
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
-        advantages = job.algorithm.advantages(rewards_t, job.num_generations)  # [N]
+        advantages = spec.algorithm.advantages(rewards_t, spec.num_generations)  # [N]
         loss_total, stats = self._accumulate_gradients(rollouts, advantages)
-        model = job.model
-        grad_norm = total_grad_norm(model, job.max_grad_norm)
+        model = spec.model
+        grad_norm = total_grad_norm(model, spec.max_grad_norm)
         if not math.isfinite(grad_norm):  # no optimizer step with a NaN/inf gradient: the weights stay finite
             bad = first_bad_gradient(model)
             where = self.topology.describe(self.topology.rank)
@@ -199,62 +195,61 @@ class TrainerExecutor(Executor):
             raise NonFiniteError(f"non-finite values at step {self.version + 1}: the gradient norm is {grad_norm} while "
                                  "every gradient is finite (it overflowed). The step was stopped before the optimizer; "
                                  "lower the learning rate or clip gradients (max_grad_norm).")
-        job.optimizer.step()
-        if job.scheduler is not None:
-            job.scheduler.step()
-        job.optimizer.zero_grad(set_to_none=True)
+        spec.optimizer.step()
+        if spec.scheduler is not None:
+            spec.scheduler.step()
+        spec.optimizer.zero_grad(set_to_none=True)
         self.version += 1
 
         metrics = self._step_metrics(groups, rollouts, rewards, per_func, staleness, loss_total, stats)
         metrics["reward_seconds"] = reward_seconds
-        metrics.update(job.rewards.counters())
+        metrics.update(spec.rewards.counters())
         metrics["grad_norm"] = grad_norm
-        if job.scheduler is not None:
-            metrics["learning_rate"] = job.scheduler.get_last_lr()[0]
+        if spec.scheduler is not None:
+            metrics["learning_rate"] = spec.scheduler.get_last_lr()[0]
         metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
         metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
         metrics["train_step_seconds"] = time.perf_counter() - start
-        self.trained_rows.append([r.row_index for r in rollouts[:: job.num_generations]])
-        self._save_due = bool(job.on_step(self.version, metrics))
+        self.trained_rows.append([r.row_index for r in rollouts[:: spec.num_generations]])
+        self._save_due = bool(spec.on_step(self.version, metrics))
         return metrics
 
     def _accumulate_gradients(self, rollouts: list[Rollout], advantages: torch.Tensor) -> tuple[float, dict]:
         """Forward and backward over micro-batches (gradients summed, reduced once at the last one).
 
-        Returns the step's loss and, per statistic of the algorithm's loss, one value per micro-batch.
+        Returns the step's loss and, per metric the algorithm's loss returns (and `is_ratio/outside_support_frac`),
+        one value per micro-batch.
         """
-        job, model = self.job, self.job.model
-        mb = job.micro_batch_size
+        spec, model = self.spec, self.spec.model
+        mb = spec.micro_batch_size
         steps = math.ceil(len(rollouts) / mb)
-        stats = {"is_ratio_mean": [], "is_ratio_max": [], "is_ratio_min": [], "clipped_frac": [], "behavior_kl": [],
-                 "kl": [], "outside_support": []}
+        stats: dict[str, list[float]] = {}
         loss_total = 0.0
         for k in range(steps):
             chunk = rollouts[k * mb:(k + 1) * mb]
-            batch = pad_batch(chunk, job.pad_token_id, job.device)
+            batch = pad_batch(chunk, spec.pad_token_id, spec.device)
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(k == steps - 1)  # reduce-scatter once per optimizer step
-            raw = completion_logprobs(model, batch, job.sampling)
-            logprobs, outside = within_support(raw, batch["mask"], job.sampling)
-            chunk_advantages = advantages[k * mb:(k + 1) * mb].to(job.device)
-            loss, m = job.algorithm.loss(logprobs, batch["behavior_logprobs"], chunk_advantages, batch["mask"])
-            m["outside_support"] = float(outside.sum()) / max(float(batch["mask"].sum()), 1.0)
-            if job.ref_model is not None:
+            raw = completion_logprobs(model, batch, spec.sampling)
+            logprobs, outside = within_support(raw, batch["mask"], spec.sampling)
+            chunk_advantages = advantages[k * mb:(k + 1) * mb].to(spec.device)
+            ref = None
+            if spec.ref_model is not None:
                 with torch.no_grad():
-                    ref, ref_outside = within_support(completion_logprobs(job.ref_model, batch, job.sampling),
-                                                      batch["mask"], job.sampling)
+                    ref, ref_outside = within_support(completion_logprobs(spec.ref_model, batch, spec.sampling),
+                                                      batch["mask"], spec.sampling)
                     ref = torch.where(outside | ref_outside, logprobs.detach(), ref)  # KL only where both can sample
-                kl = masked_mean(reference_kl(logprobs, ref), batch["mask"])
-                loss = loss + job.beta * kl
-                m["kl"] = kl.item()
+            extra = {"ref_logprobs": ref} if ref is not None else {}
+            loss, m = spec.algorithm.loss(logprobs, batch["behavior_logprobs"], chunk_advantages, batch["mask"], **extra)
+            m = dict(m)
+            m["is_ratio/outside_support_frac"] = float(outside.sum()) / max(float(batch["mask"].sum()), 1.0)
             # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
             agree(self._nonfinite(batch, raw.masked_fill(outside, 0.0), chunk_advantages, loss, chunk, k * mb),
                   step=self.version + 1, rank_name=self.topology.describe(self.topology.rank))
             (loss / steps).backward()
             loss_total += loss.item() / steps
-            for key in stats:
-                if key in m:
-                    stats[key].append(m[key])
+            for key, value in m.items():
+                stats.setdefault(key, []).append(float(value))
         return loss_total, stats
 
     @staticmethod
@@ -277,10 +272,9 @@ class TrainerExecutor(Executor):
 
     def _step_metrics(self, groups: list[RolloutGroup], rollouts: list[Rollout], rewards: list[float], per_func: dict,
                       staleness: list[list[int]], loss_total: float, stats: dict) -> dict[str, float]:
-        """The step's logged metrics, reduced over the trainer world (`staleness`: per completion, per token)."""
-        job = self.job
+        """The step's logged metrics, reduced over the trainer world (`staleness`: per completion, per token;
+        `stats`: the algorithm's metrics, one value per micro-batch, logged under their own names)."""
         n = len(rollouts)
-        metrics: dict[str, float] = {}
         oldest = [max(s) for s in staleness if s]  # a completion is as stale as its first token
         lengths = [len(r.completion_ids) for r in rollouts]
         partial = [len(r.completion_ids) for r in rollouts if r.segments > 1]
@@ -290,35 +284,22 @@ class TrainerExecutor(Executor):
             "token_staleness_sum": sum(map(sum, staleness)), "partial": len(partial), "partial_len": sum(partial),
             "len_sum": sum(lengths), "truncated": sum(r.finish_reason == "length" for r in rollouts),
             "empty": sum(length == 0 for length in lengths),
-            "loss": loss_total,
-            **{key: sum(stats[key]) / max(len(stats[key]), 1)  # means over this rank's micro-batches
-               for key in ("is_ratio_mean", "clipped_frac", "behavior_kl", "kl", "outside_support")},
         }
         for name, scores in per_func.items():
             vals = [s for s in scores if s is not None]
             local[f"rf_sum/{name}"] = sum(vals)
             local[f"rf_n/{name}"] = len(vals)
         summed = _all_reduce(local, "sum")
-        maxed = _all_reduce({"staleness_max": max(oldest, default=0),
-                             "is_ratio_max": max(stats["is_ratio_max"], default=1.0),
-                             "neg_is_ratio_min": -min(stats["is_ratio_min"], default=1.0)}, "max")
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        maxed = _all_reduce({"staleness_max": max(oldest, default=0)}, "max")
         count = summed["count"]
         mean = summed["reward_sum"] / count
-        metrics["reward"] = mean
-        metrics["reward_std"] = math.sqrt(max(summed["reward_sq"] / count - mean * mean, 0.0))
+        metrics: dict[str, float] = {"reward": mean,
+                                     "reward_std": math.sqrt(max(summed["reward_sq"] / count - mean * mean, 0.0))}
         for name in per_func:
             metrics[f"rewards/{name}/mean"] = summed[f"rf_sum/{name}"] / max(summed[f"rf_n/{name}"], 1)
-        metrics["loss"] = summed["loss"] / world
-        metrics["is_ratio/mean"] = summed["is_ratio_mean"] / world
-        metrics["is_ratio/max"] = maxed["is_ratio_max"]
-        metrics["is_ratio/min"] = -maxed["neg_is_ratio_min"]
-        metrics["clipped_frac"] = summed["clipped_frac"] / world
-        metrics["behavior_kl"] = summed["behavior_kl"] / world
-        # Sampled tokens the current policy's top-k/top-p/min-p no longer allow (weight 0; only off-policy).
-        metrics["is_ratio/outside_support_frac"] = summed["outside_support"] / world
-        if job.ref_model is not None:
-            metrics["kl"] = summed["kl"] / world  # KL(pi || pi_ref) on the sampled tokens, as TRL logs it
+        # The loss and the algorithm's own metrics (is_ratio/*, clipped_frac, behavior_kl, kl, ...), plus the share of
+        # sampled tokens the current policy's top-k/top-p/min-p no longer allow (weight 0; only off-policy).
+        metrics.update(reduce_metrics({"loss": [loss_total], **stats}))
         metrics["staleness/mean"] = summed["staleness_sum"] / max(summed["staleness_n"], 1)
         metrics["staleness/max"] = maxed["staleness_max"]
         metrics["staleness/token_mean"] = summed["token_staleness_sum"] / max(summed["len_sum"], 1)
@@ -333,17 +314,17 @@ class TrainerExecutor(Executor):
         return metrics
 
     def close(self) -> None:
-        if self.job.verify_dir is not None and self.topology.rank == 0:
+        if self.spec.verify_dir is not None and self.topology.rank == 0:
             import shutil
 
-            shutil.rmtree(os.path.dirname(self.job.verify_dir(0)), ignore_errors=True)
+            shutil.rmtree(os.path.dirname(self.spec.verify_dir(0)), ignore_errors=True)
 
     def checkpoint_due(self) -> bool:
         due, self._save_due = self._save_due, False
         return due
 
     def save_checkpoint(self) -> None:
-        self.job.save_checkpoint(self.version)
+        self.spec.save_checkpoint(self.version)
 
 
 def _all_reduce(values: dict[str, float], op: str) -> dict[str, float]:
@@ -354,3 +335,21 @@ def _all_reduce(values: dict[str, float], op: str) -> dict[str, float]:
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return dict(zip(keys, t.tolist()))
+
+
+def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
+    """Per-micro-batch metrics -> one value each over this rank's micro-batches and every trainer rank: the
+    maximum for names ending in `/max`, the minimum for `/min`, else the mean of the ranks' means. A name only
+    some ranks report is reduced over those."""
+    local = {k: max(v) if k.endswith("/max") else min(v) if k.endswith("/min") else sum(v) / len(v)
+             for k, v in values.items() if v}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+    else:
+        everyone = [local]
+    out = {}
+    for key in sorted({k for part in everyone for k in part}):
+        seen = [part[key] for part in everyone if key in part]
+        out[key] = max(seen) if key.endswith("/max") else min(seen) if key.endswith("/min") else sum(seen) / len(seen)
+    return out

@@ -1,8 +1,8 @@
-"""The generator executor: an embedded vLLM engine (`hfllamarl.engine`) that samples rollouts for the trainer.
+"""The generator executor: an embedded vLLM engine (`hfllamarl.runtime.engine`) that samples rollouts for the trainer.
 
 Each tick it samples one
 generation batch with the newest weights it holds and records, for every sampled token, the
-behaviour log-prob (under the sampling transforms, `hfllamarl.sampling`, as the trainer computes pi) and
+behaviour log-prob (under the sampling transforms, `hfllamarl.runtime.sampling`, as the trainer computes pi) and
 the policy version.
 With partial rollouts a completion samples at most `partial_rollout_tokens` per tick; the
 unfinished ones are carried and continued at the next tick under the weights of that tick.
@@ -24,6 +24,7 @@ from .executor import Executor
 from .prompts import PromptEncoder, batch_rows
 from .rollout import UNFINISHED, InFlightBatch, Rollout, RolloutGroup
 from .sampling import Sampling
+from .schedule import Schedule
 from .topology import Topology
 from .weight_sync import POLICY_WEIGHTS, build_backend, verify_dir
 
@@ -39,7 +40,7 @@ class GeneratorSpec:
     model_path: str
     tokenizer_path: str
     dataset: Any  # a `datasets.Dataset`, or the path of one saved with `save_to_disk`
-    num_batches: int
+    schedule: Schedule
     prompts_per_batch: int
     num_generations: int
     max_completion_length: int
@@ -61,7 +62,6 @@ class GeneratorSpec:
     output_dir: str = ""
     save_steps: int = 0  # checkpoint after every `save_steps` trainer steps (0: never)
     save_total_limit: int | None = None
-    max_staleness: int = 1
     partial_rollout_tokens: int | None = None  # per-tick token budget of one completion (None: no partial rollouts)
     initial_version: int = 0  # the policy version of `model_path` (> 0 when resuming from a checkpoint)
     resume_dir: str | None = None
@@ -141,24 +141,19 @@ class GeneratorExecutor(Executor):
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def _step_done(self) -> int:
-        """The trainer step completed at the end of this tick (the trainer trains batch t - s at tick t)."""
-        return self.tick - self.spec.max_staleness + 1
-
     def checkpoint_due(self) -> bool:
-        step = self._step_done()
-        return 1 <= step <= self.spec.num_batches and checkpoint.due(step, self.spec.save_steps)
+        return checkpoint.due(self.spec.schedule.step_done(self.tick), self.spec.save_steps)
 
     def save_checkpoint(self) -> None:
-        step = self._step_done()
+        step = self.spec.schedule.step_done(self.tick)
         checkpoint.save_generator_side(self, checkpoint.partial_dir(self.spec.output_dir, step))
         checkpoint.commit(self.topology, self.spec.output_dir, step, self.tick, self.spec.save_total_limit)
 
     # ------------------------------------------------------------------ work
     def step(self) -> None:
-        start_new = self.tick < self.spec.num_batches
-        if start_new or self.in_flight:
-            self.pending = self.generate_tick(self.tick if start_new else None)
+        batch = self.spec.schedule.generator_batch(self.tick)
+        if batch is not None or self.in_flight:
+            self.pending = self.generate_tick(batch)
 
     def generate_tick(self, batch_index: int | None) -> list[RolloutGroup]:
         """One tick of generation: continue every carried completion and start batch `batch_index`.

@@ -1,5 +1,5 @@
 """The memory and step-time formulas behind `hfllamarl plan` (the search and the command line are in
-hfllamarl.plan). Sizes in bytes, times in seconds; P parameters, L layers, h hidden, V vocab, kv x d
+hfllamarl.tools.plan). Sizes in bytes, times in seconds; P parameters, L layers, h hidden, V vocab, kv x d
 key/value heads x head dim, S = prompt + completion tokens, C completion tokens.
 
 Generator group of m GPUs (vLLM): tp = min(m, gpus per node) tensor shards x pp = m / tp pipeline stages.
@@ -12,13 +12,13 @@ Trainer memory per GPU (must fit in (1 - headroom) x GPU memory; headroom 0.1: C
   state / m_t            16 B/param: bf16 weights 2 + grads 2, fp32 Adam m, v 4 + 4, master 4 (12 B without master)
   + FSDP working set / tp  (fsdp > 1) the root unit (embeddings + LM head, 2 V h, kept gathered from forward to
                          backward: FSDP2's default for the root) and two decoder layers (compute + prefetch) in bf16,
-                         plus fp32 gradients of the largest unit before its reduce-scatter (hfllamarl.fsdp reduces
+                         plus fp32 gradients of the largest unit before its reduce-scatter (hfllamarl.runtime.fsdp reduces
                          in fp32): 2 (2 V h + 2 P_layer) + 4 max(2 V h, P_layer)
   + activations / tp     sequence parallel: mb S h (2 L + 34) with activation checkpointing (layer inputs kept,
                          one layer recomputed; Korthikanti et al. 2022 with flash attention), 34 L without,
                          + logits mb V (2 S + 12 C): bf16 logits of the sequence, and over the completion the fp32
                          copy, the log-softmax kept for backward and its gradient
-                         (hfllamarl.trainer_executor.completion_logprobs).
+                         (hfllamarl.runtime.trainer.completion_logprobs).
 Trainer time: each TP group trains ceil(B tp / N_t) samples as micro-batches of mb (the last one shorter),
 T = mb S tokens each:
   T_train = sum of t_mb + HSDP gradient all-reduce across N_t / m_t replicas (fp32 over the network, once)
@@ -245,7 +245,7 @@ def prefill_time(model: Model, wl: Workload, hw: Hardware, m: int, c: int) -> fl
 
 # ---- measured profile -----------------------------------------------------------------------
 class Profile:
-    """Measured decode-step and training-token times (`--profile`; format in `pydoc hfllamarl.plan`)."""
+    """Measured decode-step and training-token times (`--profile`; format in `pydoc hfllamarl.tools.plan`)."""
 
     def __init__(self, data: dict | None = None):
         self.gen, self.train, self.gen_pts = {}, {}, {}
@@ -257,7 +257,7 @@ class Profile:
             for p in (data or {}).get("training", []):
                 self.train[int(p["model_parallel"])] = float(p["seconds_per_token"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise PlanError(f"profile: bad entry ({e!r}); the format is in `pydoc hfllamarl.plan`") from None
+            raise PlanError(f"profile: bad entry ({e!r}); the format is in `pydoc hfllamarl.tools.plan`") from None
         bad_gen = any(c <= 0 or t <= 0 for pts in self.gen.values() for c, t in pts)
         if bad_gen or min(self.train.values(), default=1) <= 0:
             raise PlanError("profile: concurrencies and times must be positive")

@@ -42,7 +42,7 @@ def launch(opts: dict, world: int, timeout: float) -> dict:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        procs.append(subprocess.Popen([sys.executable, "-m", "hfllamarl.bench_worker", json.dumps(opts)], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", "hfllamarl.tools.bench_rank", json.dumps(opts)], env=env,
                                       stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, text=True))
     try:
         out, _ = procs[0].communicate(timeout=timeout)

@@ -36,11 +36,6 @@ MARKER = "hfllamarl.json"
 ADAPTERS = "adapters.pt"  # LoRA runs: the adapter weights (model.safetensors holds the merged policy)
 
 
-def checkpoint_tick(step: int, max_staleness: int) -> int:
-    """The tick at whose end trainer step `step` is complete (it trains batch t - s at tick t)."""
-    return step - 1 + max_staleness
-
-
 def due(step: int, save_steps: int) -> bool:
     return save_steps > 0 and step > 0 and step % save_steps == 0
 
@@ -87,8 +82,8 @@ def resolve(resume_from_checkpoint, output_dir: str) -> tuple[str, dict] | None:
 def policy_weights(model) -> list[tuple[str, torch.Tensor]]:
     """The policy under its Hugging Face names, each weight once (a tied `lm_head` is its embedding), sharded
     as trained; a LoRA policy with every adapted layer merged (`W + scaling * B @ A`, still sharded)."""
-    from hfllamarl.loading import checkpoint_name
-    from hfllamarl.lora import is_peft, merged_layers
+    from hfllamarl.runtime.loading import checkpoint_name
+    from hfllamarl.runtime.lora import is_peft, merged_layers
 
     merged = merged_layers(model) if is_peft(model) else {}
     buffers = {n for n, _ in model.named_buffers()}
@@ -108,8 +103,8 @@ def save_policy(trainer, directory: str) -> None:
     trainer rank 0 writes."""
     import torch.distributed as dist
 
-    from hfllamarl.hf_export import write_safetensors, gathered
-    from hfllamarl.lora import is_peft
+    from hfllamarl.runtime.hf_export import write_safetensors, gathered
+    from hfllamarl.runtime.lora import is_peft
 
     model, first = trainer.model, trainer.topology.rank == 0
     base = model.get_base_model() if is_peft(model) else model
@@ -128,8 +123,8 @@ def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from hfllamarl.hf_export import full_tensor
-    from hfllamarl.lora import is_peft
+    from hfllamarl.runtime.hf_export import full_tensor
+    from hfllamarl.runtime.lora import is_peft
 
     rank = trainer.topology.rank
     os.makedirs(os.path.join(directory, "hfllamarl"), exist_ok=True)
@@ -194,7 +189,7 @@ def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: in
            job: dict | None = None) -> None:
     """Every rank: wait until all have written, then trainer rank 0 makes the checkpoint visible at once.
     `job` (trainer rank 0's `job_signature`) goes into the marker."""
-    from hfllamarl.channels import bridge_barrier
+    from hfllamarl.runtime.channels import bridge_barrier
 
     bridge_barrier(topology, f"checkpoint {step}")
     if topology.rank == 0:
@@ -217,7 +212,7 @@ def load_model_weights(model: torch.nn.Module, directory: str) -> None:
     """Load the policy saved in `directory` into an (unsharded) model; a LoRA policy gets its adapters."""
     from safetensors.torch import load_file
 
-    from hfllamarl.lora import is_peft
+    from hfllamarl.runtime.lora import is_peft
 
     if is_peft(model):
         path = os.path.join(directory, "hfllamarl", ADAPTERS)

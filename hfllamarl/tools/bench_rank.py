@@ -1,4 +1,4 @@
-"""One rank of `hfllamarl bench weight-sync` (started by `hfllamarl.bench`, never by hand).
+"""One rank of `hfllamarl bench weight-sync` (started by `hfllamarl.tools.bench_weight_sync`, never by hand).
 
 Trainer ranks build a Llama of the requested size and shard it with FSDP2; generator ranks
 receive. For each backend, every rank passes a barrier, then the trainers send and the
@@ -60,7 +60,7 @@ def _dummy_engine(opts: dict, topo):
     """vLLM (random weights, no tokenizer) for the bench's model shape, tensor parallel over the generator ranks."""
     import tempfile
 
-    from hfllamarl.engine import build_engine
+    from hfllamarl.runtime.engine import build_engine
 
     directory = tempfile.mkdtemp(prefix="hfllamarl-bench-model-")
     llama_config_for(opts["params"]).save_pretrained(directory)
@@ -71,10 +71,10 @@ def _dummy_engine(opts: dict, topo):
 
 def main(argv: list[str]) -> int:
     opts = json.loads(argv[0])
-    from hfllamarl.channels import Channel, ChannelKind, recv_tensor, send_tensor
-    from hfllamarl.fsdp import shard_model
-    from hfllamarl.topology import init_topology
-    from hfllamarl.weight_sync import build_backend, crop, tensor_digest
+    from hfllamarl.runtime.channels import Channel, ChannelKind, recv_tensor, send_tensor
+    from hfllamarl.runtime.fsdp import shard_model
+    from hfllamarl.runtime.topology import init_topology
+    from hfllamarl.runtime.weight_sync import build_backend, crop, tensor_digest
 
     torch.set_num_threads(1)
     topo = init_topology(opts["generators"], timeout_s=600, use_cpu=True)
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
                                                          if backend.receives(n, g))
                                            for g in topo.generator_ranks]
         else:
-            from hfllamarl.engine import loader_boxes
+            from hfllamarl.runtime.engine import loader_boxes
 
             backend.setup_generator(lambda weights: loader_boxes(llm, weights))
     if topo.role == "trainer":

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from .executor import Executor
+from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +84,10 @@ class ExecutorController:
                 executor.save_checkpoint()
 
 
-def run_job(executor: Executor, backend, topology, num_batches: int, max_staleness: int, start_tick: int = 0) -> None:
-    """Build the job's two channels and run the loop for `num_batches` generation batches.
-
-    `max_staleness = s >= 1`: the trainer trains batch t-s at tick t while the generator samples
-    batch t, so there are `num_batches + s` ticks; `s = 0` runs the synchronous stage order.
+def run_job(executor: Executor, backend, topology, schedule: Schedule, start_tick: int = 0) -> None:
+    """Build the job's two channels and run the loop over the ticks of `schedule` (`hfllamarl.runtime.schedule`):
+    with `max_staleness = s >= 1` the trainer trains batch t-s at tick t while the generator samples batch t;
+    `s = 0` runs the synchronous stage order.
     """
     from .channels import Channel, ChannelKind
     from .generator import ROLLOUTS
@@ -101,10 +101,10 @@ def run_job(executor: Executor, backend, topology, num_batches: int, max_stalene
         executor.weights_channel = weights
     executor.backend = backend
     topology.liveness.start()
-    stages = sync_stages(weights, rollouts) if max_staleness == 0 else async_stages([weights, rollouts])
+    stages = sync_stages(weights, rollouts) if schedule.synchronous else async_stages([weights, rollouts])
     try:
         executor.init()  # start-up failures (an engine that cannot start) are reported like any other
-        ExecutorController(executor, stages, num_ticks=num_batches + max_staleness, start_tick=start_tick).run()
+        ExecutorController(executor, stages, num_ticks=schedule.num_ticks, start_tick=start_tick).run()
     except Exception as exc:
         error = fail(topology, exc)
         if error is exc:

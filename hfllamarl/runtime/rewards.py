@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from .prompts import is_conversational
-from .registry import load_plugin
+from hfllamarl.registry import load_plugin
 
 
 class RewardFunctionError(RuntimeError):
@@ -86,16 +86,16 @@ class RewardRunner:
         return total, per_func
 
     def counters(self) -> dict[str, float]:
-        """Counters a reward function exposes through `.stats()` (e.g. math_sympy's timeouts), by name."""
+        """What each reward function reports through `.stats()` (e.g. math_sympy's timeouts), every number as
+        `rewards/<function>/<key>`."""
         out = {}
         for name, fn in zip(self.names, self.funcs):
             stats = getattr(fn, "stats", None)
             if callable(stats):
                 try:
                     for key, value in (stats() or {}).items():
-                        if key in ("timeouts", "worker_errors"):
-                            out[f"rewards/{name}/{key}"] = float(value)
-                except Exception:  # counters are informative only
+                        out[f"rewards/{name}/{key}"] = float(value)
+                except Exception:  # counters are informative only (a non-number is left out)
                     pass
         if self.error_count:
             out["reward_errors"] = float(self.error_count)

@@ -1,6 +1,6 @@
 """Single-process jobs (`python script.py`, a notebook): the trainer starts its generator ranks as children.
 
-The parent hosts the job's store; each child joins it as one generator rank (`python -m hfllamarl.worker`).
+The parent hosts the job's store; each child joins it as one generator rank (`python -m hfllamarl.runtime.generator_child`).
 On a CPU the parent and each child get cores of their own, so that generation and training overlap
 instead of fighting over the same cores. A child exits as soon as its parent is gone.
 """
@@ -34,7 +34,7 @@ def split_cpus(topo) -> dict[int, list[int]]:
 
 
 def start_children(topo, spec_path: str) -> list[tuple[int, subprocess.Popen]]:
-    """Start one `hfllamarl.worker` process per generator rank; returns (rank, process) pairs."""
+    """Start one `hfllamarl.runtime.generator_child` process per generator rank; returns (rank, process) pairs."""
     host, port = topo.store_addr or ("127.0.0.1", topo.store().port)
     split = split_cpus(topo)
     if split:  # the trainer (this process) keeps the first cores
@@ -60,7 +60,7 @@ def start_children(topo, spec_path: str) -> list[tuple[int, subprocess.Popen]]:
         if split:
             env["OMP_NUM_THREADS"] = str(len(split[rank]))
             env[ENV_CPUS] = ",".join(map(str, split[rank]))
-        cmd = [sys.executable, "-m", "hfllamarl.worker", spec_path]
+        cmd = [sys.executable, "-m", "hfllamarl.runtime.generator_child", spec_path]
         children.append((rank, subprocess.Popen(cmd, env=env)))
     return children
 

@@ -184,7 +184,7 @@ class Topology:
         self.liveness = Liveness(self)
 
     def start_children(self, spec_path: str) -> None:
-        """Single-process mode: start the generator ranks as child processes (`hfllamarl.spawn`)."""
+        """Single-process mode: start the generator ranks as child processes (`hfllamarl.runtime.spawn`)."""
         from .spawn import start_children
 
         self._children = start_children(self, spec_path)
@@ -217,11 +217,6 @@ class Topology:
 
 
 _TOPOLOGY: Topology | None = None
-
-
-def current() -> Topology | None:
-    """The topology `init_topology` set up in this process, if any."""
-    return _TOPOLOGY
 
 
 def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool) -> Topology:

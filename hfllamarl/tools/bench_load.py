@@ -5,7 +5,7 @@
 Writes a random Llama of about `--params` parameters to a temporary directory (safetensors, fp32),
 then, for each mode, starts `--trainers` trainer ranks (gloo) that load it and shard it with FSDP2:
 
-- `sharded`: hfllamarl's loader (`hfllamarl.loading`): built on the meta device, sharded, each rank
+- `sharded`: hfllamarl's loader (`hfllamarl.runtime.loading`): built on the meta device, sharded, each rank
   reading only its rows from the files;
 - `whole`: `from_pretrained` on every rank, then sharding (what most trainers do).
 
@@ -35,8 +35,8 @@ def _worker(opts: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from hfllamarl.bench_worker import RssPeak
-    from hfllamarl.fsdp import shard_model
+    from hfllamarl.tools.bench_rank import RssPeak
+    from hfllamarl.runtime.fsdp import shard_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -50,7 +50,7 @@ def _worker(opts: dict) -> None:
     start = time.perf_counter()
     with RssPeak() as mem:
         if mode == "sharded":
-            from hfllamarl.loading import build_empty, load_shards, materialize
+            from hfllamarl.runtime.loading import build_empty, load_shards, materialize
 
             model = build_empty(config, torch.float32)
             shard_model(model, "cpu")
@@ -82,7 +82,7 @@ def _write_model(params: float, directory: str) -> tuple[int, int, float]:
     import torch
     from transformers import LlamaForCausalLM
 
-    from hfllamarl.bench_worker import llama_config_for
+    from hfllamarl.tools.bench_rank import llama_config_for
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config_for(params))
@@ -102,7 +102,7 @@ def _launch(opts: dict, world: int, timeout: float) -> list[dict]:
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "hfllamarl.bench_load", "--worker", json.dumps(opts)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "hfllamarl.tools.bench_load", "--worker", json.dumps(opts)],
                                       env=env, stdout=subprocess.PIPE, text=True))
     results = []
     try:

@@ -138,36 +138,28 @@ def has_chat_template(tokenizer) -> bool:
 
 
 def build_prompt(row: dict, shape: str, tokenizer) -> tuple[Any, str]:
-    """The prompt of a row, as `(reward_prompt, text)`.
+    """The prompt of a row as a training data set holds it, and the text the model reads: `(prompt, text)`.
 
-    `text` is what the model reads (token ids come from `tokenizer(text, add_special_tokens=False)`,
-    as TRL does); `reward_prompt` is what the reward function receives: the chat messages when a
-    chat template is used, else the text.
+    `prompt` is what the reward function receives and what `PromptEncoder` (the training path) turns into token
+    ids; `text` is those ids decoded, for the results file.
 
-    - `math` / `gsm8k`: `"{question}\\n\\n{INSTRUCTION}"` as a user message; without a chat
-      template, that text followed by `"\\nSolution:"`.
-    - `prompt`: a string is used as it is (a user message when there is a chat template), a list
-      of chat messages goes through the chat template (which the tokenizer must have).
+    - `math` / `gsm8k`: `"{question}\n\n{INSTRUCTION}"` as a user message; without a chat
+      template, that text followed by `"\nSolution:"`.
+    - `prompt`: used as training uses it: a string as it is, chat messages through the chat template (which the
+      tokenizer must have).
     """
+    from hfllamarl.runtime.prompts import PromptEncoder, is_conversational
+
     chat = has_chat_template(tokenizer)
     question = row[QUESTION_COLUMN[shape]]
     if shape == "prompt":
-        if isinstance(question, list):
-            if not chat:
-                raise EvalDataError("The prompts are chat messages but the tokenizer has no chat template.")
-            messages = question
-        elif chat:
-            messages = [{"role": "user", "content": question}]
-        else:
-            return question, question
+        if is_conversational(question) and not chat:
+            raise EvalDataError("The prompts are chat messages but the tokenizer has no chat template.")
+        prompt = question
     else:
         content = f"{str(question).strip()}\n\n{INSTRUCTION}"
-        if not chat:
-            text = f"{content}\nSolution:"
-            return text, text
-        messages = [{"role": "user", "content": content}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return messages, text
+        prompt = [{"role": "user", "content": content}] if chat else f"{content}\nSolution:"
+    return prompt, PromptEncoder(tokenizer).render(prompt)
 
 
 def score_completions(
@@ -177,26 +169,24 @@ def score_completions(
     completions: Sequence[Sequence[str]],
     completion_ids: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> list[list[float | None]]:
-    """Rewards of every completion, one call of `reward_fn` per problem, as TRL calls it.
+    """Rewards of every completion, one call of `reward_fn` per problem, through the training's reward path
+    (`hfllamarl.runtime.rewards.RewardRunner`: TRL's call, chat-style completions for chat prompts, every column
+    of the row but `prompt` as a keyword, the values checked).
 
-    `completions[i]` are the texts sampled for `rows[i]` / `prompts[i]`. Each call gets the
-    prompts and completions (chat-style `[{"role": "assistant", ...}]` when the prompt is chat
-    messages), `completion_ids`, and every column of the row but `prompt` as a keyword, one value
-    per completion. Returns `rewards[i][j]` for completion j of problem i; None where the reward
-    does not score.
+    `completions[i]` are the texts sampled for `rows[i]` / `prompts[i]`. Returns `rewards[i][j]` for completion j
+    of problem i; None where the reward does not score (or scored NaN/inf).
     """
+    from hfllamarl.runtime.rewards import RewardRunner, reward_name
+
+    runner = RewardRunner([reward_fn])
     out: list[list[float | None]] = []
     for i, (row, prompt, texts) in enumerate(zip(rows, prompts, completions)):
         if not texts:
             out.append([])
             continue
         n = len(texts)
-        chat = isinstance(prompt, list)
-        comps = [[{"role": "assistant", "content": t}] for t in texts] if chat else list(texts)
         columns = {k: [v] * n for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
         ids = [list(c) for c in completion_ids[i]] if completion_ids is not None else None
-        scores = reward_fn(prompts=[prompt] * n, completions=comps, completion_ids=ids, **columns)
-        if len(scores) != n:
-            raise ValueError(f"The reward returned {len(scores)} scores for {n} completions.")
-        out.append([None if s is None else float(s) for s in scores])
+        _, per_func = runner(prompts=[prompt] * n, completions=list(texts), completion_ids=ids, columns=columns)
+        out.append(per_func[reward_name(reward_fn)])
     return out

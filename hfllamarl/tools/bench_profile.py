@@ -12,7 +12,7 @@ discounts other load on the machine. Training: the transformers model trains mic
 --no-activation-checkpointing, as `plan` assumes) and an AdamW step; seconds per trained token is the fastest
 of `--train-steps` step times (after a warm-up step) over the tokens of a micro-batch.
 
-The file has the format `hfllamarl plan --profile` reads (`pydoc hfllamarl.plan`), model-parallel size 1,
+The file has the format `hfllamarl plan --profile` reads (`pydoc hfllamarl.tools.plan`), model-parallel size 1,
 plus a "measured_on" record of the machine and settings. The last printed line is the same JSON.
 """
 
@@ -49,7 +49,7 @@ def _vocab_and_length(model_dir: str) -> tuple[int, int]:
 def measure_decode(args, concurrencies: list[int], dtype: str, on_gpu: bool) -> list[dict]:
     import random
 
-    from .engine import build_engine
+    from hfllamarl.runtime.engine import build_engine
 
     vocab, max_len = _vocab_and_length(args.model)
     short, long = 2, 2 + args.decode_tokens

@@ -61,7 +61,7 @@ def load_weights(llm, weights) -> None:
 
 
 def loader_boxes(llm, weights: list[tuple[str, tuple[int, ...]]]) -> dict:
-    """For each Hugging Face weight, the box this rank's engine reads of it (`hfllamarl.loader_regions`)."""
+    """For each Hugging Face weight, the box this rank's engine reads of it (`hfllamarl.runtime.loader_regions`)."""
     from .loader_regions import read_regions
 
     return llm.apply_model(lambda model: read_regions(model, weights))[0]

@@ -45,6 +45,13 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs or {}
 
+    def render(self, prompt: Any) -> str:
+        """The text the model reads for `prompt` (the chat template applied to chat messages)."""
+        if is_conversational(prompt):
+            return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                      **self.chat_template_kwargs)
+        return prompt
+
     def encode(self, prompt: Any) -> list[int]:
         if is_conversational(prompt):
             ids = self.tokenizer.apply_chat_template(

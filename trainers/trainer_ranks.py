@@ -8,13 +8,13 @@ import os
 
 import torch
 
-from hfllamarl import checkpoint
-from hfllamarl.fsdp import broadcast_from_rank0, loaded_on_rank0_only, shard_model
-from hfllamarl.loading import build_empty, init_lora, load_shards, materialize
-from hfllamarl.lora import is_peft
-from hfllamarl.reporting import Reporter
-from hfllamarl.trainer_executor import TrainerExecutor, TrainerJob
-from hfllamarl.weight_sync import verify_dir
+from hfllamarl.runtime import checkpoint
+from hfllamarl.runtime.fsdp import broadcast_from_rank0, loaded_on_rank0_only, shard_model
+from hfllamarl.runtime.loading import build_empty, init_lora, load_shards, materialize
+from hfllamarl.runtime.lora import is_peft
+from hfllamarl.runtime.reporting import Reporter
+from hfllamarl.runtime.trainer import TrainerExecutor, TrainerSpec
+from hfllamarl.runtime.weight_sync import verify_dir
 
 from .model_io import is_meta
 
@@ -126,7 +126,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
     model.train()
     weights = None
     if is_peft(model):
-        from hfllamarl.lora import MergedLoraWeights
+        from hfllamarl.runtime.lora import MergedLoraWeights
 
         weights = MergedLoraWeights(model)
     optimizer = build_optimizer(model, args)
@@ -156,23 +156,22 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
     def on_save(step: int) -> None:
         directory = checkpoint.partial_dir(args.output_dir, step)
         checkpoint.save_trainer_side(trainer, holder["executor"], step, directory)
-        checkpoint.commit(topo, args.output_dir, step, checkpoint.checkpoint_tick(step, args.max_staleness),
+        checkpoint.commit(topo, args.output_dir, step, trainer.schedule.tick_of_step(step),
                           args.save_total_limit, checkpoint.job_signature(args))
         reporter.saved()
 
-    job = TrainerJob(
+    spec = TrainerSpec(
         model=model, optimizer=optimizer, scheduler=scheduler, algorithm=trainer.algorithm,
-        rewards=trainer.rewards, backend=backend, num_batches=trainer.num_batches,
-        max_staleness=args.max_staleness, generation_ticks=args.generation_ticks,
+        rewards=trainer.rewards, backend=backend, schedule=trainer.schedule,
         num_generations=args.num_generations,
-        micro_batch_size=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
+        micro_batch_size=args.per_device_train_batch_size,
         sampling=args.sampling, max_grad_norm=args.max_grad_norm,
         pad_token_id=trainer.processing_class.pad_token_id, device=device, on_step=on_step,
-        trainer_state=reporter.state, save_checkpoint=on_save, ref_model=ref_model, beta=args.beta,
+        trainer_state=reporter.state, save_checkpoint=on_save, ref_model=ref_model,
         weights=weights,
         verify_dir=(lambda v: verify_dir(args.output_dir, v)) if args.verify_weight_sync else None,
     )
-    executor = holder["executor"] = TrainerExecutor(job, topo)
+    executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)
     if resume_dir:
         checkpoint.load_trainer_side(trainer, executor, resume_dir)

@@ -1,0 +1,63 @@
+"""The job's clock: which batch each side works on at each tick, and what a tick or a step means.
+
+Every side reads the same `Schedule`, so the generator, the trainer, the controller and the checkpoints
+agree by construction. With `max_staleness = s`:
+
+    tick t:   the generator starts batch t (while t < num_batches)
+              the trainer trains batch t - s (while 0 <= t - s < num_batches): trainer step t - s + 1
+    ticks:    num_batches + s in all
+
+A batch the generator starts at tick t was sampled with the weights of trainer step >= t - s, so no
+token is more than s versions stale. With partial rollouts a batch spans up to `generation_ticks`
+ticks (<= max(s, 1), checked by the config); the trainer keeps sending weights while any are carried.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def ticks_per_batch(max_completion_length: int, partial_rollout_tokens: int | None) -> int:
+    """The most ticks the generator spends on one batch: ceil(L / B) with partial rollouts, else 1."""
+    budget = partial_rollout_tokens or max_completion_length
+    return max(1, -(-max_completion_length // budget))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    num_batches: int
+    max_staleness: int
+    generation_ticks: int = 1  # ticks_per_batch(...)
+
+    @property
+    def num_ticks(self) -> int:
+        return self.num_batches + self.max_staleness
+
+    @property
+    def synchronous(self) -> bool:
+        """s = 0: the generator waits for the weights of the previous step (strictly on-policy)."""
+        return self.max_staleness == 0
+
+    def generator_batch(self, tick: int) -> int | None:
+        """The batch the generator starts at `tick`, or None once every batch is started."""
+        return tick if 0 <= tick < self.num_batches else None
+
+    def trainer_batch(self, tick: int) -> int | None:
+        """The batch the trainer trains on at `tick`, or None (the first s ticks, and after the last batch)."""
+        batch = tick - self.max_staleness
+        return batch if 0 <= batch < self.num_batches else None
+
+    def step_done(self, tick: int) -> int:
+        """The trainer step complete at the end of `tick` (0: none yet)."""
+        return max(0, min(tick - self.max_staleness + 1, self.num_batches))
+
+    def tick_of_step(self, step: int) -> int:
+        """The tick at whose end trainer step `step` is complete (a checkpoint of that step resumes after it)."""
+        return step - 1 + self.max_staleness
+
+    def generator_samples(self, tick: int) -> bool:
+        """Whether the generator still samples at `tick`: a new batch, or completions carried from earlier ticks."""
+        return tick < self.num_batches + self.generation_ticks - 1
+
+    def trains(self, tick: int) -> bool:
+        return self.trainer_batch(tick) is not None

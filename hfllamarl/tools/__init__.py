@@ -1,0 +1,1 @@
+"""Tools around the runtime: benchmarks, the planner, evaluation, the tiny demo model."""
