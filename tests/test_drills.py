@@ -42,11 +42,12 @@ def start(model: str, out: str, launch: str, extra=()) -> subprocess.Popen:
 def ranks_of(proc: subprocess.Popen, launch: str) -> dict[str, psutil.Process]:
     """The job's processes by role."""
     if launch == "python":
-        kids = [p for p in psutil.Process(proc.pid).children(recursive=True) if "hfllamarl.runtime.generator_child" in " ".join(p.cmdline())]
+        kids = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                if "hfllamarl.runtime.generator_child" in " ".join(cmdline(p))]
         return {"trainer0": psutil.Process(proc.pid), "generator": kids[0]}
     out = {}
     for p in psutil.Process(proc.pid).children():
-        if "train_tiny.py" in " ".join(p.cmdline()):
+        if "train_tiny.py" in " ".join(cmdline(p)):
             out[{"0": "trainer0", "1": "trainer1", "2": "generator"}[p.environ()["LOCAL_RANK"]]] = p
     return out
 
@@ -58,6 +59,14 @@ def wait_first_step(out: str, proc: subprocess.Popen, timeout: float = 400) -> N
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the job never finished its first step"
         time.sleep(0.5)
+
+
+def cmdline(p: psutil.Process) -> list[str]:
+    """A process's command line; empty once it has ended (a zombie has none)."""
+    try:
+        return p.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return []
 
 
 def alive(p: psutil.Process) -> bool:
@@ -91,7 +100,7 @@ def drill(model: str, out: str, launch: str, victim: str, sig: str, results: dic
                                           "left": [p.pid for p in survivors if alive(p)]}
     finally:
         for p in psutil.Process(os.getpid()).children(recursive=True):
-            if out in " ".join(p.cmdline()):
+            if out in " ".join(cmdline(p)):
                 p.kill()
         if proc.poll() is None:
             proc.kill()
@@ -133,12 +142,34 @@ def test_every_rank_under_torchrun(family_model, tmp_path, sig):
         assert not orphans(str(tmp_path / "-".join(case)))
 
 
-def test_every_rank_under_plain_python(family_model, tmp_path):
+def test_every_rank_under_plain_python_and_a_rank_that_fails(family_model, tmp_path):
+    """Plain `python`: the trainer (the parent) and the generator child, killed and frozen. Side by side, three
+    jobs whose rank fails on its own: vLLM cannot start (a KV cache too small for one sequence; under python and
+    torchrun) or a reward function raises; each ends with that rank's own exception as its last lines, not with a
+    lost heartbeat."""
+    model = family_model("llama")
+    failing = {"python": ["--kv-cache-bytes", "4096", "--steps", "2"],
+               "torchrun": ["--kv-cache-bytes", "4096", "--steps", "2"],
+               "reward": ["--bad-reward", "raise", "--steps", "2"]}
+    started = time.monotonic()
+    procs = {name: start(model, str(tmp_path / f"fails-{name}"), "torchrun" if name == "torchrun" else "python",
+                         extra=extra) for name, extra in failing.items()}
     cases = [("python", victim, sig) for victim in ("trainer0", "generator") for sig in ("SIGKILL", "SIGSTOP")]
-    results = run_side_by_side(family_model("llama"), tmp_path, cases)
+    results = run_side_by_side(model, tmp_path, cases)
     for case in cases:
         check(results, case)
         assert not orphans(str(tmp_path / "-".join(case)))
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode != 0, name
+        last = "\n".join(err.strip().splitlines()[-6:])
+        if name == "reward":
+            assert "reward function 'broken' raised RuntimeError" in last, err[-4000:]
+        else:
+            assert "ValueError: No available memory for the cache blocks" in last, (name, err[-4000:])
+            assert "generator 0)" in err and "no heartbeat" not in last, (name, err[-4000:])
+        assert not orphans(str(tmp_path / f"fails-{name}"))
+    assert time.monotonic() - started < 400
 
 
 def bare_drill(model: str, out: str, victim: int, sig: str, results: dict) -> None:
@@ -187,20 +218,3 @@ def test_under_a_bare_launch_the_store_host_frozen_or_a_rank_killed(family_model
         assert "rank 1 (trainer 1) stopped answering" in err, err[-3000:]
     for v in (0, 1):
         assert not orphans(str(tmp_path / f"bare{v}"))
-
-
-def test_generator_start_up_failure_ends_with_its_own_error(family_model, tmp_path):
-    """vLLM cannot start (a KV cache too small for one sequence): the job ends with the generator's own
-    exception as its last lines, not with a lost heartbeat. Under plain python and torchrun, side by side."""
-    started = time.monotonic()
-    procs = {launch: start(family_model("llama"), str(tmp_path / launch), launch,
-                           extra=["--kv-cache-bytes", "4096", "--steps", "2"]) for launch in ("python", "torchrun")}
-    for launch, proc in procs.items():
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode != 0, launch
-        last = "\n".join(line for line in err.strip().splitlines()[-6:])
-        assert "ValueError: No available memory for the cache blocks" in last, (launch, err[-4000:])
-        assert "generator 0)" in err and "no heartbeat" not in last, (launch, err[-4000:])
-    assert time.monotonic() - started < 150
-    for launch in procs:
-        assert not orphans(str(tmp_path / launch))

@@ -45,17 +45,6 @@ def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
     assert not orphans(out)
 
 
-@pytest.mark.parametrize("bad,message", [("raise", "reward function 'broken' raised RuntimeError")])
-def test_bad_reward_function_fails_cleanly(tiny_model, tmp_path, bad, message):
-    """(A reward returning the wrong number of values: tests/test_reward_runner.py.)"""
-    out = str(tmp_path / bad)
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--bad-reward", bad, "--report-to", "none"],
-                      timeout=300)
-    assert proc.returncode != 0
-    assert message in proc.stderr, tail(proc)
-    assert not orphans(out)
-
-
 def test_more_generators_than_processes_is_explained(tiny_model, tmp_path):
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, str(tmp_path / "x"), "--num-generators", "2"],
                       nproc=2, timeout=120)

@@ -242,7 +242,7 @@ def load_model_weights(model: torch.nn.Module, directory: str) -> None:
 
 def load_adapter_shards(model: torch.nn.Module, directory: str) -> None:
     """A sharded LoRA policy's adapters from the checkpoint in `directory` (each rank keeps its rows)."""
-    from hfllamarl.plugins.weight_sync.ddma import local_shard
+    from .fsdp import local_shard
 
     path = os.path.join(directory, "hfllamarl", ADAPTERS)
     if not os.path.isfile(path):

@@ -81,3 +81,23 @@ def broadcast_from_rank0(model: torch.nn.Module, device: torch.device) -> None:
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, src=0)
+
+
+def local_shard(t: torch.Tensor, trainer_rank: int) -> tuple[torch.Tensor, int]:
+    """(this rank's rows of `t`, their offset on dim 0). A plain tensor belongs to trainer rank 0."""
+    if hasattr(t, "to_local"):
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        placements = tuple(t.placements)
+        local = t.to_local()
+        if all(isinstance(p, Replicate) for p in placements):
+            return (local if trainer_rank == 0 else local[:0]), 0
+        if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+            raise ValueError(f"expected an FSDP2 Shard(0) placement, got {placements}")
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
+        return local, int(offset[0]) if len(offset) else 0
+    t = t.detach()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return (t if trainer_rank == 0 else t[:0]), 0

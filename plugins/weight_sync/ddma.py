@@ -35,6 +35,7 @@ import torch
 
 from hfllamarl.runtime.channels import recv_object, send_objects, send_tensor, start_recv_tensor
 from hfllamarl.contracts import Box, WeightSyncBackend
+from hfllamarl.runtime.fsdp import local_shard
 from hfllamarl.runtime.weight_sync import whole
 
 
@@ -54,26 +55,6 @@ class ShardInfo:
         for d in self.shape:
             n *= d
         return n * self.dtype.itemsize
-
-
-def local_shard(t: torch.Tensor, trainer_rank: int) -> tuple[torch.Tensor, int]:
-    """(this rank's rows of `t`, their offset on dim 0). A plain tensor belongs to trainer rank 0."""
-    if hasattr(t, "to_local"):
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        placements = tuple(t.placements)
-        local = t.to_local()
-        if all(isinstance(p, Replicate) for p in placements):
-            return (local if trainer_rank == 0 else local[:0]), 0
-        if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
-            raise ValueError(f"nccl_ddma: expected FSDP2 Shard(0) placement, got {placements}")
-        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
-        return local, int(offset[0]) if len(offset) else 0
-    t = t.detach()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return (t if trainer_rank == 0 else t[:0]), 0
 
 
 @dataclass(frozen=True)

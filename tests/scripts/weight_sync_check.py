@@ -74,11 +74,14 @@ def kv_split(boxes: dict, tp_rank: int, tp_size: int) -> dict:
     return out
 
 
+JOB: dict = {}  # this process's topology, once it has one
+
+
 def main():
     model_dir = sys.argv[1]
     backend_name = sys.argv[2] if len(sys.argv) > 2 else "broadcast"
     generators = int(os.environ.get("GENERATORS", "1"))
-    topo = init_topology(num_generator_processes=generators, timeout_s=120, use_cpu=True)
+    topo = JOB["topology"] = init_topology(num_generator_processes=generators, timeout_s=120, use_cpu=True)
     topo.bridge("object"), topo.bridge("tensor")
     options = {"bucket_bytes": int(sys.argv[3])} if len(sys.argv) > 3 else {}
     if int(os.environ.get("DIE", "-1")) == topo.rank:
@@ -150,12 +153,10 @@ def main():
 
 
 if __name__ == "__main__":  # vLLM may start spawn workers that import this file
-    from hfllamarl.runtime.topology import current
-
     try:
         main()
     except Exception as exc:
-        if current() is None:
+        if JOB.get("topology") is None:
             raise
-        raise fail(current(), exc)  # as the controller does: name the rank at fault
-    current().liveness.mark_done()
+        raise fail(JOB["topology"], exc)  # as the controller does: name the rank at fault
+    JOB["topology"].liveness.mark_done()
