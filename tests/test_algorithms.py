@@ -143,3 +143,22 @@ def test_algorithm_metrics_reduce_by_their_names():
     out = reduce_metrics({"loss": [0.5], "mine/thing": [1.0, 3.0], "is_ratio/max": [1.5, 4.0],
                           "is_ratio/min": [0.5, 0.25], "empty": []})
     assert out == {"loss": 0.5, "mine/thing": 2.0, "is_ratio/max": 4.0, "is_ratio/min": 0.25}
+
+
+def test_an_algorithm_that_breaks_the_contract_is_named():
+    from hfllamarl.runtime.trainer import checked_loss
+
+    class Broken:
+        pass
+
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    good = (w.sum(), {"mine": torch.tensor(0.5), "n": 3})
+    loss, metrics = checked_loss(Broken(), good)
+    assert loss.shape == () and metrics == {"mine": 0.5, "n": 3.0}
+    for out, match in [(w.sum(), "returned Tensor from loss"),
+                        ((w * 2, {}), r"a tensor of shape \(2,\) as its loss"),
+                        ((w.sum().detach(), {}), "without gradient"),
+                        ((w.sum(), [0.5]), "returned list as its metrics"),
+                        ((w.sum(), {"x": "high"}), "metric 'x' = 'high'")]:
+        with pytest.raises(TypeError, match=f"the algorithm Broken .*{match}"):
+            checked_loss(Broken(), out)

@@ -240,8 +240,8 @@ class TrainerExecutor(Executor):
                                                       batch["mask"], spec.sampling)
                     ref = torch.where(outside | ref_outside, logprobs.detach(), ref)  # KL only where both can sample
             extra = {"ref_logprobs": ref} if ref is not None else {}
-            loss, m = spec.algorithm.loss(logprobs, batch["behavior_logprobs"], chunk_advantages, batch["mask"], **extra)
-            m = dict(m)
+            loss, m = checked_loss(spec.algorithm, spec.algorithm.loss(logprobs, batch["behavior_logprobs"],
+                                                                       chunk_advantages, batch["mask"], **extra))
             m["is_ratio/outside_support_frac"] = float(outside.sum()) / max(float(batch["mask"].sum()), 1.0)
             # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
             agree(self._nonfinite(batch, raw.masked_fill(outside, 0.0), chunk_advantages, loss, chunk, k * mb),
@@ -335,6 +335,29 @@ def _all_reduce(values: dict[str, float], op: str) -> dict[str, float]:
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return dict(zip(keys, t.tolist()))
+
+
+def checked_loss(algorithm, out) -> tuple[torch.Tensor, dict[str, float]]:
+    """What `Algorithm.loss` returned, checked against the contract: a scalar tensor with gradient and a dict of
+    numbers by metric name. A plugin that breaks it is named, before anything is logged or stepped."""
+    name = type(algorithm).__name__
+    contract = "Algorithm.loss must return (a scalar loss tensor with gradient, {metric name: number})"
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"the algorithm {name} returned {type(out).__name__} from loss(); {contract}.")
+    loss, metrics = out
+    if not (torch.is_tensor(loss) and loss.numel() == 1 and loss.requires_grad):
+        what = f"a tensor of shape {tuple(loss.shape)}" + ("" if loss.requires_grad else " without gradient") \
+            if torch.is_tensor(loss) else type(loss).__name__
+        raise TypeError(f"the algorithm {name} returned {what} as its loss; {contract}.")
+    if not isinstance(metrics, dict):
+        raise TypeError(f"the algorithm {name} returned {type(metrics).__name__} as its metrics; {contract}.")
+    clean = {}
+    for key, value in metrics.items():
+        try:
+            clean[str(key)] = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"the algorithm {name} returned metric {key!r} = {value!r}; {contract}.") from None
+    return loss.reshape(()), clean
 
 
 def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
