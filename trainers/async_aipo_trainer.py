@@ -93,7 +93,6 @@ class AsyncAIPOTrainer:
         num_batches = args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(
             args.num_train_epochs * len(train_dataset) / args.prompts_per_step)
         self.schedule = Schedule(num_batches, args.max_staleness, args.generation_ticks)
-        self.num_batches = num_batches
         self.callbacks = callbacks
         self.model = None
         if self.topology.role == "trainer":
@@ -103,6 +102,11 @@ class AsyncAIPOTrainer:
 
                 self.model = apply_peft(self.model, peft_config)
         self.state = None
+
+    @property
+    def num_batches(self) -> int:
+        """Generation batches = trainer steps of the whole run."""
+        return self.schedule.num_batches
 
     # ------------------------------------------------------------------ public API
     def train(self, resume_from_checkpoint=None, **kwargs) -> TrainOutput:

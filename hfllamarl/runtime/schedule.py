@@ -58,6 +58,3 @@ class Schedule:
     def generator_samples(self, tick: int) -> bool:
         """Whether the generator still samples at `tick`: a new batch, or completions carried from earlier ticks."""
         return tick < self.num_batches + self.generation_ticks - 1
-
-    def trains(self, tick: int) -> bool:
-        return self.trainer_batch(tick) is not None

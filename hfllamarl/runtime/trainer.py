@@ -249,7 +249,7 @@ class TrainerExecutor(Executor):
             (loss / steps).backward()
             loss_total += loss.item() / steps
             for key, value in m.items():
-                stats.setdefault(key, []).append(float(value))
+                stats.setdefault(key, []).append(value)
         return loss_total, stats
 
     @staticmethod
@@ -289,8 +289,7 @@ class TrainerExecutor(Executor):
             vals = [s for s in scores if s is not None]
             local[f"rf_sum/{name}"] = sum(vals)
             local[f"rf_n/{name}"] = len(vals)
-        summed = _all_reduce(local, "sum")
-        maxed = _all_reduce({"staleness_max": max(oldest, default=0)}, "max")
+        summed = _all_sum(local)
         count = summed["count"]
         mean = summed["reward_sum"] / count
         metrics: dict[str, float] = {"reward": mean,
@@ -299,9 +298,8 @@ class TrainerExecutor(Executor):
             metrics[f"rewards/{name}/mean"] = summed[f"rf_sum/{name}"] / max(summed[f"rf_n/{name}"], 1)
         # The loss and the algorithm's own metrics (is_ratio/*, clipped_frac, behavior_kl, kl, ...), plus the share of
         # sampled tokens the current policy's top-k/top-p/min-p no longer allow (weight 0; only off-policy).
-        metrics.update(reduce_metrics({"loss": [loss_total], **stats}))
+        metrics.update(reduce_metrics({"loss": [loss_total], "staleness/max": [max(oldest, default=0)], **stats}))
         metrics["staleness/mean"] = summed["staleness_sum"] / max(summed["staleness_n"], 1)
-        metrics["staleness/max"] = maxed["staleness_max"]
         metrics["staleness/token_mean"] = summed["token_staleness_sum"] / max(summed["len_sum"], 1)
         metrics["partial_rollouts/count"] = summed["partial"]  # completions generated over more than one tick
         metrics["partial_rollouts/mean_length"] = summed["partial_len"] / max(summed["partial"], 1)
@@ -327,13 +325,13 @@ class TrainerExecutor(Executor):
         self.spec.save_checkpoint(self.version)
 
 
-def _all_reduce(values: dict[str, float], op: str) -> dict[str, float]:
-    """Reduce a dict of floats over the trainer world (identity with one trainer rank)."""
+def _all_sum(values: dict[str, float]) -> dict[str, float]:
+    """Sum a dict of floats over the trainer world (identity with one trainer rank)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return dict(values)
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
 
 
@@ -364,15 +362,20 @@ def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
     """Per-micro-batch metrics -> one value each over this rank's micro-batches and every trainer rank: the
     maximum for names ending in `/max`, the minimum for `/min`, else the mean of the ranks' means. A name only
     some ranks report is reduced over those."""
-    local = {k: max(v) if k.endswith("/max") else min(v) if k.endswith("/min") else sum(v) / len(v)
-             for k, v in values.items() if v}
+    local = {k: _combine(k, v) for k, v in values.items() if v}
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, local)
     else:
         everyone = [local]
-    out = {}
-    for key in sorted({k for part in everyone for k in part}):
-        seen = [part[key] for part in everyone if key in part]
-        out[key] = max(seen) if key.endswith("/max") else min(seen) if key.endswith("/min") else sum(seen) / len(seen)
-    return out
+    keys = sorted({k for part in everyone for k in part})
+    return {key: _combine(key, [part[key] for part in everyone if key in part]) for key in keys}
+
+
+def _combine(name: str, values: list[float]) -> float:
+    """Several values of metric `name` as one: the maximum for `/max`, the minimum for `/min`, else the mean."""
+    if name.endswith("/max"):
+        return max(values)
+    if name.endswith("/min"):
+        return min(values)
+    return sum(values) / len(values)
