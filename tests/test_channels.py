@@ -35,3 +35,54 @@ def test_two_batches_finished_in_one_tick_are_shared_batch_by_batch():
     assert [g for c in chunks for g in c if g.batch_index == 3] == groups[:4]  # order kept within a batch
     three = split_by_batch(groups[:3] + groups[4:7], 2)  # uneven: sizes differ by at most one per batch
     assert [[g.batch_index for g in c] for c in three] == [[3, 3, 4, 4], [3, 4]]
+
+
+def _rendezvous_with_a_peer(peer, budget_s: float):
+    """Rank 0 of a real store (timeout 1 s) meets rank 1, played by `peer(client, key)` in a thread."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from hfllamarl.runtime.topology import Topology
+
+    topo = Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=1, use_cpu=True)
+    topo.store()
+    client = dist.TCPStore(*topo.store_addr, is_master=False, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    thread = threading.Thread(target=peer, args=(client, lambda kind: topo.liveness._key(kind, 1)), daemon=True)
+    thread.start()
+    started = time.monotonic()
+    try:
+        topo.liveness.rendezvous("start-up", budget_s, why=" (vllm_server_timeout)")
+        return time.monotonic() - started, None
+    except Exception as exc:  # noqa: BLE001 (the caller checks which)
+        return time.monotonic() - started, exc
+    finally:
+        thread.join()
+
+
+def test_startup_waits_for_a_slow_peer_past_the_collective_timeout_and_no_longer_than_its_budget():
+    """A peer still starting (beating, not there yet) is waited for beyond collective_timeout_s (1 s here) up to
+    the start-up budget; one that failed meanwhile ends the wait at once with its own error."""
+    def slow(client, key, arrive_after=3.0):
+        end = time.time() + arrive_after
+        while time.time() < end:
+            client.set(key("heartbeat"), repr(time.time()))
+            time.sleep(0.2)
+        client.set(key("reached/start-up"), "1")
+
+    waited, error = _rendezvous_with_a_peer(slow, budget_s=30)
+    assert error is None and 3.0 <= waited < 10, (waited, error)
+
+    waited, error = _rendezvous_with_a_peer(lambda c, k: slow(c, k, arrive_after=4.0), budget_s=2)
+    assert "rank 1 (generator 0) did not reach 'start-up' within 2 s (vllm_server_timeout)" in str(error), error
+    assert 2.0 <= waited < 4.0, waited
+
+    def fails(client, key):
+        import json
+        client.set(key("failed"), json.dumps({"time": time.time(), "cause": "ValueError: no KV cache",
+                                              "reaction": False}))
+
+    waited, error = _rendezvous_with_a_peer(fails, budget_s=30)
+    assert "rank 1 (generator 0) failed:\nValueError: no KV cache" in str(error) and waited < 5, (waited, error)

@@ -51,6 +51,7 @@ def test_defaults_and_derived_sizes():
     ({"num_generator_processes": 3, "generator_tensor_parallel_size": 2}, "multiple of"),
     ({"reward_errors": "ignore"}, "reward_errors"),
     ({"collective_timeout_s": 0}, "collective_timeout_s"),
+    ({"vllm_server_timeout": 0}, "vllm_server_timeout .how long the ranks wait for each other.s start-up"),
 ])
 def test_bad_settings_are_explained(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -143,14 +143,16 @@ def test_every_rank_under_torchrun(family_model, tmp_path, sig):
 
 
 def test_every_rank_under_plain_python_and_a_rank_that_fails(family_model, tmp_path):
-    """Plain `python`: the trainer (the parent) and the generator child, killed and frozen. Side by side, three
+    """Plain `python`: the trainer (the parent) and the generator child, killed and frozen. Side by side, four
     jobs whose rank fails on its own: vLLM cannot start (a KV cache too small for one sequence; under python and
-    torchrun) or a reward function raises; each ends with that rank's own exception as its last lines, not with a
-    lost heartbeat."""
+    torchrun), a reward function raises, or the start-up budget (vllm_server_timeout, 1 s) runs out before the
+    engine is up; each ends with that rank's own exception as its last lines, not with a lost heartbeat. (The
+    drilled jobs' engines start side by side, slower than their collective timeout: start-up has its own budget.)"""
     model = family_model("llama")
     failing = {"python": ["--kv-cache-bytes", "4096", "--steps", "2"],
                "torchrun": ["--kv-cache-bytes", "4096", "--steps", "2"],
-               "reward": ["--bad-reward", "raise", "--steps", "2"]}
+               "reward": ["--bad-reward", "raise", "--steps", "2"],
+               "startup": ["--startup-timeout", "1", "--steps", "2"]}
     started = time.monotonic()
     procs = {name: start(model, str(tmp_path / f"fails-{name}"), "torchrun" if name == "torchrun" else "python",
                          extra=extra) for name, extra in failing.items()}
@@ -165,6 +167,9 @@ def test_every_rank_under_plain_python_and_a_rank_that_fails(family_model, tmp_p
         last = "\n".join(err.strip().splitlines()[-6:])
         if name == "reward":
             assert "reward function 'broken' raised RuntimeError" in last, err[-4000:]
+        elif name == "startup":
+            # (the child joining, or its engine, is what the budget ran out on: either names it)
+            assert "rank 1 (generator 0) did not" in last and "within 1 s (vllm_server_timeout" in last, err[-4000:]
         else:
             assert "ValueError: No available memory for the cache blocks" in last, (name, err[-4000:])
             assert "generator 0)" in err and "no heartbeat" not in last, (name, err[-4000:])

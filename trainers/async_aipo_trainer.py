@@ -135,7 +135,7 @@ class AsyncAIPOTrainer:
             topo.init_local_world()
             if topo.mode == "single":
                 topo.liveness.start()
-                topo.liveness.await_joining(topo.generator_ranks)
+                topo.liveness.await_joining(topo.generator_ranks, self.args.vllm_server_timeout)
             topo.bridge("object"), topo.bridge("tensor")  # every rank joins both bridge groups up front
             backend = build_backend(self.args.weight_sync_backend, topo, **spec.weight_sync_options)
             if topo.role == "generator":
@@ -210,6 +210,7 @@ class AsyncAIPOTrainer:
             save_total_limit=a.save_total_limit,
             partial_rollout_tokens=a.partial_rollout_tokens,
             verify_weight_sync=a.verify_weight_sync,
+            startup_timeout_s=a.vllm_server_timeout,
         )
 
     def _generator_dtype(self) -> str:

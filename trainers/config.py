@@ -225,6 +225,9 @@ class AsyncAIPOConfig(GRPOConfig):
             raise ValueError(f"AsyncAIPOConfig: reward_errors must be 'raise' or 'zero', not {self.reward_errors!r}.")
         if self.collective_timeout_s <= 0:
             raise ValueError("AsyncAIPOConfig: collective_timeout_s must be > 0.")
+        if self.vllm_server_timeout <= 0:
+            raise ValueError("AsyncAIPOConfig: vllm_server_timeout (how long the ranks wait for each other's "
+                             "start-up: the policy loaded, the vLLM engine up) must be > 0.")
         if str(getattr(self.save_strategy, "value", self.save_strategy)) == "best" or self.load_best_model_at_end:
             raise ValueError(
                 "AsyncAIPOConfig: save_strategy='best' / load_best_model_at_end keep the checkpoint with the best "

@@ -170,6 +170,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         trainer_state=reporter.state, save_checkpoint=on_save, ref_model=ref_model,
         weights=weights,
         verify_dir=(lambda v: verify_dir(args.output_dir, v)) if args.verify_weight_sync else None,
+        startup_timeout_s=args.vllm_server_timeout,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)

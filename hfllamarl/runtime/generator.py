@@ -20,7 +20,7 @@ from typing import Any
 from . import checkpoint
 from .checkpoint import load_generator_side
 from .engine import WeightSyncMismatch, build_engine, load_weights, loader_boxes, verify_against_disk
-from .executor import Executor
+from .executor import Executor, wait_for_startup
 from .prompts import PromptEncoder, batch_rows
 from .rollout import UNFINISHED, InFlightBatch, Rollout, RolloutGroup
 from .sampling import Sampling
@@ -65,6 +65,7 @@ class GeneratorSpec:
     partial_rollout_tokens: int | None = None  # per-tick token budget of one completion (None: no partial rollouts)
     initial_version: int = 0  # the policy version of `model_path` (> 0 when resuming from a checkpoint)
     resume_dir: str | None = None
+    startup_timeout_s: float = 240.0  # how long the ranks wait for each other's start-up (vllm_server_timeout)
 
 
 class GeneratorExecutor(Executor):
@@ -92,6 +93,7 @@ class GeneratorExecutor(Executor):
 
         self.encoder = PromptEncoder(AutoTokenizer.from_pretrained(spec.tokenizer_path), spec.chat_template_kwargs)
         self.llm = self._build_engine()
+        wait_for_startup(self.topology, spec.startup_timeout_s)
         if self.backend is None:
             self.backend = build_backend(spec.weight_sync_backend, self.topology, **spec.weight_sync_options)
         self.backend.setup_generator(lambda weights: loader_boxes(self.llm, weights))

@@ -202,18 +202,46 @@ class Liveness:
         """A generator child is about to join the bridge (its parent waits for this before it does)."""
         timed(lambda: self._locked(lambda c: c.set(self._key("joining", self.topology.rank), "1")), STORE_CALL_S)
 
-    def await_joining(self, ranks: list[int], poll_s: float = 0.2) -> None:
-        """Single-process parent: wait until every child announced it joins the bridge, or raise the verdict
-        if one failed first (joining a group a peer never joins would block for the whole timeout)."""
-        deadline = time.monotonic() + self.topology.timeout_s
+    def await_joining(self, ranks: list[int], budget_s: float, poll_s: float = 0.2) -> None:
+        """Single-process parent: wait (at most `budget_s`, the start-up budget) until every child announced it
+        joins the bridge, or raise the verdict if one failed first (joining a group a peer never joins would block
+        for the whole timeout)."""
+        deadline = time.monotonic() + budget_s
         keys = [self._key("joining", r) for r in ranks]
-        while not timed(lambda: self._locked(lambda c: all(c.check([k]) for k in keys)), STORE_CALL_S):
+        while missing := timed(lambda: self._locked(lambda c: [r for r, k in zip(ranks, keys) if not c.check([k])]),
+                               STORE_CALL_S):
             verdict = self.verdict()
             if verdict:
                 raise PeerLostError(f"{self.topology.describe(self.topology.rank)} stops because {verdict}")
             if time.monotonic() > deadline:
-                raise PeerLostError(f"the generator processes did not start within {self.topology.timeout_s:.0f} s "
-                                    "(collective_timeout_s)")
+                names = ", ".join(self.topology.describe(r) for r in missing)
+                raise PeerLostError(f"{names} did not join the job within {budget_s:.0f} s (vllm_server_timeout: "
+                                    "the start-up budget) and did not fail: raise that budget for a large model "
+                                    "or a busy machine.")
+            time.sleep(poll_s)
+
+    def rendezvous(self, what: str, budget_s: float, why: str = "", poll_s: float = 0.2) -> None:
+        """Wait until every rank of the job has reached `what` (e.g. its vLLM engine is up), for at most
+        `budget_s`. A start-up step takes as long as it takes on a busy machine, so the wait is bounded by the
+        start-up budget, not the collective timeout; a rank that fails or goes silent meanwhile ends it at once
+        with the verdict. `why` names the budget's setting in the error."""
+        topo = self.topology
+        name = "reached/" + what.replace(" ", "_")
+        timed(lambda: self._locked(lambda c: c.set(self._key(name, topo.rank), "1")), STORE_CALL_S)
+        deadline = time.monotonic() + budget_s
+        while True:
+            missing = timed(lambda: self._locked(
+                lambda c: [r for r in self._others() if not c.check([self._key(name, r)])]), STORE_CALL_S)
+            if not missing:
+                return
+            verdict = self.verdict()
+            if verdict:
+                raise PeerLostError(f"{topo.describe(topo.rank)} stops because {verdict}")
+            if time.monotonic() > deadline:
+                names = ", ".join(topo.describe(r) for r in missing)
+                raise PeerLostError(f"{names} did not reach '{what}' within {budget_s:.0f} s{why} (seen from "
+                                    f"{topo.describe(topo.rank)}) and did not fail: raise that budget for a large "
+                                    "model or a busy machine.")
             time.sleep(poll_s)
 
     # ---------------------------------------------------------------- the others

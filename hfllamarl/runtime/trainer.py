@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .executor import Executor
+from .executor import Executor, wait_for_startup
 from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from .generator import ROLLOUTS
 from .rewards import RewardRunner
@@ -52,6 +52,7 @@ class TrainerSpec:
     ref_model: Any = None  # with beta > 0: the frozen reference policy, sharded like the policy (the algorithm
     # adds the KL term from the reference log-probs it is given)
     verify_dir: Callable[[int], str] | None = None  # verify_weight_sync: where policy version v is exported
+    startup_timeout_s: float = 240.0  # how long the ranks wait for each other's start-up (vllm_server_timeout)
 
 
 def pad_batch(rollouts: list[Rollout], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -118,6 +119,7 @@ class TrainerExecutor(Executor):
 
     def init(self) -> None:
         self.backend = self.backend or self.spec.backend
+        wait_for_startup(self.topology, self.spec.startup_timeout_s)
         self.backend.setup_trainer(self.weights)
         self.sync_bytes = sum(t.numel() * self.backend.wire_dtype(t.dtype).itemsize
                               for t in self.weights.state_dict().values())

@@ -1,10 +1,12 @@
 """Two FSDP2 trainer ranks (no generator): rank 1's micro-batch holds a NaN mu. Both ranks stop before the
-backward pass with the same error, naming rank 1, and neither weight shard changes.
+backward pass with the same error, naming rank 1, and neither weight shard changes. Each rank writes its
+result to RESULT_DIR/rank<N>.json (the ranks share one stdout, where their lines could interleave).
 
-    torchrun --nproc_per_node 2 tests/scripts/finite_check.py
+    RESULT_DIR=/tmp/out torchrun --nproc_per_node 2 tests/scripts/finite_check.py
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -37,7 +39,8 @@ def main():
         message = str(exc)
     model.reshard()  # the root's parameters stay gathered after a forward pass that had no backward
     unchanged = all(torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters())
-    print("RESULT " + json.dumps({"rank": rank, "message": message, "unchanged": unchanged}), flush=True)
+    with open(os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json"), "w") as fh:
+        json.dump({"rank": rank, "message": message, "unchanged": unchanged}, fh)
     dist.destroy_process_group()
 
 

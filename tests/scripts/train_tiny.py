@@ -83,6 +83,7 @@ def main():
     p.add_argument("--kill-in-checkpoint", type=int, default=0, help="SIGKILL while this step's checkpoint is written")
     p.add_argument("--verify-weight-sync", action="store_true", help="check every sync against vLLM's own loader")
     p.add_argument("--timeout", type=float, default=60, help="collective_timeout_s")
+    p.add_argument("--startup-timeout", type=float, default=240, help="vllm_server_timeout (start-up budget)")
     p.add_argument("--transforms", action="store_true",
                    help="sample with temperature 0.9, top-k 20, top-p 0.95, min-p 0.02, repetition penalty 1.3")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="generator_kv_cache_bytes (tiny: vLLM fails to start)")
@@ -95,7 +96,7 @@ def main():
         max_completion_length=4, learning_rate=a.learning_rate, logging_steps=1, report_to=a.report_to,
         max_staleness=a.max_staleness, num_generator_processes=a.num_generators, seed=0,
         generator_tensor_parallel_size=a.generator_tp,
-        collective_timeout_s=a.timeout, generator_kv_cache_bytes=a.kv_cache_bytes, save_steps=a.save_steps, beta=a.beta, partial_rollout_tokens=a.partial_rollout_tokens,
+        collective_timeout_s=a.timeout, vllm_server_timeout=a.startup_timeout, generator_kv_cache_bytes=a.kv_cache_bytes, save_steps=a.save_steps, beta=a.beta, partial_rollout_tokens=a.partial_rollout_tokens,
         algorithm=a.algorithm,
         verify_weight_sync=a.verify_weight_sync,
         **(dict(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.3) if a.transforms else {}),
