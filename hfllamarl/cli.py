@@ -6,6 +6,7 @@
     hfllamarl bench learning ...      learning vs staleness on the demo task (hfllamarl.tools.bench_learning)
     hfllamarl bench profile ...       measure decode-step and training-token times for plan --profile (hfllamarl.tools.bench_profile)
     hfllamarl bench load ...          each trainer rank's memory while loading the policy, sharded vs whole (hfllamarl.tools.bench_load)
+    hfllamarl bench vs-trl ...        TRL's GRPOTrainer and AsyncAIPOTrainer on the same job, timed (hfllamarl.tools.bench_vs_trl)
     hfllamarl plan ...          recommend a trainer/generator GPU split from the memory and step-time model (hfllamarl.tools.plan)
     hfllamarl version
 """
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="action", required=True)
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
     # light modules: heavy imports happen inside their run()
-    from .tools import bench_learning, bench_load, bench_profile, bench_weight_sync as bench, evaluate, plan
+    from .tools import bench_learning, bench_load, bench_profile, bench_vs_trl, bench_weight_sync as bench, evaluate, plan
 
     _command(sub, "eval", "generate on a JSONL data set and score it", evaluate)
     bench_parser = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     _command(bench_parser, "profile", "measure decode-step and training-token times for plan --profile",
              bench_profile)
     _command(bench_parser, "load", "each trainer rank's memory while loading the policy, sharded vs whole", bench_load)
+    _command(bench_parser, "vs-trl", "TRL's GRPOTrainer and AsyncAIPOTrainer on the same job, timed", bench_vs_trl)
     _command(sub, "plan", "recommend a trainer/generator GPU split (LlamaRL section 6 model)", plan)
     sub.add_parser("version", help="print the version").set_defaults(
         func=lambda a: print(__import__("hfllamarl").__version__) or 0)

@@ -20,6 +20,7 @@ from typing import Any
 from . import checkpoint
 from .checkpoint import load_generator_side
 from .engine import WeightSyncMismatch, build_engine, load_weights, loader_boxes, verify_against_disk
+from .core_lending import open_board
 from .executor import Executor, wait_for_startup
 from .prompts import PromptEncoder, batch_rows
 from .rollout import UNFINISHED, InFlightBatch, Rollout, RolloutGroup
@@ -79,6 +80,7 @@ class GeneratorExecutor(Executor):
         self.in_flight: list[InFlightBatch] = []  # started batches with completions still carried
         self.weight_load_seconds = 0.0
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
+        self.core_board = None  # single-process CPU job: where this child says it has finished a tick
 
     # ------------------------------------------------------------------ set-up
     def init(self) -> None:
@@ -93,6 +95,7 @@ class GeneratorExecutor(Executor):
 
         self.encoder = PromptEncoder(AutoTokenizer.from_pretrained(spec.tokenizer_path), spec.chat_template_kwargs)
         self.llm = self._build_engine()
+        self.core_board = open_board(self.topology.num_generators) if self.topology.mode == "child" else None
         wait_for_startup(self.topology, spec.startup_timeout_s)
         if self.backend is None:
             self.backend = build_backend(spec.weight_sync_backend, self.topology, **spec.weight_sync_options)
@@ -156,6 +159,8 @@ class GeneratorExecutor(Executor):
         batch = self.spec.schedule.generator_batch(self.tick)
         if batch is not None or self.in_flight:
             self.pending = self.generate_tick(batch)
+        if self.core_board is not None:  # idle until the next tick's channels: the trainer may use these cores
+            self.core_board.finished(self.topology.local_rank, self.tick)
 
     def generate_tick(self, batch_index: int | None) -> list[RolloutGroup]:
         """One tick of generation: continue every carried completion and start batch `batch_index`.

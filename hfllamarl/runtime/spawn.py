@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 
+from .core_lending import ENV_BOARD
+
 ENV_STORE = "HFLLAMARL_STORE"  # host:port of the store a single-process parent hosts
 ENV_RANK = "HFLLAMARL_RANK"
 ENV_WORLD = "HFLLAMARL_WORLD_SIZE"
@@ -37,9 +39,14 @@ def start_children(topo, spec_path: str) -> list[tuple[int, subprocess.Popen]]:
     """Start one `hfllamarl.runtime.generator_child` process per generator rank; returns (rank, process) pairs."""
     host, port = topo.store_addr or ("127.0.0.1", topo.store().port)
     split = split_cpus(topo)
-    if split:  # the trainer (this process) keeps the first cores
+    board = None
+    if split:  # the trainer (this process) keeps the first cores, and borrows the others when they idle
         import torch
 
+        from .core_lending import CoreBoard, CoreLender
+
+        board = CoreBoard(spec_path + ".cores", topo.num_generators, create=True)
+        topo.core_lender = CoreLender(board, split[0], sorted(c for cpus in split.values() for c in cpus))
         os.sched_setaffinity(0, split[0])
         torch.set_num_threads(len(split[0]))
     children = []
@@ -60,6 +67,7 @@ def start_children(topo, spec_path: str) -> list[tuple[int, subprocess.Popen]]:
         if split:
             env["OMP_NUM_THREADS"] = str(len(split[rank]))
             env[ENV_CPUS] = ",".join(map(str, split[rank]))
+            env[ENV_BOARD] = board.path
         cmd = [sys.executable, "-m", "hfllamarl.runtime.generator_child", spec_path]
         children.append((rank, subprocess.Popen(cmd, env=env)))
     return children

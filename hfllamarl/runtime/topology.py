@@ -43,6 +43,7 @@ class Topology:
     _bridge: dict = field(default_factory=dict, repr=False)
     _hosts_store: bool = field(default=False, repr=False)
     _children: list = field(default_factory=list, repr=False)  # single mode: (rank, Popen) of each generator
+    core_lender: object = field(default=None, repr=False)  # single mode on a CPU: `core_lending.CoreLender`
 
     def __post_init__(self):
         self.liveness = Liveness(self)
@@ -179,6 +180,7 @@ class Topology:
         if self._children:
             raise TopologyError("the previous job's generator processes are still running")
         self.job_id += 1
+        self.core_lender = None
         self._bridge.clear()
         self.liveness.stop()
         self.liveness = Liveness(self)

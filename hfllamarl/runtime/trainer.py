@@ -111,6 +111,7 @@ class TrainerExecutor(Executor):
         self.trained_rows: list[list[int]] = []  # dataset rows of each trained batch, in order
         self._save_due = False
         self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
+        self.channel_seconds = 0.0  # this tick's time in the channels, before `step`
 
     @property
     def weights(self):
@@ -119,6 +120,8 @@ class TrainerExecutor(Executor):
 
     def init(self) -> None:
         self.backend = self.backend or self.spec.backend
+        if self.topology.core_lender is not None:  # a single-process CPU job: borrow the generators' idle cores
+            self.topology.core_lender.install(self.spec.model)
         wait_for_startup(self.topology, self.spec.startup_timeout_s)
         self.backend.setup_trainer(self.weights)
         self.sync_bytes = sum(t.numel() * self.backend.wire_dtype(t.dtype).itemsize
@@ -157,14 +160,27 @@ class TrainerExecutor(Executor):
             self.inbox.setdefault(group.batch_index, []).append(group)
 
     # ------------------------------------------------------------------ work
+    def set_step(self, tick: int) -> None:
+        super().set_step(tick)
+        self._tick_started = time.perf_counter()
+
     def step(self) -> None:
         batch_index = self.spec.schedule.trainer_batch(self.tick)
         if batch_index is None:
             return
+        self.channel_seconds = time.perf_counter() - self._tick_started
         groups = self.inbox.pop(batch_index, None)
         if not groups:
             raise RuntimeError(f"trainer: batch {batch_index} never arrived from the generator")
-        self.train_on(groups)
+        lender = self.topology.core_lender
+        if lender is None:
+            self.train_on(groups)
+            return
+        lender.begin(self.tick)
+        try:
+            self.train_on(groups)
+        finally:
+            lender.end()
 
     def train_on(self, groups: list[RolloutGroup]) -> dict:
         spec = self.spec
@@ -187,7 +203,9 @@ class TrainerExecutor(Executor):
         reward_seconds = time.perf_counter() - rewards_t0
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
         advantages = spec.algorithm.advantages(rewards_t, spec.num_generations)  # [N]
+        backward_t0 = time.perf_counter()
         loss_total, stats = self._accumulate_gradients(rollouts, advantages)
+        backward_seconds = time.perf_counter() - backward_t0
         model = spec.model
         grad_norm = total_grad_norm(model, spec.max_grad_norm)
         if not math.isfinite(grad_norm):  # no optimizer step with a NaN/inf gradient: the weights stay finite
@@ -197,14 +215,24 @@ class TrainerExecutor(Executor):
             raise NonFiniteError(f"non-finite values at step {self.version + 1}: the gradient norm is {grad_norm} while "
                                  "every gradient is finite (it overflowed). The step was stopped before the optimizer; "
                                  "lower the learning rate or clip gradients (max_grad_norm).")
+        optimizer_t0 = time.perf_counter()
         spec.optimizer.step()
         if spec.scheduler is not None:
             spec.scheduler.step()
         spec.optimizer.zero_grad(set_to_none=True)
+        optimizer_seconds = time.perf_counter() - optimizer_t0
         self.version += 1
 
         metrics = self._step_metrics(groups, rollouts, rewards, per_func, staleness, loss_total, stats)
         metrics["reward_seconds"] = reward_seconds
+        # where the trainer's time went (hfllamarl bench vs-trl --profile): its channels this tick (waiting for the
+        # rollouts, sending weights), the forward and backward passes, the optimizer
+        metrics["time/channels"] = self.channel_seconds
+        metrics["time/forward_backward"] = backward_seconds
+        metrics["time/optimizer"] = optimizer_seconds
+        lender = self.topology.core_lender
+        if lender is not None:  # the generators finished first and lent their cores for the rest of this step
+            metrics["time/borrowed_cores"] = float(lender.borrowed)
         metrics.update(spec.rewards.counters())
         metrics["grad_norm"] = grad_norm
         if spec.scheduler is not None:
@@ -314,6 +342,8 @@ class TrainerExecutor(Executor):
         return metrics
 
     def close(self) -> None:
+        if self.topology.core_lender is not None:
+            self.topology.core_lender.uninstall()
         if self.spec.verify_dir is not None and self.topology.rank == 0:
             import shutil
 

@@ -1,0 +1,233 @@
+"""`hfllamarl bench vs-trl`: TRL's `GRPOTrainer` and `AsyncAIPOTrainer` on the same job, one after the other.
+
+    hfllamarl bench vs-trl [--steps 20] [--hidden-size 512] [--layers 6] [--profile] [--output-dir DIR]
+
+Both sides get the same local model (a random-init Llama, 18M parameters by default, with the character
+tokenizer of `hfllamarl.tools.tiny`), the same prompts, the same reward (the share of digits in a completion:
+a random model's completions differ in it, so every step has a learning signal), the same batch (16
+completions per step, 4 per prompt), the same completion length (96 tokens), learning rate, seed and number
+of steps. Each runs in a fresh process of its own, at its fastest honest setting on this machine:
+
+- TRL: `GRPOTrainer` with transformers' generation (`use_vllm=False`; its vLLM modes need a vLLM server or a
+  GPU colocated engine), `bf16=False` (bf16 autocast is about 12x slower on a CPU without bf16 units), every
+  core for torch;
+- hfllamarl: `AsyncAIPOTrainer` under plain `python` (one trainer, one vLLM generator child), `max_staleness=1`.
+
+It prints each side's `train()` wall time, steps/s, time to the first step, final reward (the mean reward of
+the last quarter of the steps) and the ratio of the wall times; `--profile` adds a table of where a step's
+time goes on each side. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+PROMPTS_PER_STEP, NUM_GENERATIONS = 4, 4
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps on each side")
+    parser.add_argument("--hidden-size", type=int, default=512, help="model width (512 x 6 layers: 18M parameters)")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--max-completion-length", type=int, default=96)
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute activations in the backward pass on both sides (GRPOConfig's default; off "
+                             "here: it costs a third more compute, and a model this size needs no memory saving)")
+    parser.add_argument("--profile", action="store_true", help="also print where each side's step time goes")
+    parser.add_argument("--sides", default="trl,hfllamarl", help="which sides to run (comma-separated)")
+    parser.add_argument("--output-dir", default="outputs/bench_vs_trl")
+
+
+def digit_share(completions, **kwargs) -> list[float]:
+    """The reward: the share of a completion's characters that are digits (TRL's reward-function contract)."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def _dataset(seed: int):
+    from datasets import Dataset
+
+    from hfllamarl.tools.tiny import successor_rows
+
+    return Dataset.from_list([{"prompt": r["prompt"]} for r in successor_rows(4096, seed=seed)])
+
+
+def _common(job: dict) -> dict:
+    """The settings both sides share, under their `GRPOConfig` names."""
+    return dict(output_dir=job["output_dir"], max_steps=job["steps"],
+                per_device_train_batch_size=PROMPTS_PER_STEP * NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
+                max_completion_length=job["max_completion_length"], learning_rate=job["learning_rate"],
+                lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
+                seed=job["seed"], bf16=False, use_cpu=True, disable_tqdm=True, beta=0.0, temperature=1.0,
+                gradient_checkpointing=job["gradient_checkpointing"])
+
+
+class _Clock:
+    """When training began, when each step ended, and the seconds spent in optimizer steps (`_callback`)."""
+
+    def __init__(self):
+        self.began, self.steps, self.optimizer, self._opt = None, [], 0.0, None
+
+
+def _callback(clock: _Clock):
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            clock.began = time.perf_counter()
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            clock._opt = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            if clock._opt is not None:
+                clock.optimizer += time.perf_counter() - clock._opt
+
+        def on_step_end(self, args, state, control, **kw):
+            clock.steps.append(time.perf_counter())
+
+    return StepClock()
+
+
+def _timed(obj, name: str, totals: dict, key: str) -> None:
+    """Wrap `obj.name` so that its seconds add up in `totals[key]`."""
+    inner = getattr(obj, name)
+
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            totals[key] = totals.get(key, 0.0) + time.perf_counter() - t0
+
+    setattr(obj, name, wrapper)
+
+
+def run_side(job: dict) -> None:
+    """Child process: one side, timed; writes its result to `job["result"]`."""
+    import torch
+
+    clock, totals = _Clock(), {}
+    if job["side"] == "trl":
+        from trl import GRPOConfig, GRPOTrainer
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        trainer = GRPOTrainer(model=job["model"], reward_funcs=digit_share, train_dataset=_dataset(job["seed"]),
+                              args=GRPOConfig(**_common(job), use_vllm=False), callbacks=[_callback(clock)])
+        for name, key in (("_generate", "generation"), ("_calculate_rewards", "reward"),
+                          ("_prepare_inputs", "prepare"), ("training_step", "training_step")):
+            _timed(trainer, name, totals, key)
+    else:
+        from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
+
+        trainer = AsyncAIPOTrainer(model=job["model"], reward_funcs=digit_share, train_dataset=_dataset(job["seed"]),
+                                   args=AsyncAIPOConfig(**_common(job), max_staleness=1),
+                                   callbacks=[_callback(clock)])
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    result = {"seconds": seconds, "steps": len(clock.steps), "rewards": [h["reward"] for h in history],
+              "first_step_after": clock.steps[0] - start if clock.steps else None,
+              "step_seconds": [b - a for a, b in zip(clock.steps, clock.steps[1:])],
+              "optimizer": clock.optimizer, "totals": totals, "history": history}
+    with open(job["result"], "w") as fh:
+        json.dump(result, fh)
+
+
+def _profile_rows(side: str, r: dict) -> dict[str, float]:
+    """Seconds per step by phase (steady state: the first step, which carries start-up, left out where per-step
+    figures exist)."""
+    n = max(r["steps"], 1)
+    if side == "trl":
+        t = r["totals"]
+        gen, reward, prepare = t.get("generation", 0.0) / n, t.get("reward", 0.0) / n, t.get("prepare", 0.0) / n
+        fwd_bwd = (t.get("training_step", 0.0) - t.get("prepare", 0.0)) / n
+        step = r["seconds"] / n
+        return {"generation": gen, "reward": reward, "other scoring (log-probs, advantages)": prepare - gen - reward,
+                "forward + backward": fwd_bwd, "optimizer": r["optimizer"] / n,
+                "rest": step - prepare - fwd_bwd - r["optimizer"] / n, "step (wall)": step}
+    h = r["history"][1:] or r["history"]
+
+    def mean(key):
+        vals = [x.get(key, 0.0) for x in h]
+        return sum(vals) / max(len(vals), 1)
+
+    steady = r["step_seconds"][1:] or r["step_seconds"] or [r["seconds"] / n]
+    step = sum(steady) / len(steady)
+    return {"generation (generator core)": mean("generation/seconds"), "reward": mean("reward_seconds"),
+            "forward + backward": mean("time/forward_backward"), "optimizer": mean("time/optimizer"),
+            "weight sync (transfer)": mean("weight_sync_seconds"),
+            "trainer waiting on channels": mean("time/channels"), "step (wall)": step,
+            "start-up before step 1": r["first_step_after"] or 0.0}
+
+
+def run(args) -> int:
+    from hfllamarl.tools.tiny import build_tiny_model
+
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if not sides or set(sides) - {"trl", "hfllamarl"}:
+        raise SystemExit(f"--sides {args.sides!r}: choose from trl, hfllamarl")
+    if args.steps < 2 or args.hidden_size % 64 or args.layers < 1 or args.max_completion_length < 1:
+        raise SystemExit("give --steps >= 2, --hidden-size a multiple of 64 (head size 64), --layers >= 1, "
+                         "--max-completion-length >= 1")
+    os.makedirs(args.output_dir, exist_ok=True)
+    model = os.path.join(args.output_dir, f"llama-{args.hidden_size}x{args.layers}")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        build_tiny_model(model, hidden_size=args.hidden_size, num_layers=args.layers,
+                         num_heads=args.hidden_size // 64, intermediate_size=int(args.hidden_size * 8 / 3) // 64 * 64,
+                         max_position_embeddings=256, seed=args.seed)
+    with open(os.path.join(model, "config.json")) as fh:
+        cfg = json.load(fh)
+    h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    params = L * (4 * h * h + 3 * h * i + 2 * h) + 2 * v * h + h
+    results = {}
+    for side in sides:
+        job = {"side": side, "model": model, "steps": args.steps, "seed": args.seed,
+               "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
+               "gradient_checkpointing": args.gradient_checkpointing,
+               "output_dir": os.path.join(args.output_dir, side), "result": os.path.join(args.output_dir, f"{side}.json")}
+        print(f"running {side} ...", flush=True)
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+        proc = subprocess.run([sys.executable, "-m", "hfllamarl.tools.bench_vs_trl", json.dumps(job)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"{side} failed:\n{proc.stderr[-4000:]}")
+        with open(job["result"]) as fh:
+            results[side] = json.load(fh)
+    quarter = max(args.steps // 4, 1)
+    print(f"\n{params / 1e6:.1f}M-parameter Llama, {args.steps} steps of {PROMPTS_PER_STEP * NUM_GENERATIONS} "
+          f"completions ({NUM_GENERATIONS} per prompt) of up to {args.max_completion_length} tokens, "
+          f"{os.cpu_count()} cores")
+    print(f"{'side':<12}{'train() s':>11}{'steps/s':>9}{'first step s':>14}{'final reward':>14}")
+    summary = {}
+    for side, r in results.items():
+        final = sum(r["rewards"][-quarter:]) / max(len(r["rewards"][-quarter:]), 1)
+        summary[side] = {"seconds": round(r["seconds"], 2), "steps_per_s": round(r["steps"] / r["seconds"], 4),
+                         "first_step_s": round(r["first_step_after"] or 0.0, 2), "final_reward": round(final, 4)}
+        s = summary[side]
+        print(f"{side:<12}{s['seconds']:>11.1f}{s['steps_per_s']:>9.3f}{s['first_step_s']:>14.1f}"
+              f"{s['final_reward']:>14.3f}")
+    out = {**summary, "steps": args.steps, "parameters": params, "cores": os.cpu_count()}
+    if len(results) == 2:
+        out["ratio"] = round(results["trl"]["seconds"] / results["hfllamarl"]["seconds"], 3)
+        print(f"ratio (TRL train() time / hfllamarl train() time): {out['ratio']:.2f}x")
+    if args.profile:
+        for side, r in results.items():
+            rows = _profile_rows(side, r)
+            out[f"profile_{side}"] = {k: round(v, 3) for k, v in rows.items() if v is not None}
+            print(f"\n{side}: seconds per step")
+            for k, val in rows.items():
+                if val is not None:
+                    print(f"  {k:<40}{val:>8.2f}")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    run_side(json.loads(sys.argv[1]))
