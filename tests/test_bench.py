@@ -35,17 +35,38 @@ def test_bench_weight_sync_small():
     assert "broadcast / ddma" in proc.stdout
 
 
-def test_bench_learning_smoke(tmp_path):
-    """One variant, a few steps: the command runs, writes its plot and reports the final reward (each variant is
-    one training run; the runs themselves are tested in test_train_e2e.py)."""
-    proc = subprocess.run([sys.executable, "-m", "hfllamarl.cli", "bench", "learning", "--steps", "3",
-                           "--variants", "aipo_staleness_4", "--seeds", "0", "--output-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_bench_learning_and_vs_trl_smoke(tmp_path):
+    """Both commands run end to end, side by side (each is mostly process start-up): `bench learning` with one
+    variant for a few steps writes its plot and reports the final reward; `bench vs-trl` on a tiny model runs TRL's
+    GRPOTrainer and ours for the same steps and reports both times, their ratio and the profile (the training runs
+    themselves are tested in test_train_e2e.py)."""
+    learning = subprocess.Popen([sys.executable, "-m", "hfllamarl.cli", "bench", "learning", "--steps", "3",
+                                 "--variants", "aipo_staleness_4", "--seeds", "0", "--output-dir",
+                                 str(tmp_path / "learning")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    vs_trl = subprocess.Popen([sys.executable, "-m", "hfllamarl.cli", "bench", "vs-trl", "--steps", "2", "--hidden-size",
+                               "64", "--layers", "1", "--max-completion-length", "8", "--profile", "--output-dir",
+                               str(tmp_path / "vs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = learning.communicate(timeout=600)
+    assert learning.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
     assert set(summary) >= {"aipo_staleness_4", "steps"}
     assert 0.0 <= summary["aipo_staleness_4"] <= 1.0
-    assert (tmp_path / "learning.png").stat().st_size > 0
-    history = json.load(open(tmp_path / "aipo_staleness_4-seed0.json"))
+    assert (tmp_path / "learning" / "learning.png").stat().st_size > 0
+    history = json.load(open(tmp_path / "learning" / "aipo_staleness_4-seed0.json"))
     # Staleness 4 with 3 steps: batches 0..2 are all sampled by the initial policy.
     assert [h["staleness/max"] for h in history if "reward" in h] == [0, 1, 2]
+
+    out, err = vs_trl.communicate(timeout=600)
+    assert vs_trl.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    trl, ours = summary["trl"], summary["hfllamarl"]
+    assert summary["ratio"] == round(trl["seconds"] / ours["seconds"], 3) and summary["steps"] == 2
+    for side in (trl, ours):
+        assert side["seconds"] > 0 and 0.0 <= side["final_reward"] <= 1.0
+    profile = summary["profile_hfllamarl"]
+    assert profile["forward + backward"] > 0 and profile["generation (generator core)"] > 0
+    assert summary["profile_trl"]["generation"] > 0 and summary["profile_trl"]["forward + backward"] > 0
+    # Each side's log history: the same steps, rewards from the same reward function.
+    for name in ("trl", "hfllamarl"):
+        result = json.load(open(tmp_path / "vs" / f"{name}.json"))
+        assert result["steps"] == 2 and len(result["rewards"]) == 2

@@ -34,30 +34,47 @@ RECIPES = sorted(glob.glob(str(REPO / "examples" / "recipes" / "*.yaml")))
 LAUNCHERS = sorted(glob.glob(str(REPO / "examples" / "launch" / "*.sh")))
 
 
-def check_recipe(path, *extra):
-    return subprocess.run([sys.executable, str(REPO / "examples" / "train_math.py"), "--config", path, "--check",
-                           *extra], capture_output=True, text=True, cwd=str(REPO), timeout=120)
+def start_recipe_check(path, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "examples" / "train_math.py"), "--config", path, "--check",
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO))
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.rsplit("/", 1)[-1])
-def test_every_recipe_is_valid_and_fp8_is_refused_without_a_gpu(path, tmp_path):
+def check_recipe(path, *extra) -> subprocess.CompletedProcess:
+    proc = start_recipe_check(path, *extra)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_every_recipe_is_valid_and_fp8_is_refused_without_a_gpu(tmp_path):
     """Each shipped recipe parses into AsyncAIPOConfig (TRL's --config) and passes the layout checks; one that
-    asks for an fp8 generator cannot run here and says so, and passes without that one setting."""
+    asks for an fp8 generator cannot run here and says so, and passes without that one setting. (The checks run
+    side by side: each is a fresh process, mostly imports.)"""
     import torch
 
-    data = yaml.safe_load(open(path))
-    proc = check_recipe(path)
-    if data.get("generator_quantization") and not torch.cuda.is_available():
-        assert proc.returncode != 0
-        assert "generator_quantization='fp8' needs CUDA GPUs" in proc.stderr, proc.stderr[-2000:]
-        data.pop("generator_quantization")
-        path = str(tmp_path / "without_fp8.yaml")
-        yaml.safe_dump(data, open(path, "w"))
-        proc = check_recipe(path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    trainers = data["num_processes"] - data["num_generator_processes"]
-    assert f"{data['num_processes']} processes = {trainers} trainer + {data['num_generator_processes']} generator" \
-        in proc.stdout
+    cases = {}
+    for path in RECIPES:
+        data = yaml.safe_load(open(path))
+        name = path.rsplit("/", 1)[-1]
+        cases[name] = (path, data)
+        if data.get("generator_quantization") and not torch.cuda.is_available():
+            without = dict(data)
+            without.pop("generator_quantization")
+            stripped = str(tmp_path / f"without_fp8-{name}")
+            yaml.safe_dump(without, open(stripped, "w"))
+            cases[name + " without fp8"] = (stripped, without)
+    procs = {name: start_recipe_check(path) for name, (path, _) in cases.items()}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=240)
+        data = cases[name][1]
+        if data.get("generator_quantization") and not torch.cuda.is_available():
+            assert proc.returncode != 0, name
+            assert "generator_quantization='fp8' needs CUDA GPUs" in err, (name, err[-2000:])
+            continue
+        assert proc.returncode == 0, (name, err[-3000:])
+        trainers = data["num_processes"] - data["num_generator_processes"]
+        assert f"{data['num_processes']} processes = {trainers} trainer + {data['num_generator_processes']} generator" \
+            in out, name
+    assert any("without fp8" in name for name in cases) or torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("script", LAUNCHERS, ids=lambda p: p.rsplit("/", 1)[-1])
