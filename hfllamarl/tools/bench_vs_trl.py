@@ -40,6 +40,9 @@ def add_arguments(parser) -> None:
                         help="recompute activations in the backward pass on both sides (GRPOConfig's default; off "
                              "here: it costs a third more compute, and a model this size needs no memory saving)")
     parser.add_argument("--profile", action="store_true", help="also print where each side's step time goes")
+    parser.add_argument("--bare-vllm", action="store_true",
+                        help="also time a bare vLLM LLM.generate of one batch on one core (the generator's share) "
+                             "and compare its tokens/s with the generator's")
     parser.add_argument("--sides", default="trl,hfllamarl", help="which sides to run (comma-separated)")
     parser.add_argument("--output-dir", default="outputs/bench_vs_trl")
 
@@ -108,9 +111,42 @@ def _timed(obj, name: str, totals: dict, key: str) -> None:
     setattr(obj, name, wrapper)
 
 
+def bare_vllm(job: dict) -> None:
+    """Child process: a bare `vllm.LLM.generate` of one batch (the same prompts, n, length and sampling as the
+    generator), pinned to one core as the generator child is; the best of 3 after a warm-up."""
+    from vllm import SamplingParams
+
+    from hfllamarl.runtime.engine import build_engine
+
+    import torch
+
+    os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[-1]])
+    torch.set_num_threads(1)
+    llm = build_engine(job["model"], job["model"], dtype="float32", seed=job["seed"], max_model_len=256,
+                       tensor_parallel_size=1, distributed=False, use_cpu=True)
+    tok = llm.get_tokenizer()
+    rows = _dataset(job["seed"]).select(range(PROMPTS_PER_STEP))
+    prompts = [{"prompt_token_ids": tok(r["prompt"])["input_ids"]} for r in rows]
+    params = SamplingParams(n=NUM_GENERATIONS, max_tokens=job["max_completion_length"], temperature=1.0, logprobs=0,
+                            seed=job["seed"])
+    best = None
+    for i in range(4):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        if i and (best is None or tokens / seconds > best):
+            best = tokens / seconds
+    with open(job["result"], "w") as fh:
+        json.dump({"tokens_per_s": best}, fh)
+
+
 def run_side(job: dict) -> None:
     """Child process: one side, timed; writes its result to `job["result"]`."""
     import torch
+
+    if job["side"] == "bare_vllm":
+        return bare_vllm(job)
 
     clock, totals = _Clock(), {}
     if job["side"] == "trl":
@@ -187,7 +223,7 @@ def run(args) -> int:
     h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     params = L * (4 * h * h + 3 * h * i + 2 * h) + 2 * v * h + h
     results = {}
-    for side in sides:
+    for side in sides + (["bare_vllm"] if args.bare_vllm else []):
         job = {"side": side, "model": model, "steps": args.steps, "seed": args.seed,
                "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
                "gradient_checkpointing": args.gradient_checkpointing,
@@ -200,6 +236,7 @@ def run(args) -> int:
             raise SystemExit(f"{side} failed:\n{proc.stderr[-4000:]}")
         with open(job["result"]) as fh:
             results[side] = json.load(fh)
+    bare = results.pop("bare_vllm", None)
     quarter = max(args.steps // 4, 1)
     print(f"\n{params / 1e6:.1f}M-parameter Llama, {args.steps} steps of {PROMPTS_PER_STEP * NUM_GENERATIONS} "
           f"completions ({NUM_GENERATIONS} per prompt) of up to {args.max_completion_length} tokens, "
@@ -225,6 +262,12 @@ def run(args) -> int:
             for k, val in rows.items():
                 if val is not None:
                     print(f"  {k:<40}{val:>8.2f}")
+    if bare and "hfllamarl" in results:
+        h = results["hfllamarl"]["history"][1:] or results["hfllamarl"]["history"]
+        ours = sum(x["generation/tokens_per_s"] for x in h) / len(h)
+        out["generator_tokens_per_s"], out["bare_vllm_tokens_per_s"] = round(ours, 1), round(bare["tokens_per_s"], 1)
+        print(f"\ngenerator tokens/s {ours:.0f} vs bare vLLM LLM.generate on one core {bare['tokens_per_s']:.0f} "
+              f"({100 * ours / bare['tokens_per_s']:.0f} %)")
     print(json.dumps(out))
     return 0
 
