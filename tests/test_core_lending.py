@@ -35,29 +35,27 @@ def test_the_trainer_borrows_only_after_every_generator_finished_its_tick_and_gi
     os.sched_setaffinity(0, CPUS[:1])
     torch.set_num_threads(1)
 
-    lender.begin(tick=3)
-    child_view.finished(0, 3)  # one generator of two is done: nothing to borrow yet
-    model(torch.tensor([[1, 2, 3]]))
-    assert seen[-1] == (1, {CPUS[0]}) and not lender.borrowed
-    child_view.finished(1, 2)  # the other is still on tick 3 (it finished tick 2)
-    model(torch.tensor([[1, 2, 3]]))
-    assert seen[-1] == (1, {CPUS[0]})
-    child_view.finished(1, 3)
-    model(torch.tensor([[1, 2, 3]]))
-    assert seen[-1] == (len(CPUS), set(CPUS)) and lender.borrowed
-    lender.end()
+    with lender.lending(tick=3):
+        child_view.finished(0, 3)  # one generator of two is done: nothing to borrow yet
+        model(torch.tensor([[1, 2, 3]]))
+        assert seen[-1] == (1, {CPUS[0]}) and not lender.borrowed
+        child_view.finished(1, 2)  # the other is still on tick 3 (it finished tick 2)
+        model(torch.tensor([[1, 2, 3]]))
+        assert seen[-1] == (1, {CPUS[0]})
+        child_view.finished(1, 3)
+        model(torch.tensor([[1, 2, 3]]))
+        assert seen[-1] == (len(CPUS), set(CPUS)) and lender.borrowed
     assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {CPUS[0]}
 
     # Found in the backward pass: the generators finish while the trainer is between its forward and backward.
-    lender.begin(tick=4)
-    loss = model(torch.tensor([[1, 2, 3]])).logits.sum()
-    assert not lender.borrowed
-    child_view.finished(0, 4), child_view.finished(1, 4)
-    threads_in_backward = []
-    model.model.layers[0].self_attn.q_proj.weight.register_hook(lambda g: threads_in_backward.append(
-        torch.get_num_threads()))
-    loss.backward()
-    assert lender.borrowed and threads_in_backward == [len(CPUS)]
-    lender.end()
-    lender.uninstall()
+    with lender.lending(tick=4):
+        loss = model(torch.tensor([[1, 2, 3]])).logits.sum()
+        assert not lender.borrowed
+        child_view.finished(0, 4), child_view.finished(1, 4)
+        threads_in_backward = []
+        model.model.layers[0].self_attn.q_proj.weight.register_hook(lambda g: threads_in_backward.append(
+            torch.get_num_threads()))
+        loss.backward()
+        assert lender.borrowed and threads_in_backward == [len(CPUS)]
+    lender.close()
     assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {CPUS[0]}

@@ -12,6 +12,7 @@ channels: no generator can start its next tick before those, so the cores are ne
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -54,8 +55,7 @@ class CoreLender:
     def __init__(self, board: CoreBoard, own_cpus: list[int], all_cpus: list[int]):
         self.board, self.own, self.all = board, list(own_cpus), list(all_cpus)
         self.tick: int | None = None  # the tick whose step is running (None: no step, nothing to borrow)
-        self.borrowing = False
-        self.borrowed = False  # whether the current (or last) step ran part of its work on borrowed cores
+        self.borrowed = False  # whether the current (or last) step runs part of its work on borrowed cores
         self._hooks: list = []
 
     def install(self, model) -> None:
@@ -76,31 +76,34 @@ class CoreLender:
             self._hooks.append(layer.register_forward_pre_hook(lambda module, args: self.poll()))
             self._hooks.append(layer.register_forward_hook(after_forward))
 
-    def uninstall(self) -> None:
+    def close(self) -> None:
+        """The job is over: remove the hooks and let go of the board."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.board.close()
 
-    def begin(self, tick: int) -> None:
+    @contextlib.contextmanager
+    def lending(self, tick: int):
+        """Around the trainer's step of `tick`: borrow the cores once every generator finished `tick`, give them
+        back when the step ends."""
         self.tick, self.borrowed = tick, False
         self.poll()
+        try:
+            yield
+        finally:
+            self.tick = None
+            if self.borrowed:
+                import torch
+
+                torch.set_num_threads(len(self.own))
+                os.sched_setaffinity(0, self.own)
 
     def poll(self) -> None:
-        if self.tick is None or self.borrowing or not self.board.all_finished(self.tick):
+        if self.tick is None or self.borrowed or not self.board.all_finished(self.tick):
             return
         import torch
 
         os.sched_setaffinity(0, self.all)  # (the threads torch starts next inherit it)
         torch.set_num_threads(len(self.all))
-        self.borrowing = self.borrowed = True
-
-    def end(self) -> None:
-        """Give the cores back (end of the trainer's step)."""
-        self.tick = None
-        if not self.borrowing:
-            return
-        import torch
-
-        torch.set_num_threads(len(self.own))
-        os.sched_setaffinity(0, self.own)
-        self.borrowing = False
+        self.borrowed = True

@@ -202,46 +202,39 @@ class Liveness:
         """A generator child is about to join the bridge (its parent waits for this before it does)."""
         timed(lambda: self._locked(lambda c: c.set(self._key("joining", self.topology.rank), "1")), STORE_CALL_S)
 
-    def await_joining(self, ranks: list[int], budget_s: float, poll_s: float = 0.2) -> None:
+    def await_joining(self, ranks: list[int], budget_s: float) -> None:
         """Single-process parent: wait (at most `budget_s`, the start-up budget) until every child announced it
         joins the bridge, or raise the verdict if one failed first (joining a group a peer never joins would block
         for the whole timeout)."""
-        deadline = time.monotonic() + budget_s
-        keys = [self._key("joining", r) for r in ranks]
-        while missing := timed(lambda: self._locked(lambda c: [r for r, k in zip(ranks, keys) if not c.check([k])]),
-                               STORE_CALL_S):
-            verdict = self.verdict()
-            if verdict:
-                raise PeerLostError(f"{self.topology.describe(self.topology.rank)} stops because {verdict}")
-            if time.monotonic() > deadline:
-                names = ", ".join(self.topology.describe(r) for r in missing)
-                raise PeerLostError(f"{names} did not join the job within {budget_s:.0f} s (vllm_server_timeout: "
-                                    "the start-up budget) and did not fail: raise that budget for a large model "
-                                    "or a busy machine.")
-            time.sleep(poll_s)
+        self._await_marks("joining", ranks, budget_s, lambda names: (
+            f"{names} did not join the job within {budget_s:.0f} s (vllm_server_timeout: the start-up budget) and "
+            "did not fail: raise that budget for a large model or a busy machine."))
 
-    def rendezvous(self, what: str, budget_s: float, why: str = "", poll_s: float = 0.2) -> None:
+    def rendezvous(self, what: str, budget_s: float, why: str = "") -> None:
         """Wait until every rank of the job has reached `what` (e.g. its vLLM engine is up), for at most
         `budget_s`. A start-up step takes as long as it takes on a busy machine, so the wait is bounded by the
         start-up budget, not the collective timeout; a rank that fails or goes silent meanwhile ends it at once
         with the verdict. `why` names the budget's setting in the error."""
         topo = self.topology
-        name = "reached/" + what.replace(" ", "_")
-        timed(lambda: self._locked(lambda c: c.set(self._key(name, topo.rank), "1")), STORE_CALL_S)
+        kind = "reached/" + what.replace(" ", "_")
+        timed(lambda: self._locked(lambda c: c.set(self._key(kind, topo.rank), "1")), STORE_CALL_S)
+        self._await_marks(kind, self._others(), budget_s, lambda names: (
+            f"{names} did not reach '{what}' within {budget_s:.0f} s{why} (seen from {topo.describe(topo.rank)}) "
+            "and did not fail: raise that budget for a large model or a busy machine."))
+
+    def _await_marks(self, kind: str, ranks: list[int], budget_s: float, late, poll_s: float = 0.2) -> None:
+        """Wait until each of `ranks` has set its `kind` key: raise the verdict as soon as there is one, or
+        `late(names of the ranks still missing)` after `budget_s`."""
+        topo = self.topology
         deadline = time.monotonic() + budget_s
-        while True:
-            missing = timed(lambda: self._locked(
-                lambda c: [r for r in self._others() if not c.check([self._key(name, r)])]), STORE_CALL_S)
-            if not missing:
-                return
+        keys = {r: self._key(kind, r) for r in ranks}
+        while missing := timed(lambda: self._locked(lambda c: [r for r, k in keys.items() if not c.check([k])]),
+                               STORE_CALL_S):
             verdict = self.verdict()
             if verdict:
                 raise PeerLostError(f"{topo.describe(topo.rank)} stops because {verdict}")
             if time.monotonic() > deadline:
-                names = ", ".join(topo.describe(r) for r in missing)
-                raise PeerLostError(f"{names} did not reach '{what}' within {budget_s:.0f} s{why} (seen from "
-                                    f"{topo.describe(topo.rank)}) and did not fail: raise that budget for a large "
-                                    "model or a busy machine.")
+                raise PeerLostError(late(", ".join(topo.describe(r) for r in missing)))
             time.sleep(poll_s)
 
     # ---------------------------------------------------------------- the others

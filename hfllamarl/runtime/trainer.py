@@ -8,6 +8,7 @@ sample.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -173,14 +174,8 @@ class TrainerExecutor(Executor):
         if not groups:
             raise RuntimeError(f"trainer: batch {batch_index} never arrived from the generator")
         lender = self.topology.core_lender
-        if lender is None:
+        with lender.lending(self.tick) if lender is not None else contextlib.nullcontext():
             self.train_on(groups)
-            return
-        lender.begin(self.tick)
-        try:
-            self.train_on(groups)
-        finally:
-            lender.end()
 
     def train_on(self, groups: list[RolloutGroup]) -> dict:
         spec = self.spec
@@ -343,7 +338,7 @@ class TrainerExecutor(Executor):
 
     def close(self) -> None:
         if self.topology.core_lender is not None:
-            self.topology.core_lender.uninstall()
+            self.topology.core_lender.close()
         if self.spec.verify_dir is not None and self.topology.rank == 0:
             import shutil
 
