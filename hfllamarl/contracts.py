@@ -40,13 +40,16 @@ class Algorithm(Protocol):
 
     def loss(self, logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """Called once per micro-batch, before its backward pass.
+        """Called once per micro-batch, before its backward pass. A `loss` that also names a `shape` parameter
+        gets the step's `hfllamarl.losses.StepShape` (its tokens on every rank, micro-batches, ranks,
+        max_completion_length), for normalisations over the whole step (`hfllamarl.losses.aggregate`).
 
         Args:
             logprobs: `[B, T]` log pi of the sampled tokens under the current policy, with gradient.
             behavior_logprobs: `[B, T]` log mu, the generator's log-prob when it sampled the token (maybe stale).
             advantages: `[B]`, this micro-batch's rows of `advantages()`.
-            mask: `[B, T]` 1 on completion tokens, 0 on padding.
+            mask: `[B, T]` 1 on completion tokens, 0 on padding (and on a truncated completion's tokens with
+                `mask_truncated_completions`).
             ref_logprobs: `[B, T]` log-probs under the frozen reference model when `beta > 0`, else None; the
                 algorithm adds its KL term (`hfllamarl.losses.add_kl`).
         Returns:
@@ -59,7 +62,19 @@ class Algorithm(Protocol):
 
 #: Options an algorithm's `__init__` may name, and the config field each comes from.
 ALGORITHM_OPTIONS = {"rho": "aipo_rho", "scale_rewards": "scale_rewards", "epsilon": "epsilon",
-                     "epsilon_high": "epsilon_high", "delta": "delta", "beta": "beta"}
+                     "epsilon_high": "epsilon_high", "delta": "delta", "beta": "beta", **{name: name for name in (
+                         "loss_type", "importance_sampling_level", "off_policy_mask_threshold",
+                         "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                         "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
+                         "sapo_temperature_pos", "sapo_temperature_neg", "use_bias_correction_kl")}}
+#: Why a field an algorithm does not take is refused, beyond "it does not use it".
+_NOT_TAKEN_HINTS = {
+    "beta": " (beta > 0 needs an algorithm that adds the KL term).",
+    **{field: " (AIPO's importance weight min(pi/mu, aipo_rho) is its correction, for staleness and kernel mismatch "
+              "alike: set aipo_rho; TRL's vLLM importance-sampling modes come with algorithm='grpo')."
+       for field in ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                     "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")},
+}
 
 
 def algorithm_kwargs(name: str, cls: type, config: Any, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +91,7 @@ def algorithm_kwargs(name: str, cls: type, config: Any, defaults: dict[str, Any]
             takes = sorted(field_ for opt, field_ in ALGORITHM_OPTIONS.items() if opt in params)
             raise ValueError(f"AsyncAIPOConfig: `{field}={value!r}` is set, but the {name!r} algorithm does not use it "
                              f"(it takes {', '.join(takes) or 'no options'}). Remove it, or choose an algorithm that "
-                             "does" + (" (beta > 0 needs an algorithm that adds the KL term)." if field == "beta" else "."))
+                             "does" + _NOT_TAKEN_HINTS.get(field, "."))
     return kwargs
 
 

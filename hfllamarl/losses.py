@@ -3,6 +3,9 @@ third-party algorithms. Shapes: B samples, T completion tokens; `mask` is 1 on c
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 
@@ -60,3 +63,137 @@ def ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         return {"is_ratio/mean": 1.0, "is_ratio/max": 1.0, "is_ratio/min": 1.0, "behavior_kl": 0.0}
     return {"is_ratio/mean": r.mean().item(), "is_ratio/max": r.max().item(), "is_ratio/min": r.min().item(),
             "behavior_kl": (r - 1 - torch.log(r)).mean().item()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loss menu: TRL's GRPOTrainer formulas (trl/trainer/grpo_trainer.py, `_compute_loss` and the vLLM importance-
+# sampling correction), as building blocks. Three log-probs meet here: log pi (current policy, with gradient),
+# log pi_old (the policy the PPO-style ratio refers to; with one optimizer step per batch it is the current policy
+# before the step, i.e. log pi detached, as in TRL with num_iterations=1) and log mu (the generator's, which
+# sampled the token, maybe several versions stale). The behaviour weight pi_old/mu is what corrects staleness.
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's double clip
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def check_choice(what: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{what}={value!r}; choose one of {', '.join(map(repr, choices))}.")
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence-level log importance weight: the token mean of `log_ratio` over the mask, `[B, 1]`."""
+    return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+
+
+def policy_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """TRL's `coef_1`: pi/pi_old per token `[B, T]` ("token") or GSPO's per sequence `[B, 1]` ("sequence")."""
+    check_choice("importance_sampling_level", level, ("token", "sequence"))
+    log_ratio = logprobs - old_logprobs
+    return torch.exp(log_ratio if level == "token" else sequence_log_ratio(log_ratio, mask))
+
+
+def per_token_objective(loss_type: str, coef_1: torch.Tensor, advantages: torch.Tensor, logprobs: torch.Tensor,
+                        epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
+                        sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05) -> torch.Tensor:
+    """The per-token policy loss of `loss_type` (before masks, weights and normalisation), `advantages` `[B, 1]`:
+
+    - grpo, bnpo, dr_grpo, dapo, luspo: `-min(c * A, clip(c, 1 - epsilon_low, 1 + epsilon_high) * A)`, where the
+      first `c` is `min(c, delta)` when `delta` is set (two-sided clipping);
+    - cispo: `-min(c, epsilon_high).detach() * A * log pi` (CISPO: the clipped weight carries no gradient);
+    - sapo: `-sigmoid(tau * (c - 1)) * 4 / tau * A`, tau = the positive or negative temperature by the sign of A.
+    """
+    check_choice("loss_type", loss_type, LOSS_TYPES)
+    if loss_type == "cispo":
+        return -coef_1.clamp(max=epsilon_high).detach() * advantages * logprobs
+    if loss_type == "sapo":
+        tau = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+        return -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * advantages
+    coef_2 = coef_1.clamp(1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        coef_1 = coef_1.clamp(max=delta)
+    return -torch.minimum(coef_1 * advantages, coef_2 * advantages)
+
+
+@torch.no_grad()
+def behavior_weight(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor, mode: str,
+                    clip_min: float | None = None, clip_max: float | None = 3.0) -> torch.Tensor:
+    """TRL's vLLM importance-sampling correction pi_old/mu, here also the staleness correction: per token `[B, T]`
+    or per sequence `[B, 1]` (the product over its tokens, i.e. exp of the summed log difference); "truncate"
+    clamps it into [clip_min, clip_max], "mask" sets it to 0 outside (None: no bound on that side)."""
+    check_choice("vllm_importance_sampling_mode", mode, IS_MODES)
+    diff = torch.nan_to_num((old_logprobs - behavior_logprobs) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+@torch.no_grad()
+def off_policy_mask(advantages: torch.Tensor, logprobs: torch.Tensor, behavior_logprobs: torch.Tensor,
+                    mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """TRL's off-policy sequence mask (DeepSeek-V3.2), `[B, 1]`: a sequence is dropped (0) when its advantage is
+    negative and its mean KL(mu || pi) over the sampled tokens, `mean_t(log mu - log pi)`, exceeds `threshold`."""
+    kl = torch.nan_to_num(behavior_logprobs - logprobs.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a loss normalisation needs beyond its micro-batch (`hfllamarl.contracts.Algorithm.loss`'s `shape`).
+
+    tokens: completion tokens of the whole step (its mask summed over every micro-batch and trainer rank);
+    trainer_ranks, micro_batches: the trainer divides each micro-batch's loss by `micro_batches`, and gradients are
+    averaged over `trainer_ranks`; max_completion_length: Dr. GRPO's constant.
+    """
+
+    tokens: float
+    trainer_ranks: int = 1
+    micro_batches: int = 1
+    max_completion_length: int | None = None
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> "StepShape":
+        """A step of this one micro-batch on one rank (the loss called on its own, e.g. in a test)."""
+        return cls(tokens=float(mask.sum()), max_completion_length=mask.shape[-1])
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, shape: StepShape) -> torch.Tensor:
+    """A micro-batch's scalar loss from its per-token losses, normalised as TRL's `loss_type` (after the trainer
+    divides by the micro-batches and averages the gradient over ranks):
+
+    - grpo, sapo: each sequence's token mean, averaged over the sequences;
+    - bnpo: the token mean of the micro-batch;
+    - dr_grpo: the token sum over (sequences x max_completion_length);
+    - dapo, cispo: the token sum over the step's tokens on every rank (one weight per token of the whole step);
+    - luspo: each sequence's token sum, averaged over the sequences.
+    """
+    check_choice("loss_type", loss_type, LOSS_TYPES)
+    per_token = per_token * mask
+    if loss_type in ("grpo", "sapo"):
+        return (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return per_token.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        length = shape.max_completion_length or mask.shape[-1]
+        return per_token.sum() / (per_token.shape[0] * length)
+    if loss_type == "luspo":
+        return per_token.sum(-1).mean()
+    return per_token.sum() * shape.micro_batches / max(shape.tokens / shape.trainer_ranks, 1.0)
+
+
+@torch.no_grad()
+def weight_metrics(prefix: str, weight: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """min/mean/max of a per-token `[B, T]` or per-sequence `[B, 1]` weight over the completion tokens."""
+    values = weight[mask.bool()] if weight.shape == mask.shape else weight[mask.sum(-1) > 0].flatten()
+    if not values.numel():
+        return {}
+    values = values.float()
+    return {f"{prefix}/min": values.min().item(), f"{prefix}/mean": values.mean().item(),
+            f"{prefix}/max": values.max().item()}

@@ -1,4 +1,4 @@
-"""grpo, rloo and on_policy_pg against hand-computed values."""
+"""grpo, rloo and on_policy_pg against hand-computed values (the loss menu itself: test_loss_menu.py)."""
 
 import math
 
@@ -27,42 +27,6 @@ def test_on_policy_pg_has_no_importance_weight():
     assert torch.allclose(logp.grad, torch.tensor([[-1.0, -1.0]]))  # -A / num_tokens, weight 1
     assert m["is_ratio/max"] == pytest.approx(math.exp(2.0), rel=1e-5)
     assert pg.advantages(torch.tensor([1.0, 0.0]), 2).tolist() == [0.5, -0.5]
-
-
-def test_grpo_double_clip_values_and_gradients():
-    grpo = load_plugin("algorithms", "grpo")(epsilon=0.2, epsilon_high=0.3)
-    mu = torch.zeros(1, 4)
-    # ratios e^x: 1.0 (inside), 1.5 (above 1.3), 0.5 (below 0.8), 1.1 (inside)
-    x = torch.log(torch.tensor([[1.0, 1.5, 0.5, 1.1]]))
-    for A in (1.0, -1.0):
-        logp = x.clone().requires_grad_()
-        loss, m = grpo.loss(logp, mu, torch.tensor([A]), torch.ones(1, 4))
-        r = torch.exp(x)
-        per = -torch.minimum(r * A, r.clamp(0.8, 1.3) * A)
-        assert loss.item() == pytest.approx(per.mean().item(), rel=1e-6)
-        loss.backward()
-        g = logp.grad[0]
-        # d/dlogp of -r*A = -r*A when the unclipped term is the min; 0 when the clipped constant is.
-        if A > 0:  # ratio 1.5 > 1+eps_high is clipped (no grad); ratio 0.5 keeps its gradient
-            expected = torch.tensor([-1.0, 0.0, -0.5, -1.1]) / 4
-        else:  # ratio 0.5 < 1-eps is clipped; ratio 1.5 keeps its gradient
-            expected = torch.tensor([1.0, 1.5, 0.0, 1.1]) / 4
-        assert torch.allclose(g, expected, atol=1e-6), (A, g)
-        assert m["clipped_frac"] == pytest.approx(0.5)
-
-
-def test_grpo_delta_caps_the_unclipped_term():
-    """TRL's `delta` (two-sided clipping): with A < 0 a ratio of 3 costs min(3, delta) = 2, not 3, and its
-    gradient stops; without delta it costs 3 with gradient -r*A = 3 (per token, over 2 tokens)."""
-    mu = torch.zeros(1, 2)
-    x = torch.log(torch.tensor([[1.0, 3.0]]))
-    for delta, loss_value, grad in ((None, (1.0 + 3.0) / 2, [0.5, 1.5]), (2.0, (1.0 + 2.0) / 2, [0.5, 0.0])):
-        grpo = load_plugin("algorithms", "grpo")(epsilon=0.2, epsilon_high=0.3, delta=delta)
-        logp = x.clone().requires_grad_()
-        loss, _ = grpo.loss(logp, mu, torch.tensor([-1.0]), torch.ones(1, 2))
-        assert loss.item() == pytest.approx(loss_value, rel=1e-6), delta
-        loss.backward()
-        assert torch.allclose(logp.grad[0], torch.tensor(grad), atol=1e-6), (delta, logp.grad)
 
 
 def test_grpo_group_scaled_advantages():
@@ -125,8 +89,13 @@ def test_an_option_the_algorithm_does_not_take_is_refused_not_ignored():
         def __init__(self, rho: float = 4.0):
             self.rho = rho
 
-    defaults = {"aipo_rho": 4.0, "scale_rewards": "none", "epsilon": 0.2, "epsilon_high": None, "delta": None,
-                "beta": 0.0}
+    from dataclasses import fields
+
+    from hfllamarl import AsyncAIPOConfig
+    from hfllamarl.contracts import ALGORITHM_OPTIONS
+
+    defaults = {f.name: f.default for f in fields(AsyncAIPOConfig) if f.name in ALGORITHM_OPTIONS.values()}
+    assert defaults["aipo_rho"] == 4.0 and defaults["loss_type"] == "dapo"
     config = SimpleNamespace(**defaults)
     assert algorithm_kwargs("rho_only", RhoOnly, config, defaults) == {"rho": 4.0}
     config.aipo_rho = 2.0
@@ -134,6 +103,9 @@ def test_an_option_the_algorithm_does_not_take_is_refused_not_ignored():
     config.beta = 0.1
     with pytest.raises(ValueError, match=r"`beta=0.1` is set, but the 'rho_only' algorithm does not use it \(it takes "
                                          r"aipo_rho\).*KL term"):
+        algorithm_kwargs("rho_only", RhoOnly, config, defaults)
+    config.beta, config.vllm_importance_sampling_mode = 0.0, "token_truncate"
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode='token_truncate'` is set.*set aipo_rho"):
         algorithm_kwargs("rho_only", RhoOnly, config, defaults)
 
 

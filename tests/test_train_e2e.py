@@ -2,6 +2,7 @@
 
 import glob
 import json
+import math
 import os
 import time
 
@@ -156,3 +157,59 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     # Steps 1-2 came from the checkpoint (trained once); step 3 was trained before the cut and again after.
     logged = [json.loads(line)["step"] for line in open(os.path.join(out, "trained_prompts-rank1.jsonl"))]
     assert logged.count(1) == logged.count(2) == 1 and logged.count(3) == 2, logged
+
+
+def test_trls_loss_settings_train_from_plain_python(tiny_model, family_model, tmp_path):
+    """TRL's loss settings in a user script (`python script.py`), three jobs side by side, 3 steps each with
+    samples up to 2 versions stale: every loss finite, and each setting's own metrics logged. With
+    mask_truncated_completions on a random model (whose 4-token completions are all cut off) a step whose
+    completions are all truncated has no gradient at all."""
+    import threading
+
+    jobs = {
+        "grpo_cispo": (tiny_model, ["--algorithm", "grpo", "--beta", "0.04", "--extra", json.dumps({
+            "loss_type": "cispo", "epsilon_high": 5.0, "importance_sampling_level": "sequence",
+            "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 2.0,
+            "off_policy_mask_threshold": 0.5})]),
+        "grpo_sapo": (tiny_model, ["--algorithm", "grpo", "--extra", json.dumps({
+            "loss_type": "sapo", "vllm_importance_sampling_mode": "sequence_mask", "delta": 1.5,
+            "log_completions": True, "num_completions_to_print": 2})]),
+        "aipo_dr_grpo": (family_model("llama"), ["--extra", json.dumps({
+            "loss_type": "dr_grpo", "importance_sampling_level": "sequence", "off_policy_mask_threshold": 0.5,
+            "mask_truncated_completions": True})]),
+    }
+    procs = {}
+
+    def run(name, model, extra):
+        procs[name] = run_script([str(SCRIPTS / "train_tiny.py"), model, str(tmp_path / name), "--steps", "3",
+                                  "--max-staleness", "2", "--report-to", "none", *extra], timeout=400)
+
+    threads = [threading.Thread(target=run, args=(name, *job)) for name, job in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name, proc in procs.items():
+        assert proc.returncode == 0, (name, tail(proc))
+        steps = step_logs(proc.stdout)
+        assert [h["step"] for h in steps] == [1, 2, 3], name
+        assert max(h["staleness/max"] for h in steps) == 2, name
+        for h in steps:
+            assert math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]), (name, h)
+            assert "off_policy_mask/dropped_frac" in h or name == "grpo_sapo", (name, h)
+            if name.startswith("grpo"):
+                assert 0.0 <= h["sampling/importance_sampling_ratio/min"] <= h["sampling/importance_sampling_ratio/max"]
+        if name == "grpo_cispo":
+            assert all(h["kl"] >= 0 for h in steps) and "cispo_clip_ratio" in steps[0]
+        if name == "grpo_sapo":  # TRL's log_completions: a table per logged step, printed and in parquet files
+            import pandas as pd
+
+            table = pd.read_parquet(tmp_path / name / "completions" / "completions_00003.parquet")
+            assert list(table.columns) == ["step", "prompt", "completion", "math_sympy", "advantage"]
+            assert len(table) == 16 and set(table["step"]) == {3}
+            assert sorted(os.listdir(tmp_path / name / "completions")) == [f"completions_0000{i}.parquet" for i in (1, 2, 3)]
+            assert proc.stdout.count("Step 3") >= 1, proc.stdout[-3000:]
+        if name == "aipo_dr_grpo":
+            cut = [h for h in steps if h["completions/truncated_frac"] == 1.0]
+            assert cut, [h["completions/truncated_frac"] for h in steps]
+            assert all(h["grad_norm"] == 0.0 and h["loss"] == 0.0 for h in cut), cut

@@ -171,6 +171,9 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         weights=weights,
         verify_dir=(lambda v: verify_dir(args.output_dir, v)) if args.verify_weight_sync else None,
         startup_timeout_s=args.vllm_server_timeout,
+        max_completion_length=args.max_completion_length,
+        mask_truncated_completions=args.mask_truncated_completions,
+        on_samples=reporter.set_samples if args.log_completions else None,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)

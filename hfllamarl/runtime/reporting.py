@@ -39,6 +39,7 @@ class Reporter:
         self.control = TrainerControl()
         self._pending: list[dict] = []
         self._start = None
+        self._samples: dict | None = None  # log_completions: the newest step's samples (first trainer rank)
 
     def train_begin(self) -> None:
         self._start = time.perf_counter()
@@ -65,6 +66,13 @@ class Reporter:
         self.state.log_history.append(output)
         self.control = self.handler.on_log(self.args, self.state, self.control, logs)
         self.control.should_log = False
+        if self._samples is not None and self.state.is_world_process_zero:
+            log_completions(self.args, self.state.global_step, self._samples)
+            self._samples = None
+
+    def set_samples(self, samples: dict | None) -> None:
+        """log_completions: the samples of the step just trained, shown at the next log."""
+        self._samples = samples
 
     def saved(self) -> None:
         self.control = self.handler.on_save(self.args, self.state, self.control)
@@ -108,3 +116,33 @@ def _mean_of(rows: list[dict]) -> dict:
         else:
             out[key] = sum(vals) / len(vals)
     return out
+
+
+def log_completions(args, step: int, samples: dict) -> None:
+    """TRL's `log_completions`: a table of the step's prompts, completions, rewards (one column per function) and
+    advantages, printed with rich (`num_completions_to_print` random rows), written to
+    `output_dir/completions/completions_{step:05d}.parquet`, and logged as a table to Weights & Biases when
+    `report_to` has it."""
+    import os
+
+    import pandas as pd
+    from transformers.utils import is_rich_available
+
+    rewards = {k: v for k, v in samples.items() if k not in ("prompt", "completion", "advantage")}
+    if is_rich_available():
+        from trl.trainer.utils import print_prompt_completions_sample
+
+        print_prompt_completions_sample(samples["prompt"], samples["completion"], rewards, samples["advantage"], step,
+                                        args.num_completions_to_print)
+    table = pd.DataFrame({"step": [step] * len(samples["prompt"]), "prompt": samples["prompt"],
+                          "completion": samples["completion"], **rewards, "advantage": samples["advantage"]})
+    directory = os.path.join(args.output_dir, "completions")
+    os.makedirs(directory, exist_ok=True)
+    table.to_parquet(os.path.join(directory, f"completions_{step:05d}.parquet"))
+    if args.report_to and "wandb" in args.report_to:
+        import wandb
+
+        if wandb.run is not None:
+            if args.log_unique_prompts:
+                table = table[~table["prompt"].astype(str).duplicated()]
+            wandb.log({"completions": wandb.Table(dataframe=table)})

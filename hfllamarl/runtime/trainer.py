@@ -18,6 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from hfllamarl.losses import StepShape
+
 from .executor import Executor, wait_for_startup
 from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from .generator import ROLLOUTS
@@ -54,6 +56,9 @@ class TrainerSpec:
     # adds the KL term from the reference log-probs it is given)
     verify_dir: Callable[[int], str] | None = None  # verify_weight_sync: where policy version v is exported
     startup_timeout_s: float = 240.0  # how long the ranks wait for each other's start-up (vllm_server_timeout)
+    max_completion_length: int | None = None  # Dr. GRPO's normalisation constant
+    mask_truncated_completions: bool = False  # a completion cut at max_completion_length is not trained on
+    on_samples: Callable[[dict | None], None] | None = None  # log_completions: gets the step's samples (rank 0)
 
 
 def pad_batch(rollouts: list[Rollout], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -198,6 +203,8 @@ class TrainerExecutor(Executor):
         reward_seconds = time.perf_counter() - rewards_t0
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
         advantages = spec.algorithm.advantages(rewards_t, spec.num_generations)  # [N]
+        if spec.on_samples is not None:  # log_completions: the step's samples, gathered to the first trainer rank
+            spec.on_samples(gather_samples(rollouts, per_func, advantages, self.topology.rank == 0))
         backward_t0 = time.perf_counter()
         loss_total, stats = self._accumulate_gradients(rollouts, advantages)
         backward_seconds = time.perf_counter() - backward_t0
@@ -248,11 +255,19 @@ class TrainerExecutor(Executor):
         spec, model = self.spec, self.spec.model
         mb = spec.micro_batch_size
         steps = math.ceil(len(rollouts) / mb)
+        masked = [spec.mask_truncated_completions and r.finish_reason == "length" for r in rollouts]
+        tokens = _all_sum({"tokens": sum(len(r.completion_ids) for r, m in zip(rollouts, masked) if not m)})["tokens"]
+        shape = StepShape(tokens=tokens, trainer_ranks=dist.get_world_size() if dist.is_initialized() else 1,
+                          micro_batches=steps, max_completion_length=spec.max_completion_length)
+        extra = {"shape": shape} if takes_shape(spec.algorithm) else {}
         stats: dict[str, list[float]] = {}
         loss_total = 0.0
         for k in range(steps):
             chunk = rollouts[k * mb:(k + 1) * mb]
             batch = pad_batch(chunk, spec.pad_token_id, spec.device)
+            if any(masked[k * mb:(k + 1) * mb]):  # TRL's mask_truncated_completions: no loss on them
+                keep = torch.tensor([not m for m in masked[k * mb:(k + 1) * mb]], device=spec.device)
+                batch["mask"] = batch["mask"] * keep[:, None]
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(k == steps - 1)  # reduce-scatter once per optimizer step
             raw = completion_logprobs(model, batch, spec.sampling)
@@ -264,9 +279,9 @@ class TrainerExecutor(Executor):
                     ref, ref_outside = within_support(completion_logprobs(spec.ref_model, batch, spec.sampling),
                                                       batch["mask"], spec.sampling)
                     ref = torch.where(outside | ref_outside, logprobs.detach(), ref)  # KL only where both can sample
-            extra = {"ref_logprobs": ref} if ref is not None else {}
+            kwargs = dict(extra, **({"ref_logprobs": ref} if ref is not None else {}))
             loss, m = checked_loss(spec.algorithm, spec.algorithm.loss(logprobs, batch["behavior_logprobs"],
-                                                                       chunk_advantages, batch["mask"], **extra))
+                                                                       chunk_advantages, batch["mask"], **kwargs))
             m["is_ratio/outside_support_frac"] = float(outside.sum()) / max(float(batch["mask"].sum()), 1.0)
             # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
             agree(self._nonfinite(batch, raw.masked_fill(outside, 0.0), chunk_advantages, loss, chunk, k * mb),
@@ -360,6 +375,28 @@ def _all_sum(values: dict[str, float]) -> dict[str, float]:
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
+
+
+def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool) -> dict | None:
+    """The step's samples over every trainer rank as TRL's completion-log columns (prompt, completion, one column
+    per reward function, advantage); on the first trainer rank, None on the others."""
+    local = {"prompt": [r.prompt for r in rollouts], "completion": [r.completion_text for r in rollouts],
+             **{name: [math.nan if v is None else v for v in scores] for name, scores in per_func.items()},
+             "advantage": advantages.tolist()}
+    parts = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+    if not first:
+        return None
+    return {key: [v for part in parts for v in part[key]] for key in local}
+
+
+def takes_shape(algorithm) -> bool:
+    """Whether the algorithm's `loss` names a `shape` parameter (then it gets the step's `StepShape`)."""
+    import inspect
+
+    return "shape" in inspect.signature(algorithm.loss).parameters
 
 
 def checked_loss(algorithm, out) -> tuple[torch.Tensor, dict[str, float]]:

@@ -10,7 +10,9 @@ budget (`--steps` x 64 completions per seed), one generator process and one trai
 - `aipo_staleness_1`, `aipo_staleness_4`: asynchronous, AIPO's clipped importance weight;
 - `no_is_staleness_4`: asynchronous at staleness 4 without the importance weight (`on_policy_pg`);
 - `aipo_staleness_4_partial`: AIPO at staleness 4 with partial rollouts of one token per tick (a
-  completion's later tokens are sampled by newer policies).
+  completion's later tokens are sampled by newer policies);
+- on request (`--variants`), TRL's loss menu at staleness 4 (`algorithm="grpo"`): `dr_grpo_staleness_4`,
+  `cispo_staleness_4` (epsilon_high 5) and `gspo_staleness_4` (sequence-level ratio and weight).
 
 A variant's final reward is the mean reward of its last tenth of steps (at least 10), averaged over
 the seeds. It prints the mean reward over windows of samples and each seed's final reward, writes a
@@ -30,7 +32,13 @@ VARIANTS = {
     "aipo_staleness_4": {"max_staleness": 4, "algorithm": "aipo"},
     "no_is_staleness_4": {"max_staleness": 4, "algorithm": "on_policy_pg"},
     "aipo_staleness_4_partial": {"max_staleness": 4, "algorithm": "aipo", "partial_rollout_tokens": 1},
+    # TRL's loss menu (algorithm="grpo": TRL's loss, its vLLM importance-sampling weight correcting the staleness)
+    "dr_grpo_staleness_4": {"max_staleness": 4, "algorithm": "grpo", "loss_type": "dr_grpo"},
+    "cispo_staleness_4": {"max_staleness": 4, "algorithm": "grpo", "loss_type": "cispo", "epsilon_high": 5.0},
+    "gspo_staleness_4": {"max_staleness": 4, "algorithm": "grpo", "loss_type": "grpo",
+                         "importance_sampling_level": "sequence", "vllm_importance_sampling_mode": "sequence_truncate"},
 }
+DEFAULT_VARIANTS = ("sync", "aipo_staleness_1", "aipo_staleness_4", "no_is_staleness_4", "aipo_staleness_4_partial")
 COMPLETIONS_PER_STEP = 64
 
 
@@ -38,7 +46,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per variant (64 completions each)")
     parser.add_argument("--output-dir", default="outputs/bench_learning")
     parser.add_argument("--learning-rate", type=float, default=5e-4)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help="comma-separated, among " + ",".join(VARIANTS))
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every variant runs with each")
 
 

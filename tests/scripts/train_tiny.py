@@ -87,6 +87,7 @@ def main():
     p.add_argument("--transforms", action="store_true",
                    help="sample with temperature 0.9, top-k 20, top-p 0.95, min-p 0.02, repetition penalty 1.3")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="generator_kv_cache_bytes (tiny: vLLM fails to start)")
+    p.add_argument("--extra", default="{}", help="more AsyncAIPOConfig fields, as a JSON object")
     a = p.parse_args()
     if a.kill_in_checkpoint:
         kill_inside_checkpoint(a.kill_in_checkpoint)
@@ -100,6 +101,7 @@ def main():
         algorithm=a.algorithm,
         verify_weight_sync=a.verify_weight_sync,
         **(dict(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.3) if a.transforms else {}),
+        **json.loads(a.extra),
     )
     for _ in range(a.repeat):
         peft_config = None
