@@ -58,9 +58,41 @@ def _read_jsonl(name: str, n: int) -> list[dict]:
     ("Answer: 3.5.", "3.5"),
     (r"Then $x=2$ and finally $y = 7$ holds", "y = 7"),  # last $...$
     ("no answer here", None),
+    (r"The roots are \boxed{1}, \boxed{2}.", "1, 2"),  # boxes side by side: one answer
+    (r"So $x=\boxed{1}$ or $x=\boxed{-2}$.", "1, -2"),
+    (r"First \boxed{1}. Checking again, \boxed{2}", "2"),  # a restatement: the last box
+    ("The total is $1,000.99.", "1,000.99"),  # an amount, not a math delimiter
+    ("The answer is $5 each.", "5 each"),
+    (r"Adding them gives $5+7=12$", "5+7=12"),
+    (r"\frac{1}{2}", r"\frac{1}{2}"),  # a completion that is only an answer
+    ("28 percent", "28 percent"),
+    ("So 11 marbles, and 12 with the last one.", "12"),  # the last number
+    ("1" * 5000 + " words here", None),  # a number too far from the end
 ])
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
+
+
+def test_builtin_grader_suite_agrees_with_its_hand_verdicts():
+    from hfllamarl.tools import bench_grader
+
+    cases = bench_grader.load_cases([], builtin=True)
+    table = bench_grader.score(cases)["hfllamarl"]
+    wrong = [(c["gold"], c["prediction"]) for c in cases if c["ours"] != c["expected"]]
+    assert table["cases"] == len(cases) >= 40 and not wrong, wrong
+
+
+def test_grader_suite_files_are_checked(tmp_path):
+    from hfllamarl.tools import bench_grader
+
+    good = tmp_path / "suite.jsonl"
+    good.write_text(json.dumps({"gold": "1", "prediction": "0.5", "expected": False, "input_kind": "answer"}) + "\n")
+    (case,) = bench_grader.load_cases([str(tmp_path)], builtin=False)
+    assert case["suite"] == "suite" and bench_grader.grade_ours(case) is False
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"gold": "1", "prediction": "1", "expected": "yes"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        bench_grader.load_cases([str(bad)], builtin=False)
 
 
 def test_chat_message_completions():

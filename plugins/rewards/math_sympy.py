@@ -79,6 +79,14 @@ _THOUSANDS_RE = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _CHOICE_RE = re.compile(r"\(?([A-H])\)?")
 _INT_RATIO_RE = re.compile(r"(-?\d+)/(\d+)")
 _WORDS_RE = re.compile(r"[A-Za-z]{2,}(?: [A-Za-z]+)*")
+# a plain amount followed by unit or count words: "28 percent", "12 apples", "5 square feet"
+_AMOUNT_WORDS_RE = re.compile(
+    r"([-+]?\d[\d,]*(?:\.\d+)?%?|[-+]?\d+/\d+|\\frac\{\d+\}\{\d+\})\s*((?:[A-Za-z]{2,}\.?\s*){1,4})"
+)
+_MATH_WORDS = frozenset(
+    "pi sqrt and or times plus minus over divided squared cubed root ln log sin cos tan cot sec csc "
+    "exp mod infty inf to".split()
+)
 _REPLACEMENTS = (
     ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\displaystyle", ""), ("**", "^"),
     ("\\$", ""), ("\\textdollar", ""), ("$", ""), ("\\%", ""), ("%", ""), ("{,}", ","),
@@ -115,6 +123,9 @@ def normalize_answer(answer: str) -> str:
         if not n:
             break
     s = s.strip().rstrip(".").strip()
+    amount = _AMOUNT_WORDS_RE.fullmatch(s)
+    if amount and not _MATH_WORDS.intersection(w.rstrip(".").lower() for w in amount.group(2).split()):
+        s = amount.group(1)
     if _WORDS_RE.fullmatch(s):  # a word answer ("Evelyn", "odd"): case-insensitive
         return s.lower()
     s = _WHITESPACE_RE.sub(lambda m: m.group(1) + " " if m.group(1) else "", s)
@@ -212,7 +223,13 @@ def _worker_equivalent(gold: str, pred: str, gold_raw: str, pred_raw: str) -> bo
         return False
     if verify(list(golds), list(preds), timeout_seconds=None, allow_set_relation_comp=True):
         return True
-    return _numeric_close(golds[0], preds[0])
+    if _numeric_close(golds[0], preds[0]):
+        return True
+    if "=" in gold_raw + pred_raw and (gold, pred) != (gold_raw, pred_raw):
+        # an equation in another form ("y=2x+3" vs "2x-y+3=0"): normalising dropped "y="
+        golds, preds = _parse_latex(gold_raw), _parse_latex(pred_raw)
+        return bool(golds and preds) and verify(list(golds), list(preds), timeout_seconds=None)
+    return False
 
 
 def _worker_warmup() -> None:
