@@ -6,6 +6,7 @@ import math
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -159,6 +160,30 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     assert logged.count(1) == logged.count(2) == 1 and logged.count(3) == 2, logged
 
 
+def sequence_classifier(causal_lm: str, directory) -> str:
+    """A reward model: the tiny causal LM's body with a fresh one-logit head, saved with its tokenizer."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(causal_lm, num_labels=1)
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(causal_lm).save_pretrained(directory)
+    return str(directory)
+
+
+def score_alone(path: str, prompts: list[str], completions: list[str]) -> list[float]:
+    """The reference: each prompt + completion through the classifier alone (no padding, no batch)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with torch.inference_mode():
+        return [model(**tokenizer(p + c, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+                for p, c in zip(prompts, completions)]
+
+
 def test_trls_loss_settings_train_from_plain_python(tiny_model, family_model, tmp_path):
     """TRL's loss settings in a user script (`python script.py`), three jobs side by side, 3 steps each with
     samples up to 2 versions stale: every loss finite, and each setting's own metrics logged. With
@@ -166,12 +191,13 @@ def test_trls_loss_settings_train_from_plain_python(tiny_model, family_model, tm
     completions are all truncated has no gradient at all."""
     import threading
 
+    reward_model = sequence_classifier(tiny_model, tmp_path / "reward_model")
     jobs = {
         "grpo_cispo": (tiny_model, ["--algorithm", "grpo", "--beta", "0.04", "--extra", json.dumps({
             "loss_type": "cispo", "epsilon_high": 5.0, "importance_sampling_level": "sequence",
             "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 2.0,
             "off_policy_mask_threshold": 0.5})]),
-        "grpo_sapo": (tiny_model, ["--algorithm", "grpo", "--extra", json.dumps({
+        "grpo_sapo": (tiny_model, ["--algorithm", "grpo", "--reward-model", reward_model, "--extra", json.dumps({
             "loss_type": "sapo", "vllm_importance_sampling_mode": "sequence_mask", "delta": 1.5,
             "log_completions": True, "num_completions_to_print": 2})]),
         "aipo_dr_grpo": (family_model("llama"), ["--extra", json.dumps({
@@ -205,7 +231,11 @@ def test_trls_loss_settings_train_from_plain_python(tiny_model, family_model, tm
             import pandas as pd
 
             table = pd.read_parquet(tmp_path / name / "completions" / "completions_00003.parquet")
-            assert list(table.columns) == ["step", "prompt", "completion", "math_sympy", "advantage"]
+            assert list(table.columns) == ["step", "prompt", "completion", "reward_model", "math_sympy", "advantage"]
+            # the reward model scored on the generator as TRL would: one unpadded forward of prompt + completion
+            expected = score_alone(reward_model, list(table["prompt"]), list(table["completion"]))
+            assert np.allclose(table["reward_model"], expected, atol=1e-4), (list(table["reward_model"]), expected)
+            assert all(math.isfinite(h["rewards/reward_model/mean"]) for h in steps)
             assert len(table) == 16 and set(table["step"]) == {3}
             assert sorted(os.listdir(tmp_path / name / "completions")) == [f"completions_0000{i}.parquet" for i in (1, 2, 3)]
             assert proc.stdout.count("Step 3") >= 1, proc.stdout[-3000:]

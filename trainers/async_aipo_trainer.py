@@ -26,6 +26,7 @@ from hfllamarl.runtime.controller import run_job
 from hfllamarl.runtime.generator import GeneratorExecutor, GeneratorSpec
 from hfllamarl.runtime.preflight import check_generator
 from hfllamarl.runtime.prompts import PromptEncoder, validate_dataset
+from hfllamarl.runtime.reward_models import RewardModel
 from hfllamarl.runtime.rewards import RewardRunner, resolve_reward_funcs
 from hfllamarl.runtime.schedule import Schedule
 from hfllamarl.runtime.weight_sync import build_backend
@@ -42,10 +43,13 @@ class AsyncAIPOTrainer:
 
     Args:
         model: a local model directory (or hub id), or a `PreTrainedModel`.
-        reward_funcs: a reward function with TRL's signature, a reward plugin name, or a list mixing them.
+        reward_funcs: a reward function with TRL's signature, a reward plugin name, a reward model (the directory
+            of a sequence-classification model, or a `PreTrainedModel`: scored on the generator as each batch
+            finishes), or a list mixing them.
         args: an `AsyncAIPOConfig`.
         train_dataset: a `datasets.Dataset` with a `prompt` column; other columns reach the reward functions.
         processing_class: the tokenizer (default: loaded from the model directory).
+        reward_processing_classes: the reward models' tokenizers, one (or None) per reward function, as in TRL.
         callbacks: `transformers.TrainerCallback`s, fired on the trainer ranks.
     """
 
@@ -61,14 +65,15 @@ class AsyncAIPOTrainer:
                 "field plus the generator settings (num_generator_processes, max_staleness, aipo_rho, ...)."
             )
         _reject("eval_dataset", eval_dataset, "evaluation during training is not supported; use `hfllamarl eval`")
-        _reject("reward_processing_classes", reward_processing_classes, "reward models are not supported yet")
         if optimizers != (None, None):
             raise ValueError("optimizers: the optimizer is built after FSDP2 sharding; set learning_rate, "
                              "weight_decay, adam_* and lr_scheduler_type in AsyncAIPOConfig instead.")
         if train_dataset is None:
             raise ValueError("train_dataset is required: a datasets.Dataset with a `prompt` column.")
         self.args, self.topology = args, args.topology
-        self.reward_funcs = resolve_reward_funcs(reward_funcs)
+        self.reward_funcs = resolve_reward_funcs(
+            reward_funcs, reward_processing_classes, trust_remote_code=args.trust_remote_code,
+            model_dtype=(args.model_init_kwargs or {}).get("dtype", "auto"))
         self.rewards = RewardRunner(self.reward_funcs, args.reward_weights, on_error=args.reward_errors)
         self.algorithm = args.build_algorithm()
         self.model_path, model_obj, model_config = resolve_model(model, args)
@@ -211,6 +216,7 @@ class AsyncAIPOTrainer:
             partial_rollout_tokens=a.partial_rollout_tokens,
             verify_weight_sync=a.verify_weight_sync,
             startup_timeout_s=a.vllm_server_timeout,
+            reward_models=[f for f in self.reward_funcs if isinstance(f, RewardModel)],
         )
 
     def _generator_dtype(self) -> str:
@@ -233,6 +239,8 @@ class AsyncAIPOTrainer:
         if self._model_obj is not None and not spec.resume_dir:
             spec.model_path = spec.tokenizer_path = save_for_generator(self._model_obj, self.processing_class,
                                                                        os.path.join(workdir, "model"))
+        spec.reward_models = [m.portable(os.path.join(workdir, f"reward_model_{i}"))
+                              for i, m in enumerate(spec.reward_models)]
         data_dir = os.path.join(workdir, "dataset")
         self.train_dataset.save_to_disk(data_dir)
         spec.dataset = data_dir

@@ -67,6 +67,7 @@ class GeneratorSpec:
     initial_version: int = 0  # the policy version of `model_path` (> 0 when resuming from a checkpoint)
     resume_dir: str | None = None
     startup_timeout_s: float = 240.0  # how long the ranks wait for each other's start-up (vllm_server_timeout)
+    reward_models: list = field(default_factory=list)  # `RewardModel`s scored here as each batch finishes
 
 
 class GeneratorExecutor(Executor):
@@ -102,6 +103,9 @@ class GeneratorExecutor(Executor):
         self.backend.setup_generator(lambda weights: loader_boxes(self.llm, weights))
         if spec.resume_dir:
             load_generator_side(self, spec.resume_dir)
+        if self.topology.local_rank == 0:  # the rank that sends the rollouts scores them
+            for model in spec.reward_models:
+                model.load(self.topology.device_type)
 
     def _build_engine(self):
         spec, topo = self.spec, self.topology
@@ -205,8 +209,24 @@ class GeneratorExecutor(Executor):
             self.in_flight.append(InFlightBatch(batch_index, self.version, groups))
         finished = [f for f in self.in_flight if not f.unfinished()]
         self.in_flight = [f for f in self.in_flight if f.unfinished()]
-        return [RolloutGroup(group, f.batch_index, f.policy_version, seconds, tokens)
-                for f in finished for group in f.groups]
+        groups = [RolloutGroup(group, f.batch_index, f.policy_version, seconds, tokens)
+                  for f in finished for group in f.groups]
+        self._score_with_models(groups)
+        return groups
+
+    def _score_with_models(self, groups: list[RolloutGroup]) -> None:
+        """Reward models score the finished rollouts here, while the trainer trains (TRL's call: prompt and
+        completion through each model's tokenizer); the scores travel in `Rollout.model_rewards`."""
+        if not self.spec.reward_models or self.topology.local_rank != 0 or not groups:
+            return
+        rollouts = [r for g in groups for r in g.rollouts]
+        prompts = [r.prompt for r in rollouts]
+        chat = bool(prompts) and not isinstance(prompts[0], str)
+        completions = [[{"role": "assistant", "content": r.completion_text}] if chat else r.completion_text
+                       for r in rollouts]
+        for model in self.spec.reward_models:
+            for r, score in zip(rollouts, model(prompts=prompts, completions=completions)):
+                r.model_rewards[model.__name__] = score
 
     def _extend(self, r: Rollout, comp, requested: int) -> int:
         """Append one generated segment to `r`, each token with its log-prob and this tick's version."""

@@ -15,35 +15,51 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 
 from .prompts import is_conversational
-from hfllamarl.registry import load_plugin
+from hfllamarl.registry import installed, load_plugin
 
 
 class RewardFunctionError(RuntimeError):
     """A reward function raised or returned something other than one float|None per completion."""
 
 
-def resolve_reward_funcs(reward_funcs) -> list[Callable]:
-    """Turn a callable, a plugin name, or a list mixing them into a list of callables."""
+def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_code: bool = False,
+                         model_dtype="auto") -> list[Callable]:
+    """Turn a callable, a reward plugin name, a reward model (a directory or a `PreTrainedModel`), or a list
+    mixing them, into a list of callables. `processing_classes` (TRL's `reward_processing_classes`): one
+    tokenizer or None per reward function, used by the reward models."""
+    from transformers import PreTrainedModel
+
+    from .reward_models import RewardModel, is_model_dir
+
     if reward_funcs is None:
         raise ValueError("reward_funcs is required: a callable, a reward plugin name, or a list of them.")
     items = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not items:
         raise ValueError("reward_funcs is an empty list: give at least one reward function.")
+    if processing_classes is None:
+        processing_classes = [None] * len(items)
+    elif not isinstance(processing_classes, (list, tuple)):
+        processing_classes = [processing_classes]
+    if len(processing_classes) != len(items):
+        raise ValueError(f"reward_processing_classes has {len(processing_classes)} entries for {len(items)} reward "
+                         "functions: give one per reward function (None for the functions that are not models).")
     funcs = []
-    for item in items:
-        if isinstance(item, str):
+    for item, tokenizer in zip(items, processing_classes):
+        if isinstance(item, (str, os.PathLike)) and os.fspath(item) not in installed("rewards") \
+                and is_model_dir(os.fspath(item)):
+            item = RewardModel(os.fspath(item), tokenizer, trust_remote_code=trust_remote_code, dtype=model_dtype)
+        elif isinstance(item, PreTrainedModel):
+            item = RewardModel(item, tokenizer, trust_remote_code=trust_remote_code, dtype=model_dtype)
+        elif isinstance(item, str):
             item = load_plugin("rewards", item)
-        if hasattr(item, "forward") and hasattr(item, "config"):
-            raise TypeError(
-                "Reward models (a PreTrainedModel in reward_funcs) are not supported yet; wrap the model in a "
-                "function with TRL's reward signature."
-            )
         if not callable(item):
-            raise TypeError(f"reward_funcs items must be callables or plugin names, got {type(item).__name__}")
+            raise TypeError(f"reward_funcs items must be callables, plugin names, model directories or "
+                            f"PreTrainedModels, got {type(item).__name__}")
         funcs.append(item)
     return funcs
 
@@ -68,14 +84,16 @@ class RewardRunner:
         self.nonfinite_count = 0  # NaN/inf rewards, scored as None
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list[list[int]], columns: dict,
-                 trainer_state=None) -> tuple[list[float], dict[str, list[float | None]]]:
-        """Return (combined reward per completion, each function's scores by name)."""
+                 trainer_state=None, scored: dict[str, list] | None = None,
+                 ) -> tuple[list[float], dict[str, list[float | None]]]:
+        """Return (combined reward per completion, each function's scores by name). `scored`: scores already
+        computed elsewhere (reward models, on the generator), by function name; those functions are not called."""
         n = len(completions)
         if prompts and is_conversational(prompts[0]):
             completions = [[{"role": "assistant", "content": c}] for c in completions]
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
                       trainer_state=trainer_state, **columns)
-        results = self._call_all(kwargs, n)
+        results = self._call_all(kwargs, n, scored or {})
         per_func = {}
         for name, scores in zip(self.names, results):
             per_func[name] = scores
@@ -103,11 +121,13 @@ class RewardRunner:
             out["reward_nonfinite"] = float(self.nonfinite_count)
         return out
 
-    def _call_all(self, kwargs: dict, n: int) -> list[list[float | None]]:
+    def _call_all(self, kwargs: dict, n: int, scored: dict[str, list]) -> list[list[float | None]]:
         results: list = [None] * len(self.funcs)
         coros = {}
         for i, fn in enumerate(self.funcs):
-            if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+            if self.names[i] in scored:
+                results[i] = self._check(self.names[i], scored[self.names[i]], n)
+            elif inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
                 coros[i] = fn(**kwargs)
             else:
                 results[i] = self._guard(i, lambda fn=fn: fn(**kwargs), n, kwargs, fn=fn)

@@ -29,6 +29,7 @@ class Rollout:
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
     row_index: int = -1  # index of the prompt's row in the training dataset
     segments: int = 1  # ticks (generation calls) the completion was sampled in
+    model_rewards: dict[str, float] = field(default_factory=dict)  # reward models' scores, from the generator
 
     def __post_init__(self):
         if not (len(self.completion_ids) == len(self.behavior_logprobs) == len(self.versions)):

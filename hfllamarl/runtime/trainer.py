@@ -199,6 +199,7 @@ class TrainerExecutor(Executor):
             completion_ids=[r.completion_ids for r in rollouts],
             columns=columns,
             trainer_state=spec.trainer_state,
+            scored=_model_rewards(rollouts),
         )
         reward_seconds = time.perf_counter() - rewards_t0
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
@@ -375,6 +376,14 @@ def _all_sum(values: dict[str, float]) -> dict[str, float]:
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
+
+
+def _model_rewards(rollouts: list[Rollout]) -> dict[str, list[float]]:
+    """Reward models' scores computed on the generator, by model name (only names every rollout has)."""
+    names = set(getattr(rollouts[0], "model_rewards", {})) if rollouts else set()
+    for r in rollouts[1:]:
+        names &= set(getattr(r, "model_rewards", {}))
+    return {name: [r.model_rewards[name] for r in rollouts] for name in names}
 
 
 def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool) -> dict | None:

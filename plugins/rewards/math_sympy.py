@@ -6,11 +6,13 @@ The gold answer is the dataset's ``answer`` column, a LaTeX-ish string as in MAT
 Grading, per completion:
 
 1. Extract the answer the completion commits to (``_answer.extract_answer``): the content
-   of the last ``\\boxed{...}`` / ``\\fbox{...}`` (brace-matched; ``\\boxed 5`` too); with no
-   box at all, the text after the last "answer is" / "answer:", else the last ``$...$``. An
-   unclosed last box (truncated generation) is no answer; chat tokens are stripped first.
+   of the last ``\\boxed{...}`` / ``\\fbox{...}`` (boxes side by side read as one set/tuple
+   answer); with no box at all, the text after the last "answer is" / "answer:", else the last
+   ``$...$`` (``$1,000`` is an amount), else a completion that is only an answer, else the last
+   number of its end. An unclosed last box (truncated generation) is no answer; chat tokens are
+   stripped first.
 2. Normalise both sides (:func:`normalize_answer`): ``\\dfrac``, ``\\left``, spacing, units in
-   ``\\text{}``, ``\\$``, ``%``, degrees, thousands separators, ``x = 3``, choice letters ...
+   ``\\text{}`` or as words after an amount, ``\\$``, ``%``, degrees, thousands separators, ``x = 3``, choice letters ...
 3. Decide cheaply in this process when possible: equal strings; two plain numbers (exact
    rationals, relative tolerance 1e-6); a choice letter or a word as gold.
 4. Otherwise ask math-verify (LaTeX parser only) and sympy in a sandboxed worker process

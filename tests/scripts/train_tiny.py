@@ -88,10 +88,13 @@ def main():
                    help="sample with temperature 0.9, top-k 20, top-p 0.95, min-p 0.02, repetition penalty 1.3")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="generator_kv_cache_bytes (tiny: vLLM fails to start)")
     p.add_argument("--extra", default="{}", help="more AsyncAIPOConfig fields, as a JSON object")
+    p.add_argument("--reward-model", default=None, help="also a reward model: the directory of a sequence classifier")
     a = p.parse_args()
     if a.kill_in_checkpoint:
         kill_inside_checkpoint(a.kill_in_checkpoint)
     rewards = [digits if a.reward == "digits" else a.reward] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
+    if a.reward_model:
+        rewards.insert(0, a.reward_model)
     config = AsyncAIPOConfig(
         output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=16, num_generations=4,
         max_completion_length=4, learning_rate=a.learning_rate, logging_steps=1, report_to=a.report_to,
