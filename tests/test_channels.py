@@ -37,6 +37,19 @@ def test_two_batches_finished_in_one_tick_are_shared_batch_by_batch():
     assert [[g.batch_index for g in c] for c in three] == [[3, 3, 4, 4], [3, 4]]
 
 
+def test_every_trainer_rank_takes_part_in_an_evaluation():
+    """An evaluation with fewer prompts than trainer ranks still reaches every rank (an empty share), so every rank
+    joins the reduction of its metrics; a training batch is split as before."""
+    from hfllamarl.runtime.rollout import RolloutGroup, split_by_batch
+
+    evaluation = [RolloutGroup([], -3, 2, 1.5, 7, eval_version=2)]
+    train = [RolloutGroup([], 5, 2, 0.0, 0) for _ in range(2)]
+    chunks = split_by_batch(train + evaluation, 3)
+    assert [[(g.batch_index, g.eval_version) for g in c] for c in chunks] == [
+        [(5, None), (-3, 2)], [(5, None), (-3, 2)], [(-3, 2)]]
+    assert chunks[0][1] is evaluation[0] and chunks[1][1].rollouts == [] and chunks[1][1].generation_seconds == 1.5
+
+
 def _rendezvous_with_a_peer(peer, budget_s: float):
     """Rank 0 of a real store (timeout 1 s) meets rank 1, played by `peer(client, key)` in a thread."""
     import datetime

@@ -21,12 +21,16 @@ STEP_KEYS = {"reward", "reward_std", "rewards/math_sympy/mean", "is_ratio/mean",
 
 def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
     """`python script.py`: the generator is a child process; train() runs twice, as in a notebook. With
-    max_staleness=3 the generator runs up to 3 versions ahead and no further, and every batch is trained."""
+    max_staleness=3 the generator runs up to 3 versions ahead and no further, and every batch is trained.
+    Evaluation during training (eval_steps=1, eval_on_start): the generator evaluates each policy version it
+    holds while it samples (0, 1, 2), and the eval_* metrics reach log_history, on_evaluate and TensorBoard."""
     from hfllamarl.runtime.prompts import batch_rows
 
     out = str(tmp_path / "run")
+    evaluation = {"eval_strategy": "steps", "eval_steps": 1, "eval_on_start": True, "num_generations_eval": 2}
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "6", "--repeat", "2",
-                       "--max-staleness", "3", "--beta", "0.04"], timeout=400)
+                       "--max-staleness", "3", "--beta", "0.04", "--eval-rows", "6",
+                       "--extra", json.dumps(evaluation)], timeout=400)
     assert proc.returncode == 0, tail(proc)
     assert proc.stdout.count("TRAINED global_step=6") == 2
     steps = step_logs(proc.stdout)
@@ -45,6 +49,21 @@ def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
     assert steps[0]["kl"] < 1e-6 and all(h["kl"] > 0 for h in steps[1:]), [h["kl"] for h in steps]
     assert glob.glob(os.path.join(out, "runs", "*", "events.out.tfevents.*")), "no TensorBoard log"
     assert not orphans(out)
+    line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
+    evals = [h for h in json.loads(line[len("LOG_HISTORY "):]) if "eval_reward" in h]
+    assert [h["eval_policy_version"] for h in evals] == [0, 1, 2], evals
+    # version v is held from tick v + 3 and logged by the trainer at the next tick (its step v + 1; v=0: step 0)
+    assert [h["step"] for h in evals] == [0, 2, 3], evals
+    for h in evals:
+        assert h["eval_samples"] == 12 and 0 < h["eval_completions/mean_length"] <= 4, h
+        assert 0.0 <= h["eval_rewards/math_sympy/mean"] == h["eval_reward"] <= 1.0, h
+    assert proc.stdout.count("ON_EVALUATE") == 6, proc.stdout.count("ON_EVALUATE")  # 3 in each train()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set()
+    for events in glob.glob(os.path.join(out, "runs", "*", "events.out.tfevents.*")):
+        tags |= set(EventAccumulator(events).Reload().Tags()["scalars"])
+    assert {"eval/reward", "eval/rewards/math_sympy/mean"} <= tags, sorted(tags)
 
 
 def test_more_generators_than_processes_is_explained(tiny_model, tmp_path):
@@ -127,7 +146,8 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     from hfllamarl.runtime.prompts import batch_rows
 
     out = str(tmp_path / "two")
-    common = ["--steps", "5", "--save-steps", "2", "--report-to", "none"]
+    common = ["--steps", "5", "--save-steps", "2", "--report-to", "none", "--eval-rows", "3",
+              "--extra", json.dumps({"eval_strategy": "steps", "eval_steps": 1, "num_generations_eval": 2})]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
            str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -150,6 +170,11 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     assert proc.returncode == 0, tail(proc)
     assert "TRAINED global_step=5" in proc.stdout
     assert [h["step"] for h in step_logs(proc.stdout)] == [1, 2, 3, 4, 5]
+    # Evaluations split over both trainer ranks (3 prompts x 2): version 1's, carried in checkpoint 2 with the
+    # generator's unsent output, and version 3's; version 2 was evaluated before the cut.
+    line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
+    evals = [h for h in json.loads(line[len("LOG_HISTORY "):]) if "eval_reward" in h]
+    assert [(h["eval_policy_version"], h["eval_samples"]) for h in evals] == [(1, 6), (3, 6)], evals
     ranks = [trained_rows(out, 0), trained_rows(out, 1)]
     for step in range(1, 6):
         # 2 ranks x 16 completions / 4 per prompt = 8 prompts per step, from 64 rows with seed 0.

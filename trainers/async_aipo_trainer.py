@@ -32,8 +32,8 @@ from hfllamarl.runtime.schedule import Schedule
 from hfllamarl.runtime.weight_sync import build_backend
 
 from .config import AsyncAIPOConfig
-from .trainer_ranks import save_every
 from .model_io import load_policy, resolve_model, save_for_generator
+from .trainer_ranks import eval_every, save_every
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ class AsyncAIPOTrainer:
                 f"args must be an AsyncAIPOConfig, got {type(args).__name__}. AsyncAIPOConfig takes every GRPOConfig "
                 "field plus the generator settings (num_generator_processes, max_staleness, aipo_rho, ...)."
             )
-        _reject("eval_dataset", eval_dataset, "evaluation during training is not supported; use `hfllamarl eval`")
         if optimizers != (None, None):
             raise ValueError("optimizers: the optimizer is built after FSDP2 sharding; set learning_rate, "
                              "weight_decay, adam_* and lr_scheduler_type in AsyncAIPOConfig instead.")
@@ -94,6 +93,9 @@ class AsyncAIPOTrainer:
             raise ValueError("Cannot tell the model's context length; set vllm_max_model_length in AsyncAIPOConfig.")
         encoder = PromptEncoder(processing_class, args.chat_template_kwargs)
         validate_dataset(train_dataset, encoder, args.max_completion_length, self.max_model_len)
+        self.eval_dataset = _eval_dataset(eval_dataset, args)
+        if self.eval_dataset is not None:
+            validate_dataset(self.eval_dataset, encoder, args.max_completion_length, self.max_model_len)
         self.batches_per_epoch = math.ceil(len(train_dataset) / args.prompts_per_step)
         num_batches = args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(
             args.num_train_epochs * len(train_dataset) / args.prompts_per_step)
@@ -217,6 +219,10 @@ class AsyncAIPOTrainer:
             verify_weight_sync=a.verify_weight_sync,
             startup_timeout_s=a.vllm_server_timeout,
             reward_models=[f for f in self.reward_funcs if isinstance(f, RewardModel)],
+            eval_dataset=self.eval_dataset,
+            eval_every=eval_every(a, self.num_batches, self.batches_per_epoch) if self.eval_dataset is not None else 0,
+            eval_on_start=bool(a.eval_on_start),
+            num_generations_eval=a.num_generations_eval or a.num_generations,
         )
 
     def _generator_dtype(self) -> str:
@@ -244,6 +250,9 @@ class AsyncAIPOTrainer:
         data_dir = os.path.join(workdir, "dataset")
         self.train_dataset.save_to_disk(data_dir)
         spec.dataset = data_dir
+        if spec.eval_dataset is not None:
+            spec.eval_dataset.save_to_disk(os.path.join(workdir, "eval_dataset"))
+            spec.eval_dataset = os.path.join(workdir, "eval_dataset")
         spec_path = os.path.join(workdir, "generator_spec.pkl")
         with open(spec_path, "wb") as fh:
             pickle.dump({"spec": spec, "use_cpu": self.args.use_cpu, "timeout_s": self.args.collective_timeout_s,
@@ -258,6 +267,19 @@ class AsyncAIPOTrainer:
         return 0.0
 
 
-def _reject(name: str, value, why: str) -> None:
-    if value is not None:
-        raise ValueError(f"{name}: {why}.")
+def _eval_dataset(dataset, args):
+    """The evaluation set, checked against eval_strategy: evaluation happens during training only, on the generator
+    (there is no `trainer.evaluate()`), so each needs the other."""
+    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    if dataset is None:
+        if strategy != "no":
+            raise ValueError(f"eval_strategy={strategy!r} needs an eval_dataset (a datasets.Dataset with a `prompt` "
+                             "column); pass one, or set eval_strategy='no'.")
+        return None
+    if isinstance(dataset, dict):
+        raise ValueError("eval_dataset: several named evaluation sets (a dict) are not supported yet; pass one "
+                         "datasets.Dataset.")
+    if strategy == "no":
+        raise ValueError("eval_dataset is evaluated during training, at eval_strategy's steps, and eval_strategy is "
+                         "'no': set eval_strategy='steps' (with eval_steps) or 'epoch', or leave eval_dataset out.")
+    return dataset

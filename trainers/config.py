@@ -35,7 +35,6 @@ _UNSUPPORTED = {
     "use_adaptive_entropy": "the trainer computes the sampled tokens' log-probs, not each distribution's entropy, so "
                             "there is no entropy bonus",
     "multi_objective_aggregation": "rewards are summed with reward_weights",
-    "num_generations_eval": "evaluation during training is not supported; use `hfllamarl eval`",
     "auto_find_batch_size": "batch sizes are fixed by the generation batch",
     "torch_compile": "not supported",
     "deepspeed": "trainer ranks shard the policy with torch FSDP2; DeepSpeed is not supported",
@@ -235,10 +234,10 @@ class AsyncAIPOConfig(GRPOConfig):
         if str(getattr(self.save_strategy, "value", self.save_strategy)) == "best" or self.load_best_model_at_end:
             raise ValueError(
                 "AsyncAIPOConfig: save_strategy='best' / load_best_model_at_end keep the checkpoint with the best "
-                "evaluation metric, and evaluation during training is not supported, so there is no metric to compare. "
-                "Use save_strategy='steps' or 'epoch'.")
-        if self.eval_strategy not in ("no", None):
-            raise ValueError("AsyncAIPOConfig: evaluation during training is not supported; use `hfllamarl eval`.")
+                "evaluation metric; evaluations here run on the generator at policy versions that need not be "
+                "checkpointed ones, so checkpoints are not chosen by a metric. Use save_strategy='steps' or 'epoch'.")
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            raise ValueError("AsyncAIPOConfig: num_generations_eval must be >= 1 (completions per eval prompt).")
 
     @property
     def sampling(self) -> Sampling:

@@ -57,6 +57,18 @@ def save_every(args, num_batches: int, batches_per_epoch: int | None = None) -> 
     return max(1, math.ceil(steps * num_batches)) if steps < 1 else int(steps)
 
 
+def eval_every(args, num_batches: int, batches_per_epoch: int | None = None) -> int:
+    """Policy versions between evaluations during training (0: none), as TrainingArguments' eval_strategy /
+    eval_steps mean it (eval_steps unset: logging_steps; below 1: a share of the steps; "epoch": every pass)."""
+    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    if strategy == "epoch":
+        return max(1, batches_per_epoch or num_batches)
+    if strategy != "steps":
+        return 0
+    steps = args.eval_steps if args.eval_steps is not None else args.logging_steps
+    return max(1, math.ceil(steps * num_batches)) if steps < 1 else int(steps)
+
+
 def prepare_policy(trainer, device: torch.device, resume_dir: str | None) -> None:
     """Shard the policy with FSDP2 and give each trainer rank its weights: read rank by rank from the model (or,
     on resume, the checkpoint) when it was built on the meta device; else from the object in memory."""
@@ -174,6 +186,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         max_completion_length=args.max_completion_length,
         mask_truncated_completions=args.mask_truncated_completions,
         on_samples=reporter.set_samples if args.log_completions else None,
+        on_eval=reporter.evaluate,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)

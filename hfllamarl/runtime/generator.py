@@ -68,6 +68,10 @@ class GeneratorSpec:
     resume_dir: str | None = None
     startup_timeout_s: float = 240.0  # how long the ranks wait for each other's start-up (vllm_server_timeout)
     reward_models: list = field(default_factory=list)  # `RewardModel`s scored here as each batch finishes
+    eval_dataset: Any = None  # evaluation during training: a `datasets.Dataset` (or a saved one's path)
+    eval_every: int = 0  # evaluate every policy version that is a multiple of this (0: never)
+    eval_on_start: bool = False  # also the starting policy (version 0)
+    num_generations_eval: int = 1
 
 
 class GeneratorExecutor(Executor):
@@ -80,18 +84,14 @@ class GeneratorExecutor(Executor):
         self.pending: list[RolloutGroup] = []  # finished batches, sent at the next rollouts channel
         self.in_flight: list[InFlightBatch] = []  # started batches with completions still carried
         self.weight_load_seconds = 0.0
+        self.evaluated = spec.initial_version if spec.initial_version or not spec.eval_on_start else -1
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.core_board = None  # single-process CPU job: where this child says it has finished a tick
 
     # ------------------------------------------------------------------ set-up
     def init(self) -> None:
         spec = self.spec
-        dataset = spec.dataset
-        if isinstance(dataset, str):
-            from datasets import load_from_disk
-
-            dataset = load_from_disk(dataset)
-        self.dataset = dataset
+        self.dataset, self.eval_dataset = _loaded(spec.dataset), _loaded(spec.eval_dataset)
         from transformers import AutoTokenizer
 
         self.encoder = PromptEncoder(AutoTokenizer.from_pretrained(spec.tokenizer_path), spec.chat_template_kwargs)
@@ -163,6 +163,8 @@ class GeneratorExecutor(Executor):
         batch = self.spec.schedule.generator_batch(self.tick)
         if batch is not None or self.in_flight:
             self.pending = self.generate_tick(batch)
+        if self.eval_due():
+            self.pending += self.evaluate()
         if self.core_board is not None:  # idle until the next tick's channels: the trainer may use these cores
             self.core_board.finished(self.topology.local_rank, self.tick)
 
@@ -214,6 +216,42 @@ class GeneratorExecutor(Executor):
         self._score_with_models(groups)
         return groups
 
+    def eval_due(self) -> bool:
+        """An evaluation of the policy version held now: a multiple of `eval_every` (or the start, with
+        `eval_on_start`) not evaluated yet, while the generator still samples (its results reach the trainer)."""
+        spec = self.spec
+        return (self.eval_dataset is not None and spec.eval_every > 0 and self.version > self.evaluated
+                and self.version % spec.eval_every == 0 and spec.schedule.generator_batch(self.tick) is not None)
+
+    def evaluate(self) -> list[RolloutGroup]:
+        """`num_generations_eval` completions of every eval prompt under the weights held now, in one call
+        between this tick's batch and the next; they go to the trainer ranks with the tick's rollouts."""
+        from vllm.inputs import TokensPrompt
+
+        spec = self.spec
+        self.evaluated = self.version
+        rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))]
+        prompts = [self.encoder.encode(row["prompt"]) for row in rows]
+        params = self._sampling_params(spec.num_generations_eval, spec.max_completion_length)
+        start = time.perf_counter()
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        groups, tokens = [], 0
+        for index, (row, ids, out) in enumerate(zip(rows, prompts, outputs)):
+            columns = {k: v for k, v in row.items() if k != "prompt"}
+            group = []
+            for comp in out.outputs:
+                r = Rollout(prompt=row["prompt"], prompt_ids=list(ids), completion_ids=[], behavior_logprobs=[],
+                            versions=[], finish_reason=UNFINISHED, completion_text="", columns=columns,
+                            row_index=index, segments=0)
+                tokens += self._extend(r, comp, spec.max_completion_length)
+                group.append(r)
+            groups.append(group)
+        evaluation = [RolloutGroup(g, -1 - self.version, self.version, seconds, tokens, eval_version=self.version)
+                      for g in groups]
+        self._score_with_models(evaluation)
+        return evaluation
+
     def _score_with_models(self, groups: list[RolloutGroup]) -> None:
         """Reward models score the finished rollouts here, while the trainer trains (TRL's call: prompt and
         completion through each model's tokenizer); the scores travel in `Rollout.model_rewards`."""
@@ -247,3 +285,12 @@ class GeneratorExecutor(Executor):
         r.completion_text = comp.text if r.segments == 1 else self.encoder.tokenizer.decode(
             r.completion_ids, skip_special_tokens=True)
         return len(ids)
+
+
+def _loaded(dataset):
+    """A `datasets.Dataset`, or None; a path (a child process's copy) is loaded from disk."""
+    if isinstance(dataset, str):
+        from datasets import load_from_disk
+
+        return load_from_disk(dataset)
+    return dataset

@@ -70,6 +70,14 @@ class Reporter:
             log_completions(self.args, self.state.global_step, self._samples)
             self._samples = None
 
+    def evaluate(self, metrics: dict) -> None:
+        """An evaluation during training: its eval_* metrics go to `log_history`, `on_log` (report_to) and
+        `on_evaluate`, at the current step."""
+        self.state.log_history.append({**metrics, "step": self.state.global_step})
+        self.control = self.handler.on_log(self.args, self.state, self.control, dict(metrics))
+        self.control = self.handler.on_evaluate(self.args, self.state, self.control, metrics=dict(metrics))
+        self.control.should_log = self.control.should_evaluate = False
+
     def set_samples(self, samples: dict | None) -> None:
         """log_completions: the samples of the step just trained, shown at the next log."""
         self._samples = samples

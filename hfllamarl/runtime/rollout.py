@@ -48,6 +48,7 @@ class RolloutGroup:
     policy_version: int  # the generator's policy version when the batch was sampled
     generation_seconds: float  # wall time of the whole generation batch
     batch_tokens: int  # completion tokens generated in the whole batch
+    eval_version: int | None = None  # an evaluation of this policy version (eval_dataset), not a training batch
 
 
 @dataclass
@@ -81,5 +82,9 @@ def split_by_batch(groups: list[RolloutGroup], parts: int) -> list[list[RolloutG
         by_batch.setdefault(g.batch_index, []).append(g)
     for b in order:
         for chunk, share in zip(chunks, split_even(by_batch[b], parts)):
+            first = by_batch[b][0]
+            if not share and first.eval_version is not None:  # every trainer rank takes part in an evaluation
+                share = [RolloutGroup([], b, first.policy_version, first.generation_seconds, first.batch_tokens,
+                                      first.eval_version)]
             chunk.extend(share)
     return chunks

@@ -59,6 +59,7 @@ class TrainerSpec:
     max_completion_length: int | None = None  # Dr. GRPO's normalisation constant
     mask_truncated_completions: bool = False  # a completion cut at max_completion_length is not trained on
     on_samples: Callable[[dict | None], None] | None = None  # log_completions: gets the step's samples (rank 0)
+    on_eval: Callable[[dict], None] = lambda metrics: None  # evaluation during training: logs the eval_* metrics
 
 
 def pad_batch(rollouts: list[Rollout], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -112,6 +113,7 @@ class TrainerExecutor(Executor):
         self.version = 0  # optimizer steps taken = policy version of the current weights
         self.sent_version = 0  # the generator starts from the initial weights (version 0)
         self.inbox: dict[int, list[RolloutGroup]] = {}
+        self.eval_inbox: list[RolloutGroup] = []  # evaluations the generator sent (eval_dataset), logged at `step`
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.weights_channel = None  # set by the front-end; its `last_seconds` is logged
         self.trained_rows: list[list[int]] = []  # dataset rows of each trained batch, in order
@@ -163,7 +165,10 @@ class TrainerExecutor(Executor):
         if channel != ROLLOUTS:
             return super().put_input(channel, value)
         for group in value or []:
-            self.inbox.setdefault(group.batch_index, []).append(group)
+            if group.eval_version is not None:
+                self.eval_inbox.append(group)
+            else:
+                self.inbox.setdefault(group.batch_index, []).append(group)
 
     # ------------------------------------------------------------------ work
     def set_step(self, tick: int) -> None:
@@ -171,6 +176,10 @@ class TrainerExecutor(Executor):
         self._tick_started = time.perf_counter()
 
     def step(self) -> None:
+        if self.eval_inbox:
+            evaluations, self.eval_inbox = self.eval_inbox, []
+            for version in sorted({g.eval_version for g in evaluations}):
+                self.spec.on_eval(self.evaluation_metrics([g for g in evaluations if g.eval_version == version]))
         batch_index = self.spec.schedule.trainer_batch(self.tick)
         if batch_index is None:
             return
@@ -310,6 +319,39 @@ class TrainerExecutor(Executor):
         if not problems[0] and not problems[1] and bad is None and not bool(torch.isfinite(loss.detach())):
             problems.append(f"the loss is {float(loss.detach())} (pi, mu and the advantages are finite: the algorithm's loss)")
         return [p for p in problems if p]
+
+    def evaluation_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        """The eval_* metrics of one evaluation (every trainer rank scores its share with the same reward path as
+        training, then the sums are reduced): mean and std of the reward, each function's mean (of a 0/1 reward:
+        the accuracy), completion length and truncated share, the policy version and the generation time."""
+        spec = self.spec
+        rollouts = [r for g in groups for r in g.rollouts]
+        local = {"count": 0.0, "reward_sum": 0.0, "reward_sq": 0.0, "len_sum": 0.0, "truncated": 0.0}
+        for name in spec.rewards.names:
+            local[f"{name}/sum"] = local[f"{name}/n"] = 0.0
+        if rollouts:
+            rewards, per_func = spec.rewards(
+                prompts=[r.prompt for r in rollouts], completions=[r.completion_text for r in rollouts],
+                completion_ids=[r.completion_ids for r in rollouts],
+                columns={k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns},
+                trainer_state=spec.trainer_state, scored=_model_rewards(rollouts))
+            local.update(count=len(rewards), reward_sum=sum(rewards), reward_sq=sum(x * x for x in rewards),
+                         len_sum=sum(len(r.completion_ids) for r in rollouts),
+                         truncated=sum(r.finish_reason == "length" for r in rollouts))
+            for name, scores in per_func.items():
+                scored = [x for x in scores if x is not None]
+                local[f"{name}/sum"], local[f"{name}/n"] = sum(scored), len(scored)
+        total = _all_sum(local)
+        n = max(total["count"], 1.0)
+        mean = total["reward_sum"] / n
+        metrics = {"eval_reward": mean, "eval_reward_std": math.sqrt(max(total["reward_sq"] / n - mean * mean, 0.0))}
+        for name in spec.rewards.names:
+            metrics[f"eval_rewards/{name}/mean"] = total[f"{name}/sum"] / max(total[f"{name}/n"], 1.0)
+        metrics.update({"eval_completions/mean_length": total["len_sum"] / n,
+                        "eval_completions/truncated_frac": total["truncated"] / n, "eval_samples": total["count"],
+                        "eval_policy_version": float(groups[0].eval_version),
+                        "eval_generation_seconds": groups[0].generation_seconds})
+        return metrics
 
     def _step_metrics(self, groups: list[RolloutGroup], rollouts: list[Rollout], rewards: list[float], per_func: dict,
                       staleness: list[list[int]], loss_total: float, stats: dict) -> dict[str, float]:

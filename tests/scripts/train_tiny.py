@@ -27,6 +27,14 @@ def digits(completions, **kwargs):
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
+class PrintEvaluations(TrainerCallback):
+    """Says on stdout when `on_evaluate` fires (evaluation during training)."""
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if state.is_world_process_zero:
+            print(f"ON_EVALUATE step={state.global_step} version={metrics['eval_policy_version']:.0f}", flush=True)
+
+
 class KillAt(TrainerCallback):
     """SIGKILL this process at the end of a given step (the generator child then dies with it)."""
 
@@ -89,6 +97,7 @@ def main():
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="generator_kv_cache_bytes (tiny: vLLM fails to start)")
     p.add_argument("--extra", default="{}", help="more AsyncAIPOConfig fields, as a JSON object")
     p.add_argument("--reward-model", default=None, help="also a reward model: the directory of a sequence classifier")
+    p.add_argument("--eval-rows", type=int, default=0, help="an eval_dataset of this many rows (set eval_strategy too)")
     a = p.parse_args()
     if a.kill_in_checkpoint:
         kill_inside_checkpoint(a.kill_in_checkpoint)
@@ -113,8 +122,10 @@ def main():
 
             peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
                                      task_type="CAUSAL_LM")
+        eval_dataset = Dataset.from_list(successor_rows(a.eval_rows, seed=3)) if a.eval_rows else None
         trainer = AsyncAIPOTrainer(model=a.model, reward_funcs=rewards, args=config, peft_config=peft_config,
-                                   train_dataset=Dataset.from_list(successor_rows(64, seed=2)))
+                                   train_dataset=Dataset.from_list(successor_rows(64, seed=2)), eval_dataset=eval_dataset,
+                                   callbacks=[PrintEvaluations()] if a.eval_rows else None)
         if a.kill_at_step:
             trainer.add_callback(KillAt(a.kill_at_step))
         out = trainer.train(resume_from_checkpoint=True if a.resume else None)
