@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from .prompts import is_conversational
-from hfllamarl.registry import installed, load_plugin
+from hfllamarl.registry import PluginError, installed, load_plugin
 
 
 class RewardFunctionError(RuntimeError):
@@ -56,7 +56,14 @@ def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_
         elif isinstance(item, PreTrainedModel):
             item = RewardModel(item, tokenizer, trust_remote_code=trust_remote_code, dtype=model_dtype)
         elif isinstance(item, str):
-            item = load_plugin("rewards", item)
+            try:
+                item = load_plugin("rewards", item)
+            except PluginError as exc:
+                if item in installed("rewards"):
+                    raise
+                raise PluginError(f"{exc} A reward model is given as the local directory of a sequence-classification "
+                                  f"model saved with save_pretrained() (with config.json), or as a PreTrainedModel; "
+                                  f"{item!r} is neither.") from None
         if not callable(item):
             raise TypeError(f"reward_funcs items must be callables, plugin names, model directories or "
                             f"PreTrainedModels, got {type(item).__name__}")
