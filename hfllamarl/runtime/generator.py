@@ -84,6 +84,7 @@ class GeneratorExecutor(Executor):
         self.pending: list[RolloutGroup] = []  # finished batches, sent at the next rollouts channel
         self.in_flight: list[InFlightBatch] = []  # started batches with completions still carried
         self.weight_load_seconds = 0.0
+        self.eval_dataset = None  # `init` loads spec.eval_dataset
         self.evaluated = spec.initial_version if spec.initial_version or not spec.eval_on_start else -1
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.core_board = None  # single-process CPU job: where this child says it has finished a tick
