@@ -5,6 +5,7 @@ import json
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -95,10 +96,14 @@ def test_kill_inside_a_checkpoint_and_resume(tiny_model, tmp_path):
     names = set(os.listdir(cut))
     assert "checkpoint-2" in names and "checkpoint-4" not in names and ".checkpoint-4.partial" in names, names
 
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common[:-1], "1", "--resume"], timeout=200)
-    assert proc.returncode != 0 and "max_staleness: 0 -> 1" in proc.stderr, tail(proc)
-
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, "--resume"], timeout=400)
+    with ThreadPoolExecutor(2) as pool:  # the refused resume only reads the checkpoint: run it beside the resume
+        refused = pool.submit(run_script, [str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common[:-1], "1",
+                                           "--resume"], timeout=200)
+        resumed = pool.submit(run_script, [str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, "--resume"],
+                              timeout=400)
+        proc = refused.result()
+        assert proc.returncode != 0 and "max_staleness: 0 -> 1" in proc.stderr, tail(proc)
+        proc = resumed.result()
     assert proc.returncode == 0, tail(proc)
     assert "TRAINED global_step=6" in proc.stdout
     steps = step_logs(proc.stdout)
@@ -162,11 +167,15 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     assert not orphans(out)
     assert "checkpoint-2" in os.listdir(out)
 
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--resume"], nproc=2, timeout=200)
-    assert proc.returncode != 0 and "was written by 3 processes with 1 generator(s); this job has 2" in proc.stderr, \
-        tail(proc)
-
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--resume"], nproc=3, timeout=400)
+    with ThreadPoolExecutor(2) as pool:  # the refused resume only reads the checkpoint: run it beside the resume
+        refused = pool.submit(run_script, [str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--resume"],
+                              nproc=2, timeout=200)
+        resumed = pool.submit(run_script, [str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--resume"],
+                              nproc=3, timeout=400)
+        proc = refused.result()
+        assert proc.returncode != 0 and "was written by 3 processes with 1 generator(s); this job has 2" in \
+            proc.stderr, tail(proc)
+        proc = resumed.result()
     assert proc.returncode == 0, tail(proc)
     assert "TRAINED global_step=5" in proc.stdout
     assert [h["step"] for h in step_logs(proc.stdout)] == [1, 2, 3, 4, 5]
