@@ -68,6 +68,9 @@ def _read_jsonl(name: str, n: int) -> list[dict]:
     ("28 percent", "28 percent"),
     ("So 11 marbles, and 12 with the last one.", "12"),  # the last number
     ("1" * 5000 + " words here", None),  # a number too far from the end
+    ("Final Answer: The largest $n$ is 34.", "34"),  # what follows the last "is"
+    ("Final Answer: The final answer is $10$. I hope it is correct.", "10"),
+    (r"$$\boxed{(2, 2)} \quad \text{and} \quad \boxed{(6, 2)}$$", "(2, 2), (6, 2)"),
 ])
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
@@ -137,6 +140,8 @@ EQUIVALENT = [
     ("3", "x=3"), ("x = 3", "3"), ("y = 2x+3", "2x+3"), (r"90^\circ", "90"),
     (r"90^\circ", r"90 \text{ degrees}"), ("1,234", "1234"), (r"\$1,234.50", "1234.5"),
     (r"864 \mbox{ inches}^2", "864"), ("a=1,b=2", "a = 1, b = 2"), ("1+i", "i+1"),
+    ("1000.99", "1000,99"), ("0.111", "0,111"),
+    ("We find it. " * 20 + r"Therefore $\boxed{14{,}916}$ is our answer.", "14916"),  # a worked solution as gold
 ]
 NOT_EQUIVALENT = [
     (r"\frac{14}{3}", "4.67"), (r"\frac{\sqrt{2}}{2}", r"\frac{\sqrt{3}}{2}"), ("2x+1", "2x-1"),
@@ -144,7 +149,7 @@ NOT_EQUIVALENT = [
     ("1, 2, 3", "1, 2"), (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{pmatrix} 2 \\ 1 \end{pmatrix}"),
     (r"\text{Evelyn}", "Evenly"), (r"\text{(C)}", "D"), ("1,234", "1,235"), ("-3", "3"),
     ("5", ""), (r"\frac{\pi}{3}", r"60^\circ"), ("1048576", "1048575"), ("2^{20}", "1048575"),
-    ("1000000", "1000001.0"),
+    ("1000000", "1000001.0"), ("1,2", "1.2"),
 ]
 
 

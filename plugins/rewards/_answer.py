@@ -31,10 +31,11 @@ BARE_ANSWER_CHARS = 100  # a whole completion this short, on one line and not pr
 TAIL_CHARS = 300  # a bare last number is looked for in this many final characters
 # between boxes read as one answer: commas, "and"/"or", spacing, math delimiters, "x ="
 _BOX_SEPARATOR_RE = re.compile(
-    r"[\s,;$]*(?:(?:and|or|&|\\quad|\\text\{\s*(?:and|or)\s*\})[\s,;$]*)?"
+    r"(?:[\s,;$]|\\[()\[\]]|and|or|&|\\q?quad|\\text\{\s*(?:and|or|,)?\s*\}){0,12}"
     r"(?:[A-Za-z](?:_\{?\w{1,3}\}?)?\s*=\s*)?"
 )
 _CURRENCY_RE = re.compile(r"(?<![\\$\w])\$(?=\d[\d,]*(?:\.\d+)?(?:\s+[A-Za-z]|[.,;:!?)](?!\d)|\s*$))")
+_IS_RE = re.compile(r"\s(?:is|are|equals|=)\s")
 _PROSE_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}[ \t]+[A-Za-z]{2,}")  # two words in a row
 _NUMBER_RE = re.compile(r"(?<![\w.])[-+]?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?%?(?![\w])")
 
@@ -163,12 +164,17 @@ def _answer_phrase(text: str) -> str | None:
     line_end = text.find("\n", last.end())
     stop = len(text) if line_end < 0 else line_end
     rest = text[last.end() : min(stop, last.end() + MAX_ANSWER_CHARS + 1)].strip(" \t*")
-    rest = _strip_currency(rest)
-    if "$" in rest or "\\(" in rest or "\\[" in rest:
-        math = _last_math(rest)
-        if math:
-            return math
-    return _SENTENCE_END_RE.split(rest, maxsplit=1)[0].strip() or None
+    sentence = _SENTENCE_END_RE.split(_strip_currency(rest), maxsplit=1)[0].strip()
+    if "$" in sentence or "\\(" in sentence or "\\[" in sentence:
+        math = _last_math(sentence)
+        after = sentence[sentence.rfind("$") + 1:] if "$" in sentence else sentence[sentence.rfind("\\") + 2:]
+        if math and not after.strip(" .,;:!)"):
+            return math  # "The final answer is $12$."
+    if _IS_RE.search(sentence):  # "The largest $n$ is 34": what follows the last "is"
+        sentence = _IS_RE.split(sentence)[-1].strip()
+        if "$" in sentence:
+            sentence = _last_math(sentence) or sentence.replace("$", "")
+    return sentence or None
 
 
 def _last_math(text: str) -> str | None:

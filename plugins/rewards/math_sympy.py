@@ -48,6 +48,7 @@ from ._answer import (
     MAX_ANSWER_CHARS,
     completion_text,
     extract_answer,
+    final_boxes,
     gold_answers,
     is_missing,
 )
@@ -61,6 +62,7 @@ __all__ = [
 SAMPLE_BUDGET_S = 1.0
 CALL_BUDGET_S = 2.0
 REL_TOL = Fraction(1, 10**6)
+WORKED_SOLUTION_CHARS = 200  # a longer gold with a box is a worked solution: its final box is the answer
 
 # ------------------------------------------------------------------------ normalisation
 
@@ -78,6 +80,7 @@ _SHORT_FRAC_RE = re.compile(r"\\frac(\d)(\d)|\\frac(\d)\{|\\frac\{([^{}]*)\}(\d)
 _SHORT_SQRT_RE = re.compile(r"\\sqrt(\d)")
 _ASSIGNMENT_RE = re.compile(r"^[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?(?:=|\\in(?![A-Za-z]))")
 _THOUSANDS_RE = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_DECIMAL_COMMA_RE = re.compile(r"-?(?:0,\d+|\d{4,},\d{1,2})")  # "1,2" stays a pair
 _CHOICE_RE = re.compile(r"\(?([A-H])\)?")
 _INT_RATIO_RE = re.compile(r"(-?\d+)/(\d+)")
 _WORDS_RE = re.compile(r"[A-Za-z]{2,}(?: [A-Za-z]+)*")
@@ -125,18 +128,24 @@ def normalize_answer(answer: str) -> str:
         if not n:
             break
     s = s.strip().rstrip(".").strip()
+    if s.endswith("\\") and not s.endswith("\\\\"):  # a stray trailing backslash ("185\\")
+        s = s[:-1].rstrip()
     amount = _AMOUNT_WORDS_RE.fullmatch(s)
     if amount and not _MATH_WORDS.intersection(w.rstrip(".").lower() for w in amount.group(2).split()):
         s = amount.group(1)
     if _WORDS_RE.fullmatch(s):  # a word answer ("Evelyn", "odd"): case-insensitive
         return s.lower()
+    spaced_comma = ", " in answer  # "32, 349" is a pair, "32,349" a thousands separator
+    decimal_comma = _DECIMAL_COMMA_RE.fullmatch(s)  # "1000,99", "0,111": a decimal comma
+    if decimal_comma:
+        s = s.replace(",", ".")
     s = _WHITESPACE_RE.sub(lambda m: m.group(1) + " " if m.group(1) else "", s)
     s = _SHORT_FRAC_RE.sub(_fix_short_frac, s)
     s = _SHORT_SQRT_RE.sub(r"\\sqrt{\1}", s)
     assignment = _ASSIGNMENT_RE.match(s)
     if assignment and "=" not in s[assignment.end() :]:  # not "a=1,b=2"
         s = s[assignment.end() :]
-    if _THOUSANDS_RE.fullmatch(s):
+    if not spaced_comma and _THOUSANDS_RE.fullmatch(s):
         s = s.replace(",", "")
     s = s.lstrip("+")
     choice = _CHOICE_RE.fullmatch(s)
@@ -317,6 +326,9 @@ def math_sympy(
         if pred_raw is None or not pred_raw.strip() or len(pred_raw) > MAX_ANSWER_CHARS:
             continue
         gold_raw = str(gold).strip()
+        if len(gold_raw) > WORKED_SOLUTION_CHARS and ("\\boxed" in gold_raw or "\\fbox" in gold_raw):
+            # a worked solution as gold: its boxed answer
+            gold_raw = (final_boxes(gold_raw) or gold_raw).strip()
         gold_norm, pred_norm = normalize_answer(gold_raw), normalize_answer(pred_raw)
         verdict = _cheap_verdict(gold_norm, pred_norm)
         if verdict is None:
