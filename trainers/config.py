@@ -135,6 +135,13 @@ class AsyncAIPOConfig(GRPOConfig):
                   "every engine parameter bitwise; the job stops naming the first parameters that differ. Costs a full "
                   "export and reload per sync."},
     )
+    padding_free: bool = field(
+        default=True,
+        metadata={"help": "Pack each micro-batch's sequences (prompt + completion) end to end in rows as wide as the "
+                  "longest one, instead of padding every sequence to it (TRL's SFTConfig name). The model's attention "
+                  "must keep packed sequences apart by their position ids, as transformers' models do; this is "
+                  "checked once on the model, and one that does not trains padded (logged)."},
+    )
     scale_rewards: str = field(
         default="none",
         metadata={"help": "Advantage scaling, as in GRPOConfig, but defaulting to 'none': AIPO's advantage is "

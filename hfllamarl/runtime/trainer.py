@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from hfllamarl.losses import StepShape
 
+from .batching import completion_logprobs, pack_batch, packing_agrees, pad_batch
 from .executor import Executor, wait_for_startup
 from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from .generator import ROLLOUTS
 from .rewards import RewardRunner
 from .rollout import Rollout, RolloutGroup
-from .sampling import Sampling, sampled_logprobs, seen_tokens, within_support
+from .sampling import Sampling, within_support
 from .schedule import Schedule
 from .topology import Topology
 from .weight_sync import POLICY_WEIGHTS, WeightSyncBackend
@@ -60,49 +61,8 @@ class TrainerSpec:
     mask_truncated_completions: bool = False  # a completion cut at max_completion_length is not trained on
     on_samples: Callable[[dict | None], None] | None = None  # log_completions: gets the step's samples (rank 0)
     on_eval: Callable[[dict], None] = lambda metrics: None  # evaluation during training: logs the eval_* metrics
-
-
-def pad_batch(rollouts: list[Rollout], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Left-pad prompts and right-pad completions so every completion starts at the same column.
-
-    Returns input_ids/attention_mask/position_ids `[B, P+T]`, completion_ids/mask/behavior `[B, T]`.
-    """
-    P = max(len(r.prompt_ids) for r in rollouts)
-    T = max(max(len(r.completion_ids) for r in rollouts), 1)
-    B = len(rollouts)
-    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P + T), dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.float32)
-    mu = torch.zeros((B, T), dtype=torch.float32)
-    for i, r in enumerate(rollouts):
-        p, c = len(r.prompt_ids), len(r.completion_ids)
-        input_ids[i, P - p:P] = torch.tensor(r.prompt_ids)
-        attn[i, P - p:P] = 1
-        if c:
-            input_ids[i, P:P + c] = torch.tensor(r.completion_ids)
-            attn[i, P:P + c] = 1
-            mask[i, :c] = 1.0
-            mu[i, :c] = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
-    position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
-    out = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-               completion_ids=input_ids[:, P:], mask=mask, behavior_logprobs=mu, prompt_width=P)
-    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in out.items()}
-
-
-def completion_logprobs(model, batch: dict, sampling: Sampling | float) -> torch.Tensor:
-    """log pi of every completion token, `[B, T]`, under the distribution vLLM samples from (`sampling`: its
-    transforms, or just a temperature)."""
-    if not isinstance(sampling, Sampling):
-        sampling = Sampling(temperature=float(sampling))
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], use_cache=False)
-    P = batch["prompt_width"]
-    tokens = batch["completion_ids"]
-    logits = out.logits[:, P - 1:P - 1 + tokens.shape[1], :]  # [B, T, V]
-    seen = None
-    if sampling.penalties:
-        seen = seen_tokens(batch["input_ids"][:, :P], batch["attention_mask"][:, :P], tokens, logits.shape[-1])
-    return sampled_logprobs(logits, tokens, sampling, seen)
+    padding_free: bool = True  # pack micro-batches without padding (`hfllamarl.runtime.batching`) if the model allows
+    pad_to_multiple_of: int | None = None  # round the micro-batch's width up to a multiple of this
 
 
 class TrainerExecutor(Executor):
@@ -120,6 +80,7 @@ class TrainerExecutor(Executor):
         self._save_due = False
         self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
         self.channel_seconds = 0.0  # this tick's time in the channels, before `step`
+        self.packed = False  # micro-batches packed without padding (decided by `init` on the real model)
 
     @property
     def weights(self):
@@ -130,6 +91,8 @@ class TrainerExecutor(Executor):
         self.backend = self.backend or self.spec.backend
         if self.topology.core_lender is not None:  # a single-process CPU job: borrow the generators' idle cores
             self.topology.core_lender.install(self.spec.model)
+        if self.spec.padding_free:
+            self.packed = packing_agrees(self.spec.model, self.spec.model.config.vocab_size, self.spec.device)
         wait_for_startup(self.topology, self.spec.startup_timeout_s)
         self.backend.setup_trainer(self.weights)
         self.sync_bytes = sum(t.numel() * self.backend.wire_dtype(t.dtype).itemsize
@@ -274,7 +237,8 @@ class TrainerExecutor(Executor):
         loss_total = 0.0
         for k in range(steps):
             chunk = rollouts[k * mb:(k + 1) * mb]
-            batch = pad_batch(chunk, spec.pad_token_id, spec.device)
+            build = pack_batch if self.packed else pad_batch
+            batch = build(chunk, spec.pad_token_id, spec.device, spec.pad_to_multiple_of)
             if any(masked[k * mb:(k + 1) * mb]):  # TRL's mask_truncated_completions: no loss on them
                 keep = torch.tensor([not m for m in masked[k * mb:(k + 1) * mb]], device=spec.device)
                 batch["mask"] = batch["mask"] * keep[:, None]
