@@ -147,7 +147,8 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
                               num_training_steps=trainer.num_batches,
                               scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
     reporter = Reporter(args, model, trainer.processing_class, optimizer, scheduler, trainer.callbacks,
-                        max_steps=trainer.num_batches, is_world_zero=topo.rank == 0)
+                        max_steps=trainer.num_batches, is_world_zero=topo.rank == 0,
+                        batches_per_epoch=trainer.batches_per_epoch)
     trainer.state, trainer._reporter = reporter.state, reporter
     trainer.optimizer, trainer.lr_scheduler = optimizer, scheduler
 

@@ -159,9 +159,10 @@ def _lm_head_at(model, positions: torch.Tensor):
         handle.remove()
 
 
-def completion_logprobs(model, batch: dict, sampling: Sampling | float) -> torch.Tensor:
+def completion_logprobs(model, batch: dict, sampling: Sampling | float, entropy: bool = False):
     """log pi of every completion token, `[B, T]` (0 past each completion's end), under the distribution vLLM
-    samples from (`sampling`: its transforms, or just a temperature)."""
+    samples from (`sampling`: its transforms, or just a temperature). With `entropy`, also that distribution's
+    entropy at every completion position, `[B, T]`, without gradient (TRL's `entropy` metric)."""
     if not isinstance(sampling, Sampling):
         sampling = Sampling(temperature=float(sampling))
     tokens = batch["completion_ids"]  # [B, T]
@@ -180,7 +181,7 @@ def completion_logprobs(model, batch: dict, sampling: Sampling | float) -> torch
         logits = logits[positions]
     x = logits.float()  # [N, V]
     if empty:
-        return out + 0.0 * x.sum()
+        return (out + 0.0 * x.sum(), out.detach().clone()) if entropy else out + 0.0 * x.sum()
     if sampling.temperature_only:
         x = x / sampling.temperature
     else:
@@ -190,7 +191,19 @@ def completion_logprobs(model, batch: dict, sampling: Sampling | float) -> torch
             seen = (in_prompt[where[0], 0], in_output[where], count[where])  # each [N, V]
         x = processed_logits(x, sampling, seen)
     logprobs = x.gather(-1, tokens[where].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)  # [N]
-    return out.index_put(where, logprobs)
+    if not entropy:
+        return out.index_put(where, logprobs)
+    return out.index_put(where, logprobs), out.detach().index_put(where, _entropy(x.detach()))
+
+
+def _entropy(x: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """`[N, V]` logits (masked tokens at -inf) -> `[N]` entropies, a chunk of rows at a time (one `[rows, V]`
+    temporary, however long the batch)."""
+    out = []
+    for chunk in x.split(rows):
+        logp = torch.log_softmax(chunk, dim=-1)
+        out.append(-(logp.exp() * logp.masked_fill(torch.isneginf(logp), 0.0)).sum(-1))
+    return torch.cat(out)
 
 
 def packing_agrees(model, vocab_size: int, device) -> bool:

@@ -174,10 +174,11 @@ class TrainerExecutor(Executor):
             scored=_model_rewards(rollouts),
         )
         reward_seconds = time.perf_counter() - rewards_t0
+        logged, extra = spec.rewards.drain(len(rollouts))  # TRL's log_metric / log_extra calls of this step
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
         advantages = spec.algorithm.advantages(rewards_t, spec.num_generations)  # [N]
         if spec.on_samples is not None:  # log_completions: the step's samples, gathered to the first trainer rank
-            spec.on_samples(gather_samples(rollouts, per_func, advantages, self.topology.rank == 0))
+            spec.on_samples(gather_samples(rollouts, per_func, advantages, self.topology.rank == 0, extra))
         backward_t0 = time.perf_counter()
         loss_total, stats = self._accumulate_gradients(rollouts, advantages)
         backward_seconds = time.perf_counter() - backward_t0
@@ -208,6 +209,7 @@ class TrainerExecutor(Executor):
         lender = self.topology.core_lender
         if lender is not None:  # the generators finished first and lent their cores for the rest of this step
             metrics["time/borrowed_cores"] = float(lender.borrowed)
+        metrics.update(_logged_means(logged))
         metrics.update(spec.rewards.counters())
         metrics["grad_norm"] = grad_norm
         if spec.scheduler is not None:
@@ -215,6 +217,7 @@ class TrainerExecutor(Executor):
         metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
         metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
         metrics["train_step_seconds"] = time.perf_counter() - start
+        metrics["step_time"] = time.perf_counter() - self._tick_started  # TRL's name: the step's wall time
         self.trained_rows.append([r.row_index for r in rollouts[:: spec.num_generations]])
         self._save_due = bool(spec.on_step(self.version, metrics))
         return metrics
@@ -244,7 +247,7 @@ class TrainerExecutor(Executor):
                 batch["mask"] = batch["mask"] * keep[:, None]
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(k == steps - 1)  # reduce-scatter once per optimizer step
-            raw = completion_logprobs(model, batch, spec.sampling)
+            raw, entropy = completion_logprobs(model, batch, spec.sampling, entropy=True)
             logprobs, outside = within_support(raw, batch["mask"], spec.sampling)
             chunk_advantages = advantages[k * mb:(k + 1) * mb].to(spec.device)
             ref = None
@@ -257,6 +260,7 @@ class TrainerExecutor(Executor):
             loss, m = checked_loss(spec.algorithm, spec.algorithm.loss(logprobs, batch["behavior_logprobs"],
                                                                        chunk_advantages, batch["mask"], **kwargs))
             m["is_ratio/outside_support_frac"] = float(outside.sum()) / max(float(batch["mask"].sum()), 1.0)
+            m["entropy"] = float((entropy * batch["mask"]).sum()) / max(float(batch["mask"].sum()), 1.0)
             # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
             agree(self._nonfinite(batch, raw.masked_fill(outside, 0.0), chunk_advantages, loss, chunk, k * mb),
                   step=self.version + 1, rank_name=self.topology.describe(self.topology.rank))
@@ -293,12 +297,14 @@ class TrainerExecutor(Executor):
         local = {"count": 0.0, "reward_sum": 0.0, "reward_sq": 0.0, "len_sum": 0.0, "truncated": 0.0}
         for name in spec.rewards.names:
             local[f"{name}/sum"] = local[f"{name}/n"] = 0.0
+        logged: dict[str, tuple[float, int]] = {}
         if rollouts:
             rewards, per_func = spec.rewards(
                 prompts=[r.prompt for r in rollouts], completions=[r.completion_text for r in rollouts],
                 completion_ids=[r.completion_ids for r in rollouts],
                 columns={k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns},
                 trainer_state=spec.trainer_state, scored=_model_rewards(rollouts))
+            logged = spec.rewards.drain(len(rollouts))[0]
             local.update(count=len(rewards), reward_sum=sum(rewards), reward_sq=sum(x * x for x in rewards),
                          len_sum=sum(len(r.completion_ids) for r in rollouts),
                          truncated=sum(r.finish_reason == "length" for r in rollouts))
@@ -315,6 +321,7 @@ class TrainerExecutor(Executor):
                         "eval_completions/truncated_frac": total["truncated"] / n, "eval_samples": total["count"],
                         "eval_policy_version": float(groups[0].eval_version),
                         "eval_generation_seconds": groups[0].generation_seconds})
+        metrics.update({f"eval_{name}": value for name, value in _logged_means(logged).items()})
         return metrics
 
     def _step_metrics(self, groups: list[RolloutGroup], rollouts: list[Rollout], rewards: list[float], per_func: dict,
@@ -324,6 +331,9 @@ class TrainerExecutor(Executor):
         n = len(rollouts)
         oldest = [max(s) for s in staleness if s]  # a completion is as stale as its first token
         lengths = [len(r.completion_ids) for r in rollouts]
+        G = self.spec.num_generations
+        flat = [all(math.isclose(x, rewards[i]) for x in rewards[i:i + G]) for i in range(0, n, G)]
+        ended = [length for length, r in zip(lengths, rollouts) if r.finish_reason != "length"]
         partial = [len(r.completion_ids) for r in rollouts if r.segments > 1]
         local = {
             "reward_sum": sum(rewards), "reward_sq": sum(x * x for x in rewards), "count": n,
@@ -331,18 +341,29 @@ class TrainerExecutor(Executor):
             "token_staleness_sum": sum(map(sum, staleness)), "partial": len(partial), "partial_len": sum(partial),
             "len_sum": sum(lengths), "truncated": sum(r.finish_reason == "length" for r in rollouts),
             "empty": sum(length == 0 for length in lengths),
+            "groups": len(flat), "flat_groups": sum(flat), "ended": len(ended), "ended_len": sum(ended),
+            "tokens": sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts),
         }
         for name, scores in per_func.items():
             vals = [s for s in scores if s is not None]
             local[f"rf_sum/{name}"] = sum(vals)
+            local[f"rf_sq/{name}"] = sum(x * x for x in vals)
             local[f"rf_n/{name}"] = len(vals)
         summed = _all_sum(local)
+        extremes = _all_max([max(lengths), -min(lengths), max(ended, default=-1), -min(ended, default=1 << 30)])
         count = summed["count"]
         mean = summed["reward_sum"] / count
         metrics: dict[str, float] = {"reward": mean,
                                      "reward_std": math.sqrt(max(summed["reward_sq"] / count - mean * mean, 0.0))}
         for name in per_func:
-            metrics[f"rewards/{name}/mean"] = summed[f"rf_sum/{name}"] / max(summed[f"rf_n/{name}"], 1)
+            k = max(summed[f"rf_n/{name}"], 1)
+            metrics[f"rewards/{name}/mean"] = f_mean = summed[f"rf_sum/{name}"] / k
+            metrics[f"rewards/{name}/std"] = math.sqrt(max(summed[f"rf_sq/{name}"] / k - f_mean * f_mean, 0.0))
+        metrics["frac_reward_zero_std"] = summed["flat_groups"] / max(summed["groups"], 1)  # TRL's: no signal
+        state = self.spec.trainer_state
+        if state is not None and hasattr(state, "num_input_tokens_seen"):  # prompt + completion tokens trained, as TRL
+            state.num_input_tokens_seen = int(state.num_input_tokens_seen or 0) + int(summed["tokens"])
+            metrics["num_tokens"] = float(state.num_input_tokens_seen)
         # The loss and the algorithm's own metrics (is_ratio/*, clipped_frac, behavior_kl, kl, ...), plus the share of
         # sampled tokens the current policy's top-k/top-p/min-p no longer allow (weight 0; only off-policy).
         metrics.update(reduce_metrics({"loss": [loss_total], "staleness/max": [max(oldest, default=0)], **stats}))
@@ -353,6 +374,13 @@ class TrainerExecutor(Executor):
         metrics["completions/mean_length"] = summed["len_sum"] / count
         metrics["completions/truncated_frac"] = summed["truncated"] / count
         metrics["completions/empty_frac"] = summed["empty"] / count  # they get a reward, but no token to train
+        # TRL's names: min/max length, truncated share, lengths of the completions that ended (0 when none did)
+        metrics["completions/max_length"], metrics["completions/min_length"] = extremes[0], -extremes[1]
+        metrics["completions/clipped_ratio"] = metrics["completions/truncated_frac"]
+        any_ended = summed["ended"] > 0
+        metrics["completions/mean_terminated_length"] = summed["ended_len"] / summed["ended"] if any_ended else 0.0
+        metrics["completions/max_terminated_length"] = extremes[2] if any_ended else 0.0
+        metrics["completions/min_terminated_length"] = -extremes[3] if any_ended else 0.0
         gen_seconds = max(g.generation_seconds for g in groups)
         metrics["generation/seconds"] = gen_seconds
         metrics["generation/tokens_per_s"] = groups[0].batch_tokens / gen_seconds if gen_seconds > 0 else 0.0
@@ -384,6 +412,31 @@ def _all_sum(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def _all_max(values: list[float]) -> list[float]:
+    """Element-wise maximum over the trainer world (identity with one trainer rank)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _logged_means(logged: dict[str, tuple[float, int]]) -> dict[str, float]:
+    """Metrics reward functions logged with `log_metric` (name -> this rank's sum and count), averaged over every
+    call on every trainer rank, as TRL does. Every trainer rank calls it (a name only some ranks logged counts
+    theirs)."""
+    parts = [logged]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, logged)
+    totals: dict[str, list[float]] = {}
+    for part in parts:
+        for name, (total, count) in part.items():
+            acc = totals.setdefault(name, [0.0, 0])
+            acc[0] += total
+            acc[1] += count
+    return {name: total / count for name, (total, count) in sorted(totals.items()) if count}
+
+
 def _model_rewards(rollouts: list[Rollout]) -> dict[str, list[float]]:
     """Reward models' scores computed on the generator, by model name (only names every rollout has)."""
     names = set(getattr(rollouts[0], "model_rewards", {})) if rollouts else set()
@@ -392,19 +445,25 @@ def _model_rewards(rollouts: list[Rollout]) -> dict[str, list[float]]:
     return {name: [r.model_rewards[name] for r in rollouts] for name in names}
 
 
-def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool) -> dict | None:
+def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool,
+                   extra: dict[str, list] | None = None) -> dict | None:
     """The step's samples over every trainer rank as TRL's completion-log columns (prompt, completion, one column
-    per reward function, advantage); on the first trainer rank, None on the others."""
+    per reward function, advantage, and under "extra" the columns reward functions added with `log_extra`); on
+    the first trainer rank, None on the others."""
     local = {"prompt": [r.prompt for r in rollouts], "completion": [r.completion_text for r in rollouts],
              **{name: [math.nan if v is None else v for v in scores] for name, scores in per_func.items()},
              "advantage": advantages.tolist()}
-    parts = [local]
+    parts = [(local, extra or {})]
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
+        dist.all_gather_object(parts, (local, extra or {}))
     if not first:
         return None
-    return {key: [v for part in parts for v in part[key]] for key in local}
+    out = {key: [v for part, _ in parts for v in part[key]] for key in local}
+    columns = sorted({c for _, more in parts for c in more})  # a column only some ranks logged: None elsewhere
+    out["extra"] = {c: [v for part, more in parts for v in more.get(c, [None] * len(part["prompt"]))]
+                    for c in columns}
+    return out
 
 
 def takes_shape(algorithm) -> bool:
