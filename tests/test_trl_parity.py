@@ -20,7 +20,8 @@ def test_a_trl_script_logs_what_trl_logs(tiny_model, tmp_path):
 
     def run(side):
         procs[side] = run_script([str(SCRIPTS / "trl_user_script.py"), tiny_model, str(tmp_path / side),
-                                  "--trainer", side], timeout=400)
+                                  "--trainer", side] + (["--push"] if side == "hfllamarl" else []), timeout=400,
+                                 env={"HF_HUB_OFFLINE": "1"})
 
     threads = [threading.Thread(target=run, args=(side,)) for side in ("trl", "hfllamarl")]
     for t in threads:
@@ -29,6 +30,12 @@ def test_a_trl_script_logs_what_trl_logs(tiny_model, tmp_path):
         t.join()
     for side, proc in procs.items():
         assert proc.returncode == 0, (side, tail(proc))
+    for proc in procs.values():  # accelerator.print once for the whole job; save_model and end() as in TRL's scripts
+        assert proc.stdout.count("TRAINING DONE") == 1, proc.stdout[-2000:]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hfllamarl")  # save_model wrote a loadable model
+    assert "PUSH_FAILED OfflineModeIsEnabled repo=hfllamarl" in procs["hfllamarl"].stdout  # it got to the upload
     trl, ours = step_logs(procs["trl"].stdout), step_logs(procs["hfllamarl"].stdout)
     assert len(trl) == len(ours) == 2
     for theirs, mine in zip(trl, ours):

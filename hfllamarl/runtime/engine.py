@@ -51,7 +51,16 @@ def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int,
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes or (256 << 20)
     else:  # pragma: no cover - needs a GPU
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-    return LLM(**kwargs)
+    try:
+        return LLM(**kwargs)
+    except RuntimeError as exc:
+        if "create shm in SHMManager failed" in str(exc) and "17" in str(exc):
+            raise RuntimeError(
+                f"{exc}: vLLM's CPU backend names the shared memory of a tensor-parallel engine without a job id "
+                "(/dev/shm/*-tp:*-cpushm*), so another tensor-parallel engine on this machine holds the same names, or "
+                "a job killed while its engine started left them behind. Run one tensor-parallel CPU job per machine at a "
+                "time, and remove those files once no vLLM process uses them.") from exc
+        raise
 
 
 def load_weights(llm, weights) -> None:

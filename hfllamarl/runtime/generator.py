@@ -54,6 +54,7 @@ class GeneratorSpec:
     dtype: str = "auto"
     enforce_eager: bool = True
     quantization: str | None = None  # vLLM online quantization of the generator ("fp8"); the trainer is unaffected
+    model_impl: str = "vllm"  # vLLM's model implementation: its own ("vllm") or transformers' ("transformers")
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.3
     tensor_parallel_size: int = 1
@@ -114,7 +115,8 @@ class GeneratorExecutor(Executor):
                             max_model_len=spec.max_model_len, tensor_parallel_size=spec.tensor_parallel_size,
                             distributed=topo.num_generators > 1, use_cpu=topo.use_cpu,
                             enforce_eager=spec.enforce_eager, quantization=spec.quantization,
-                            kv_cache_bytes=spec.kv_cache_bytes, gpu_memory_utilization=spec.gpu_memory_utilization)
+                            kv_cache_bytes=spec.kv_cache_bytes, gpu_memory_utilization=spec.gpu_memory_utilization,
+                            model_impl=spec.model_impl)
 
     def _sampling_params(self, n: int, max_tokens: int):
         from vllm import SamplingParams

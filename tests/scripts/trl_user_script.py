@@ -22,6 +22,7 @@ def main():
     p.add_argument("model")
     p.add_argument("out")
     p.add_argument("--trainer", default="hfllamarl")
+    p.add_argument("--push", action="store_true", help="also push_to_hub (HF_HUB_OFFLINE=1 makes the upload fail)")
     a = p.parse_args()
     rows = [{"prompt": f"{i % 10}{(i + 3) % 10}?"} for i in range(40)]
     common = dict(output_dir=a.out, max_steps=2, per_device_train_batch_size=8, num_generations=4,
@@ -33,7 +34,15 @@ def main():
         from hfllamarl import AsyncAIPOConfig as Config, AsyncAIPOTrainer as Trainer
     trainer = Trainer(model=a.model, reward_funcs=digits, args=Config(**common), train_dataset=Dataset.from_list(rows))
     trainer.train()
+    trainer.accelerator.print("TRAINING DONE")
+    trainer.save_model(a.out)
+    if a.push:
+        try:
+            trainer.push_to_hub()
+        except Exception as exc:  # no Hub here
+            print(f"PUSH_FAILED {type(exc).__name__} repo={trainer.hub_model_id}")
     print("LOG_HISTORY " + json.dumps(trainer.state.log_history))
+    trainer.end()
 
 
 if __name__ == "__main__":
