@@ -114,6 +114,12 @@ def grade_ours(case: dict) -> bool:
     return math_sympy(prompts=None, completions=[text], answer=[case["gold"]])[0] == 1.0
 
 
+def math_sympy_timeouts() -> int:
+    from hfllamarl.plugins.rewards.math_sympy import stats
+
+    return stats()["timeouts"]
+
+
 def grade_math_verify(case: dict) -> bool:
     """Math-Verify alone, as its README uses it: ``verify(parse(gold), parse(prediction))``."""
     from math_verify import parse, verify
@@ -160,12 +166,14 @@ def _rests_on_setting(case: dict) -> bool:
 def score(cases: list[dict]) -> dict[str, dict]:
     """Per suite: cases, cases resting on a per-case setting (``set``), and for each grader right,
     false positives and negatives, in all and on the ``set`` cases; adds the verdicts to each case
-    (``ours``, ``math_verify``, ``as_set``, ``rests``)."""
+    (``ours``, ``math_verify``, ``as_set``, ``rests``, ``timed_out``)."""
     table: dict[str, dict] = defaultdict(lambda: defaultdict(int))
     for case in cases:
         row = table[case["suite"]]
         row["cases"] += 1
+        timeouts = math_sympy_timeouts()
         case["ours"], case["math_verify"] = grade_ours(case), grade_math_verify(case)
+        case["timed_out"] = math_sympy_timeouts() > timeouts
         case["as_set"] = grade_math_verify_as_set(case)
         case["rests"] = _rests_on_setting(case)
         row["set"] += case["rests"]
@@ -203,6 +211,10 @@ def _print_table(table: dict[str, dict]) -> None:
             cells.append(f"{right:>4}/{n:<4} {100 * right / n:6.1f}% {row[f'{name}_false_pos']:>3} "
                          f"{row[f'{name}_false_neg']:>3}")
         print(f"{suite:<15} {n:>5} {row.get('set', 0):>4}  {cells[0]}  {cells[1]}")
+    total = rows[-1][1]
+    off_set = {name: total[f"{name}_false_pos"] - total[f"{name}_false_pos_on_set"] for name in ("ours", "math_verify")}
+    print(f"\nfalse positives on cases that do not rest on a per-case setting: math_sympy {off_set['ours']}, "
+          f"Math-Verify {off_set['math_verify']}")
 
 
 def _print_set_cases(cases: list[dict], table: dict[str, dict]) -> None:
@@ -254,6 +266,11 @@ def run(args) -> int:
           f"FP = graded right where the suite says wrong; set = the verdict rests on a per-case setting)\n")
     _print_table(table)
     _print_set_cases(cases, table)
+    timed_out = [c for c in cases if c["timed_out"]]
+    if timed_out:
+        print(f"\nmath_sympy ran out of time (scored 0.0) on {len(timed_out)} cases (the machine's load counts):")
+        for case in timed_out:
+            print(f"  [{case['suite']}] expected {case['expected']}: gold {case['gold'][-60:]!r}  ({case['source']})")
     wrong = [c for c in cases if c["ours"] != c["expected"]]
     if wrong and args.show:
         print(f"\nmath_sympy disagrees with the suite on {len(wrong)} cases; the first {min(args.show, len(wrong))}:")

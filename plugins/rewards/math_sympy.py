@@ -6,17 +6,25 @@ The gold answer is the dataset's ``answer`` column, a LaTeX-ish string as in MAT
 Grading, per completion:
 
 1. Extract the answer the completion commits to (``_answer.extract_answer``): the content
-   of the last ``\\boxed{...}`` / ``\\fbox{...}`` (boxes side by side read as one set/tuple
-   answer); with no box at all, the text after the last "answer is" / "answer:", else the last
-   ``$...$`` (``$1,000`` is an amount), else a completion that is only an answer, else the last
-   number of its end. An unclosed last box (truncated generation) is no answer; chat tokens are
-   stripped first.
+   of the last ``\\boxed{...}`` / ``\\fbox{...}`` (boxes side by side, or with a few words ending
+   in "and"/"or" between them, read as one set/tuple answer), unless an answer statement
+   ("The final answer is $10,455$") comes after it; with no box, the text after the last
+   "answer is" / "answer:" (a sentence in words: its one number); else a completion that is only
+   an answer (one short line, or one LaTeX environment); else the last ``$...$`` or the last
+   number of its end (``1,000.99m²``, ``2,74 €``), whichever comes later. An unclosed last box
+   (truncated generation) is no answer; chat tokens are stripped first. The gold is read
+   likewise when it is a worked solution (:func:`gold_text`).
 2. Normalise both sides (:func:`normalize_answer`): ``\\dfrac``, ``\\left``, spacing, units in
-   ``\\text{}`` or as words after an amount, ``\\$``, ``%``, degrees, thousands separators, ``x = 3``, choice letters ...
-3. Decide cheaply in this process when possible: equal strings; two plain numbers (exact
-   rationals, relative tolerance 1e-6); a choice letter or a word as gold.
+   ``\\text{}`` or as words after an amount, ``\\$``, ``%``, degrees, thousands separators, ``x = 3``,
+   ``x = 1, x = -2`` (one left side, several values), "and"/"or" lists, choice letters ...
+3. Decide cheaply in this process when possible: equal strings; two plain numbers
+   (:mod:`._numbers`: exact values exactly, a decimal within 1e-6 or rounded to its own digits
+   when the other side has no finite decimal form); numbers in a base; a choice letter or a word
+   as gold.
 4. Otherwise ask math-verify (LaTeX parser only) and sympy in a sandboxed worker process
-   (:mod:`._sandbox`): symbolic equality, tuples, intervals, unordered sets, matrices.
+   (:mod:`._sandbox`): numbers by value under the same rules, then symbolic equality, tuples,
+   intervals, unordered sets, matrices (elementwise, in order, for decimals). An interval or set
+   as gold is not matched by an inequality (math-verify's rule); the other way round it is.
 
 Security: model text is never evaluated as Python. It goes only through
 ``math_verify.parse`` with ``LatexExtractionConfig`` (the ANTLR LaTeX grammar of
@@ -63,7 +71,7 @@ __all__ = [
 
 SAMPLE_BUDGET_S = 1.0
 CALL_BUDGET_S = 2.0
-WORKED_SOLUTION_CHARS = 200  # a longer gold with a box is a worked solution: its final box is the answer
+WORKED_SOLUTION_CHARS = 200  # a longer gold is a worked solution: the answer it commits to is the gold
 
 # ------------------------------------------------------------------------- equivalence
 
