@@ -125,7 +125,10 @@ def _numeric_close(gold: Any, pred: Any) -> bool | None:
         return None
     if gold.is_Rational and pred.is_Rational:
         return bool(gold == pred)
-    (g, g_decimal), (p, p_decimal) = _numeric_value(gold), _numeric_value(pred)
+    try:
+        (g, g_decimal), (p, p_decimal) = _numeric_value(gold), _numeric_value(pred)
+    except (ValueError, ZeroDivisionError, OverflowError):  # a value with no decimal digits to read
+        return None
     if not g_decimal and not p_decimal:  # exact values, one irrational: equal to 25 digits
         return abs(g - p) <= Fraction(1, 10**25) * max(abs(g), abs(p))
     irrational = not (gold.is_Rational or g_decimal) or not (pred.is_Rational or p_decimal)
