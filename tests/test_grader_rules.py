@@ -3,8 +3,11 @@ answer is read, how gold answers are read, normalisation, numeric equality; and 
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -158,6 +161,27 @@ def test_base_numbers(gold, pred, expected):
 ])
 def test_graded_end_to_end(gold, completion, expected):
     assert score(gold, completion) == expected
+
+
+def test_math500_near_misses_score_zero():
+    """Every MATH-500 gold with its last digit changed (outside a unit's exponent) is a different
+    value, so it must score 0 against the gold: the false positives a reward trains on."""
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500_test.jsonl"
+    if not path.exists():
+        pytest.skip(f"{path} not found")
+    golds = [json.loads(line)["answer"] for line in path.open(encoding="utf-8")]
+    pairs = []
+    for gold in golds:
+        digits = [m.start() for m in re.finditer(r"\d", gold)]
+        if digits and not _UNIT_POWER_RE.search(gold):
+            k = digits[-1]
+            pairs.append((gold, gold[:k] + str((int(gold[k]) + 1) % 10) + gold[k + 1 :]))
+    out = math_sympy(prompts=None, completions=[rf"The answer is $\boxed{{{p}}}$." for _, p in pairs],
+                     answer=[g for g, _ in pairs])
+    assert len(pairs) > 450 and [pair for pair, s in zip(pairs, out) if s != 0.0] == []
+
+
+_UNIT_POWER_RE = re.compile(r"\\(?:text|mbox)\{[^{}]*\}\^")
 
 
 # ------------------------------------------------------------------------- hostile inputs
