@@ -289,3 +289,14 @@ def test_literal_evaluates_only_literals():
 def test_the_test_layouts_above_parse():
     for text in (MATH_VERIFY_TEST, NEMO_TEST, VERL_TEST, HENDRYCKS_TEST, SIMPLE_EVALS_COMMON):
         compile(textwrap.dedent(text), "<test>", "exec")
+
+
+def test_unreadable_cases_are_skipped_or_refused_with_the_reason(tmp_path):
+    odd = HENDRYCKS_TEST.replace('test_in = "10"', "test_in = make_answer()").replace('"4, 12, 2"', "1 / 0")
+    repo = _repo(tmp_path / "math", {"modeling/math_equivalence_test.py": odd})
+    _, cases, skipped = grader_suites.convert_repo(repo)
+    assert [c["gold"] for c in cases] == ["4, 10, -2"]  # the two others are not literal
+    assert len(skipped) == 2 and all("not literal" in s for s in skipped)
+    broken = _repo(tmp_path / "nemo", {"tests/test_math_equal.py": "def test_x(:\n"})
+    with pytest.raises(ValueError, match="could not be read as expected.*check out the commit"):
+        grader_suites.convert_repo(broken)

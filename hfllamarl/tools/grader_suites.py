@@ -118,7 +118,7 @@ def literal(node: ast.AST, names: dict[str, Any] | None = None) -> Any:
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = literal(node.left, names), literal(node.right, names)
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (left, right)):
-            return _BINARY[type(node.op)](left, right)
+            return _arithmetic(_BINARY[type(node.op)], left, right)
     if isinstance(node, ast.JoinedStr):
         return "".join(literal(v, names) for v in node.values)
     if isinstance(node, ast.FormattedValue) and node.conversion == -1:
@@ -128,8 +128,15 @@ def literal(node: ast.AST, names: dict[str, Any] | None = None) -> Any:
         return _MATH_FUNCTIONS[node.attr]
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_math(node.func.value)
             and callable(_MATH_FUNCTIONS.get(node.func.attr)) and not node.keywords):
-        return _MATH_FUNCTIONS[node.func.attr](*(literal(a, names) for a in node.args))
+        return _arithmetic(_MATH_FUNCTIONS[node.func.attr], *(literal(a, names) for a in node.args))
     raise NotLiteral(ast.dump(node)[:80])
+
+
+def _arithmetic(fn: Callable, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except (ArithmeticError, ValueError, TypeError) as exc:  # 1 / 0, math.sqrt(-1), math.exp(1e9)
+        raise NotLiteral(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _is_math(node: ast.AST) -> bool:
@@ -281,7 +288,8 @@ def _convert_nemo_skills(sink: _Sink) -> None:
             test = after.test
             if isinstance(test, ast.Compare) and isinstance(test.ops[0], (ast.Is, ast.Eq)):
                 idx = [a.slice.value for a in call.args[:2]
-                       if isinstance(a, ast.Subscript) and isinstance(a.value, ast.Name) and a.value.id == pair_name]
+                       if isinstance(a, ast.Subscript) and isinstance(a.value, ast.Name) and a.value.id == pair_name
+                       and isinstance(a.slice, ast.Constant) and isinstance(a.slice.value, int)]
                 if len(idx) == 2:
                     checks.append((idx[0], idx[1], literal(test.comparators[0])))
         for row in spec[1]:
@@ -322,10 +330,18 @@ def _convert_hendrycks(sink: _Sink) -> None:
         names: dict[str, Any] = {}
         for stmt in fn.body:
             if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-                names[stmt.targets[0].id] = literal(stmt.value)
+                try:
+                    names[stmt.targets[0].id] = literal(stmt.value)
+                except NotLiteral:
+                    names.pop(stmt.targets[0].id, None)  # not a literal: a case using it is skipped
             call = stmt.value if isinstance(stmt, ast.Expr) else None
-            if _call_name(call) in ("assertTrue", "assertFalse") and _call_name(call.args[0]) == "is_equiv":
-                output, answer = (literal(a, names) for a in call.args[0].args[:2])
+            if (_call_name(call) in ("assertTrue", "assertFalse") and call.args
+                    and _call_name(call.args[0]) == "is_equiv" and len(call.args[0].args) >= 2):
+                try:
+                    output, answer = (literal(a, names) for a in call.args[0].args[:2])
+                except NotLiteral as exc:
+                    sink.skipped.append(f"{sink.source(rel, stmt.lineno)}: not literal ({exc})")
+                    continue
                 expected = _call_name(call) == "assertTrue"
                 reordered = not expected and _same_list_reordered(output, answer)
                 sink.add(answer, output, expected, "answer", rel, stmt.lineno,
@@ -400,7 +416,11 @@ def convert_repo(path: str | Path) -> tuple[str, list[dict], list[str]]:
     suite = detect_suite(repo)
     origin, _, converter = SUITES[suite]
     sink = _Sink(suite, repo, origin)
-    converter(sink)
+    try:
+        converter(sink)
+    except (SyntaxError, NotLiteral) as exc:  # a file laid out unlike the commit this reads
+        raise ValueError(f"{path}: the {origin} test files could not be read as expected ({exc}); "
+                         f"check out the commit named in the README.") from exc
     return suite, sink.cases, sink.skipped
 
 
