@@ -9,7 +9,7 @@ from hfllamarl.runtime.batching import completion_logprobs, pack_batch, packing_
 from hfllamarl.runtime.rollout import Rollout
 from hfllamarl.runtime.sampling import Sampling, sampled_logprobs, seen_tokens
 
-FAMILIES = ["llama", "llama_gqa", "qwen2", "qwen3", "qwen3_moe"]
+FAMILIES = ["llama", "llama_gqa", "qwen2", "qwen3", "qwen3_moe", "mistral", "llama32"]  # mistral: window 4
 SAMPLINGS = [Sampling(temperature=0.7),
              Sampling(temperature=0.9, top_k=12, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.2)]
 
