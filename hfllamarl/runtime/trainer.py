@@ -81,6 +81,7 @@ class TrainerExecutor(Executor):
         self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
         self.channel_seconds = 0.0  # this tick's time in the channels, before `step`
         self.packed = False  # micro-batches packed without padding (decided by `init` on the real model)
+        self._tick_started = time.perf_counter()  # when this tick began (`set_step`): a step's wall time
 
     @property
     def weights(self):
