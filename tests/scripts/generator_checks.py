@@ -50,7 +50,8 @@ def local_generator(path: str, **spec_kw):
 
     spec = GeneratorSpec(model_path=path, tokenizer_path=path, dataset=Dataset.from_list(ROWS), max_model_len=64,
                          dtype="float32", **spec_kw)
-    gen = GeneratorExecutor(spec, SimpleNamespace(num_generators=1, use_cpu=True, local_rank=0, rank=0))
+    gen = GeneratorExecutor(spec, SimpleNamespace(num_generators=1, use_cpu=True, local_rank=0, rank=0, replica=0,
+                                                  num_replicas=1, replica_size=1, num_trainers=0))
     gen.dataset, gen.llm = spec.dataset, gen._build_engine()
     gen.encoder = PromptEncoder(AutoTokenizer.from_pretrained(path))
     return gen
