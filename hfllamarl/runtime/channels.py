@@ -74,26 +74,46 @@ def _wait_contained(work, topo: Topology, peer: int, what: str) -> None:
         raise ReplicaLostError(replica, cause)
 
 
-def send_tensor(topo: Topology, tensor: torch.Tensor, dst: int, what: str, kind: str = "tensor"):
-    """Start sending `tensor` to bridge rank `dst`; returns a callable that waits for completion."""
-    pg, peer = topo.link(dst, kind)
-    work = pg.send([tensor], peer, 0)
+def _start(topo: Topology, tensor: torch.Tensor, peer: int, what: str, kind: str, op: str):
+    """Post a send or receive (`op`) with bridge rank `peer`; returns a callable that waits for completion. With a
+    peer whose loss is survived (`Topology.contained`), a replica already lost (or found lost while posting) gives
+    a wait that raises `ReplicaLostError`, so that a caller collecting waits can settle them all."""
+    replica = topo.replica_of(peer)
+    contained = topo.contained(peer)
+
+    def lost(cause: str):
+        topo.mark_lost(replica, cause)
+
+        def wait():
+            raise ReplicaLostError(replica, cause)
+
+        return wait
+
+    if contained and replica in topo.lost:
+        return lost(topo.lost[replica])
+    pg, group_peer = topo.link(peer, kind)
+    try:
+        work = getattr(pg, op)([tensor], group_peer, 0)
+    except RuntimeError as exc:
+        cause = f"{what}: lost {topo.describe(peer)} (seen from {topo.describe(topo.rank)}): {exc}".strip()
+        if contained:
+            return lost(cause)
+        raise PeerLostError(cause) from exc
 
     def wait(_keep_alive=tensor):  # the buffer must outlive the transfer
-        _wait(work, topo, dst, what)
+        _wait(work, topo, peer, what)
 
     return wait
+
+
+def send_tensor(topo: Topology, tensor: torch.Tensor, dst: int, what: str, kind: str = "tensor"):
+    """Start sending `tensor` to bridge rank `dst`; returns a callable that waits for completion."""
+    return _start(topo, tensor, dst, what, kind, "send")
 
 
 def start_recv_tensor(topo: Topology, tensor: torch.Tensor, src: int, what: str, kind: str = "tensor"):
     """Start receiving into `tensor` from bridge rank `src`; returns a callable that waits for completion."""
-    pg, peer = topo.link(src, kind)
-    work = pg.recv([tensor], peer, 0)
-
-    def wait(_keep_alive=tensor):
-        _wait(work, topo, src, what)
-
-    return wait
+    return _start(topo, tensor, src, what, kind, "recv")
 
 
 def recv_tensor(topo: Topology, tensor: torch.Tensor, src: int, what: str, kind: str = "tensor") -> torch.Tensor:
