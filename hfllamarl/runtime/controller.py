@@ -93,6 +93,18 @@ def run_job(executor: Executor, backend, topology, schedule: Schedule, start_tic
         ExecutorController(executor, stages_, num_ticks=schedule.num_ticks, start_tick=start_tick).run()
     except Exception as exc:
         error = fail(topology, exc)
+        culprit = topology.liveness.culprit if error is not exc else topology.rank
+        if (topology.role == "generator" and topology.survivable and culprit is not None
+                and topology.replica_of(culprit) == topology.replica):
+            # This replica is lost and the job goes on without it (generator_failure="continue"): the trainer ranks
+            # read the error recorded by `fail`; the process ends cleanly (a launcher such as torchrun stops every
+            # rank when one exits with an error).
+            import traceback
+
+            traceback.print_exception(error)
+            logger.warning("%s: this replica is lost; the job goes on without it (generator_failure='continue')",
+                           topology.describe(topology.rank))
+            return
         if error is exc:
             raise
         raise error from exc

@@ -125,7 +125,7 @@ class Dispatch:
             replica = self.live[(k + tick) % len(self.live)]
             for b, p in (items[i] for i in run):
                 orders[replica]["work"].setdefault(b, []).append(p)
-                self.assigned[b][p] = replica
+                self.assigned.setdefault(b, {})[p] = replica
         self.regenerated += len(items)
         return orders
 

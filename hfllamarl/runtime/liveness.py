@@ -90,6 +90,7 @@ class Liveness:
         self._lock = threading.Lock()  # one store call at a time on the shared client
         self._where: dict[int, dict] = {}  # rank -> {"host", "pid"}, read while the store answers
         self._frozen: list[int] = []  # the ranks the last verdict found silent
+        self.culprit: int | None = None  # the rank the last verdict names
 
     # ---------------------------------------------------------------- keys
     def _key(self, kind: str, rank: int) -> str:
@@ -320,18 +321,22 @@ class Liveness:
         own = [(rec["time"], r, rec) for r, rec in failed.items() if not rec.get("reaction")]
         if own:
             _, r, rec = min(own)
+            self.culprit = r
             return f"{topo.describe(r)} failed:\n{rec['cause']}"
         for r, code in exited:
             if r not in failed:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                self.culprit = r
                 return f"{topo.describe(r)} {how} without reporting an error."
         lost = self._frozen = stale
         if lost:
+            self.culprit = lost[0]
             names = ", ".join(topo.describe(r) for r in lost)
             return (f"{names} stopped answering: no heartbeat for more than {self.stale_s:.0f} s (the process was "
                     "killed, or is frozen, e.g. SIGSTOP).")
         if failed:  # only reactions: name the first
             _, r, rec = min((rec["time"], r, rec) for r, rec in failed.items())
+            self.culprit = r
             return f"{topo.describe(r)} stopped:\n{rec['cause']}"
         return None
 
@@ -386,11 +391,17 @@ class Liveness:
             topo.kill_children()
             return
         self.record_failure(message, reaction=True)
-        sys.stderr.write(f"\n[hfllamarl] {message}\n")
+        # A rank of this rank's own replica is at fault and the job survives the replica's loss: leaving is not a
+        # failure of the job, and a non-zero exit would make torchrun stop every rank.
+        code = 0 if topo.survivable and topo.replica_of(self.culprit if self.culprit is not None else 0) == \
+            topo.replica else 1
+        sys.stderr.write(f"\n[hfllamarl] {message}" + ("\n[hfllamarl] this replica is lost; the job goes on "
+                                                       "without it (generator_failure='continue')" if not code else "")
+                         + "\n")
         sys.stderr.flush()
         if topo.mode == "launcher":  # (a generator child leaves its frozen parent, the user's process, alone)
             self._kill_frozen_local_peers()
-        os._exit(1)
+        os._exit(code)
 
     def _kill_frozen_local_peers(self) -> None:
         """A frozen rank (SIGSTOP) never exits by itself and holds its launcher (torchrun waits 30 s before it

@@ -111,12 +111,17 @@ class Topology:
         self.lost[replica] = cause
         return True
 
+    @property
+    def survivable(self) -> bool:
+        """Whether the job goes on when a replica is lost: generator_failure="continue", several replicas, and the
+        job has started (a replica that cannot start stops the job)."""
+        return self.failure == "continue" and self.containing and self.num_replicas > 1
+
     def contained(self, rank: int) -> bool:
         """Whether a failure of bridge rank `rank` is survived, as seen from this rank: with generator_failure=
         "continue", once the job has started, the loss of another replica's generator rank."""
         other = self.replica_of(rank)
-        return (self.failure == "continue" and self.containing and other is not None
-                and other != self.replica)
+        return self.survivable and other is not None and other != self.replica
 
     def local_rank_of(self, rank: int) -> int:
         """Rank of bridge rank `rank` inside its executor's world (a generator rank: inside its replica)."""
