@@ -70,6 +70,52 @@ def _dummy_engine(opts: dict, topo):
                         engine_id=f"bench-{topo.store_addr[1]}-{topo.replica}")
 
 
+def emulate_links(gbps: float) -> None:
+    """Give this rank a network link of `gbps` gigabits per second each way, as a NIC would: a transfer it posts
+    (sent or received) is handed to the transport no earlier than its link has carried the ones posted before it.
+    Each direction is a queue served by a thread of its own, so a rank sends and receives at once, as over a real
+    link. On one machine the transfers otherwise share its CPU cores, and the time measures the cores rather than
+    how the bytes are routed (bench only: the runtime never paces)."""
+    import queue
+    import threading
+
+    from hfllamarl.runtime import channels
+
+    post, rate = channels._start, gbps * 1e9 / 8
+    queues = {"send": queue.Queue(), "recv": queue.Queue()}
+
+    def serve(q):
+        free = 0.0
+        while True:
+            nbytes, start, box = q.get()
+            begin = max(time.perf_counter(), free)
+            time.sleep(max(0.0, begin - time.perf_counter()))
+            free = begin + nbytes / rate
+            try:
+                box["wait"] = start()
+            except BaseException as exc:  # handed to whoever waits
+                box["error"] = exc
+            box["posted"].set()
+
+    for q in queues.values():
+        threading.Thread(target=serve, args=(q,), daemon=True).start()
+
+    def paced(topo, tensor, peer, what, kind, op):
+        box = {"posted": threading.Event()}
+        start = lambda: post(topo, tensor, peer, what, kind, op)  # noqa: E731
+        queues[op].put((tensor.numel() * tensor.element_size(), start, box))
+
+        def wait(_keep_alive=tensor):
+            box["posted"].wait()
+            if "error" in box:
+                raise box["error"]
+            box["wait"]()
+
+        return wait
+
+    channels._start = paced
+
+
 def _cpu_seconds() -> float:
     import resource
 
@@ -111,6 +157,8 @@ def main(argv: list[str]) -> int:
     from hfllamarl.runtime.weight_sync import build_backend, crop, tensor_digest
 
     torch.set_num_threads(1)
+    if opts.get("link_gbps"):
+        emulate_links(opts["link_gbps"])
     topo = init_topology(opts["generators"], timeout_s=600, use_cpu=True, tensor_parallel_size=opts.get("tp"))
     topo.join_bridges()
     results: dict = {"rank": topo.rank, "role": topo.role}
@@ -131,7 +179,7 @@ def main(argv: list[str]) -> int:
     # Plans are made once, before any timing; then the full copy used for checking is dropped.
     backends = {}
     for name in opts["backends"]:
-        options = {"bucket_bytes": opts["bucket_mb"] << 20} if name == "nccl_ddma" else {}
+        options = {"bucket_bytes": opts["bucket_mb"] << 20, "fan_out": opts.get("fan_out")} if name == "nccl_ddma" else {}
         backend = backends[name] = build_backend(name, topo, **options)
         if topo.role == "trainer":
             backend.setup_trainer(model)

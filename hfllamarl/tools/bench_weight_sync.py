@@ -36,6 +36,11 @@ def add_weight_sync_arguments(parser) -> None:
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--replicas", default=None, help="comma-separated replica counts, e.g. 1,2: nccl_ddma to each "
                         "(--generators is then the ranks of one replica)")
+    parser.add_argument("--fan-out", type=int, default=None, help="with --replicas: nccl_ddma's fan_out (replicas the "
+                        "trainer ranks feed directly; default max(1, trainers // --generators); --fan-out R: all)")
+    parser.add_argument("--link-gbps", type=float, default=None, help="give every rank a link of this many Gbit/s each "
+                        "way (paced transfers), so that the time shows how the bytes are routed instead of how busy "
+                        "this machine's cores are")
 
 
 def launch(opts: dict, world: int, timeout: float) -> dict:
@@ -121,11 +126,14 @@ def run_replicas(args) -> int:
         raise SystemExit("--replicas takes replica counts >= 1, e.g. 1,2")
     opts = {"params": args.params, "trainers": args.trainers, "generators": counts[-1] * args.generators,
             "tp": args.generators, "replicas": counts, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
-            "backends": ["nccl_ddma"]}
+            "backends": ["nccl_ddma"], "fan_out": args.fan_out, "link_gbps": args.link_gbps}
     summary = summarize_replicas(launch(opts, args.trainers + opts["generators"], args.timeout), opts)
+    summary["fan_out"] = args.fan_out or max(1, args.trainers // args.generators)
+    summary["link_gbps"] = args.link_gbps
+    link = f", links of {args.link_gbps:g} Gbit/s" if args.link_gbps else ", loopback"
     print(f"nccl_ddma weight sync of {summary['params'] / 1e6:.1f}M parameters ({summary['bytes'] / 2**20:.0f} MiB "
-          f"fp32), {args.trainers} trainer rank(s) -> R replicas of {args.generators} rank(s), median of "
-          f"{args.repeats} (the R interleaved)")
+          f"fp32), {args.trainers} trainer rank(s) -> R replicas of {args.generators} rank(s), fan_out "
+          f"{summary['fan_out']}{link}, median of {args.repeats} (the R interleaved)")
     print(f"{'replicas':<10}{'seconds':>9}{'x R=' + str(counts[0]):>9}{'x bound':>9}{'CPU s (all ranks)':>19}"
           f"{'bitwise':>9}")
     for count, entry in summary["replicas"].items():
