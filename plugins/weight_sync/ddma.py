@@ -17,9 +17,10 @@ reads is refused at start-up (vLLM does not know it, so it would never be update
 
 The plan (which rows of which parameter live on which trainer rank, which box each generator rank
 needs, how parameters are grouped into buckets) is computed once at start-up and reused every
-sync. Parameters at least `bucket_bytes` large travel alone, with no copy where the piece is a row
-range; smaller ones are packed into buckets of up to `bucket_bytes` so that a layer's norms and
-biases do not cost a message each. The received part lands in a full-size tensor that vLLM's
+sync. Parameters at least `bucket_bytes` large form a bucket of their own; smaller ones are grouped into buckets
+of up to `bucket_bytes`, the unit of the in-flight window. Within a bucket, a piece that is a range of whole rows
+and at least `alone_bytes` large travels as a message of its own, with no copy on either side; the others (a
+layer's norms and biases, column slices) are packed into one message, so that they do not cost a message each. The received part lands in a full-size tensor that vLLM's
 loader narrows to exactly that part (on the CPU vLLM repacks its weights, so they cannot be
 written in place).
 
@@ -126,12 +127,14 @@ def relay_layout(replicas: list[int], fan_out: int) -> dict[int, int | None]:
 
 class DDMAWeightSync(WeightSyncBackend):
     """Sharded direct transfer. Options: `bucket_bytes` (default 32 MiB), `max_inflight` buckets (default 4),
-    `fan_out` (replicas the trainer ranks send to directly; default max(1, trainer ranks // tensor-parallel size))."""
+    `fan_out` (replicas the trainer ranks send to directly; default max(1, trainer ranks // tensor-parallel size)),
+    `alone_bytes` (a row-range piece this large travels as a message of its own, copied nowhere; default 1 MiB)."""
 
     def __init__(self, topology, bucket_bytes: int = 32 << 20, max_inflight: int = 4, fan_out: int | None = None,
-                 **options):
+                 alone_bytes: int = 1 << 20, **options):
         super().__init__(topology, **options)
         self.bucket_bytes = int(bucket_bytes)
+        self.alone_bytes = int(alone_bytes)
         self.max_inflight = max(1, int(max_inflight))
         self.fan_out = int(fan_out) if fan_out else max(1, topology.num_trainers // topology.replica_size)
         self.incomplete = False  # the last receive() lost its relay source part-way (see the module docstring)
@@ -245,22 +248,41 @@ class DDMAWeightSync(WeightSyncBackend):
         ranks = [g for r in entries for g in topo.replica_ranks(r)]
         waits = []
         for bucket in self.buckets:
+            payloads: dict[tuple, torch.Tensor] = {}  # the same pieces (another replica's rank) are packed once
             for g in ranks:
-                link = self.pieces[(topo.rank, g)]
-                parts = []
-                for name in bucket:
-                    if name in link:
-                        local, offset = locals_[name]
-                        parts.append(local.reshape((local.shape[0],) + self.info[name].shape[1:])[
-                            _index(link[name].box, offset)])
-                if not parts or topo.replica_of(g) in topo.lost:
+                if topo.replica_of(g) in topo.lost:
                     continue
-                payload = parts[0].contiguous() if len(parts) == 1 else torch.cat([x.reshape(-1) for x in parts])
-                waits.append(send_tensor(topo, payload, g, f"nccl_ddma bucket {bucket[0]}"))
+                for message in self.messages(self.pieces[(topo.rank, g)], bucket):
+                    key = tuple((p.name, p.box) for p in message)
+                    if key not in payloads:
+                        parts = []
+                        for p in message:
+                            local, offset = locals_[p.name]
+                            parts.append(local.reshape((local.shape[0],) + self.info[p.name].shape[1:])[
+                                _index(p.box, offset)])
+                        payloads[key] = (parts[0].contiguous() if len(parts) == 1
+                                         else torch.cat([x.reshape(-1) for x in parts]))
+                    waits.append(send_tensor(topo, payloads[key], g, f"nccl_ddma bucket {bucket[0]}"))
             # Bound the bytes in flight: wait for the oldest buckets once the window is full.
-            while len(waits) > self.max_inflight * max(len(ranks), 1):
+            while len(waits) > self.max_inflight * max(len(ranks), 1) * 4:
                 settle([waits.pop(0)])
         settle(waits)
+
+    def messages(self, link: dict[str, Piece], bucket: list[str]) -> list[list[Piece]]:
+        """How one bucket's pieces travel on one link: a piece of at least `alone_bytes` that is a range of whole rows
+        of its weight is a message of its own (it leaves the sender's shard and lands in the receiver's full tensor
+        with no copy); the others follow, packed into one message."""
+        alone, packed = [], []
+        for name in bucket:
+            if name not in link:
+                continue
+            piece, info = link[name], self.info[name]
+            rows = all(b == (0, size) for b, size in zip(piece.box[1:], info.shape[1:]))
+            count = 1
+            for start, end in piece.box:
+                count *= end - start
+            (alone if rows and count * info.dtype.itemsize >= self.alone_bytes else packed).append(piece)
+        return [[p] for p in alone] + ([packed] if packed else [])
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         topo, me = self.topology, self.topology.rank
@@ -281,19 +303,16 @@ class DDMAWeightSync(WeightSyncBackend):
                      for n in bucket if n in self.wanted}
             works = []  # (wait or None: zeros, the buffer received into, parts to unpack or None)
             for t in topo.trainer_ranks:
-                link = self.pieces[(t, me)]
-                parts = [link[n] for n in bucket if n in link]
-                if not parts:
-                    continue
-                if len(parts) == 1 and dest(fulls[parts[0].name], parts[0]).is_contiguous():
-                    # A single piece that is a row range: it lands straight in the full tensor.
-                    buf, unpack = dest(fulls[parts[0].name], parts[0]), None
-                else:
-                    total = sum(dest(fulls[p.name], p).numel() for p in parts)
-                    buf = torch.empty(total, dtype=self.info[parts[0].name].dtype, device=device)
-                    unpack = parts
-                wait = None if self.incomplete else self._irecv(buf, source(t), parts[0].name)
-                works.append((wait, buf, unpack))
+                for parts in self.messages(self.pieces[(t, me)], bucket):
+                    if len(parts) == 1 and dest(fulls[parts[0].name], parts[0]).is_contiguous():
+                        # A piece that is a row range: it lands straight in the full tensor.
+                        buf, unpack = dest(fulls[parts[0].name], parts[0]), None
+                    else:
+                        total = sum(dest(fulls[p.name], p).numel() for p in parts)
+                        buf = torch.empty(total, dtype=self.info[parts[0].name].dtype, device=device)
+                        unpack = parts
+                    wait = None if self.incomplete else self._irecv(buf, source(t), parts[0].name)
+                    works.append((wait, buf, unpack))
             pending.append((bucket, fulls, works))
 
         queue = list(self.buckets)
@@ -311,7 +330,7 @@ class DDMAWeightSync(WeightSyncBackend):
                         d = dest(fulls[p.name], p)
                         d.copy_(buf[pos:pos + d.numel()].view(d.shape))
                         pos += d.numel()
-            while len(forwards) > self.max_inflight * len(self.topology.trainer_ranks) * max(len(down), 1):
+            while len(forwards) > self.max_inflight * len(self.topology.trainer_ranks) * max(len(down), 1) * 4:
                 settle([forwards.pop(0)])
             if queue:
                 post(queue.pop(0))
