@@ -101,9 +101,11 @@ class RewardFunction(Protocol):
     boxed_format, length). Called on the trainer ranks once per trainer step with that rank's completions, and by
     `hfllamarl eval`:
 
-        fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)
-            -> list[float | None]
+        fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_metric=..., log_extra=...,
+           **dataset_columns) -> list[float | None]
 
+    `log_metric(name, value)` logs a scalar under `name` (averaged over the step's calls on every trainer rank) and
+    `log_extra(column, values)` adds a column to the completions table (`log_completions`), as in TRL.
     `completions` are strings, or `[{"role": "assistant", "content": ...}]` when the prompts are chat messages.
     One value per completion; None: this function does not score that sample. `async def` functions run
     concurrently. A function may also have `stats() -> dict[str, float]`: every entry is logged after each step

@@ -55,7 +55,7 @@ class AsyncAIPOTrainer:
 
     def __init__(self, model, reward_funcs=None, args: AsyncAIPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None):
+                 optimizers=(None, None), quantization_config=None, peft_config=None):
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = AsyncAIPOConfig(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-AIPO")
@@ -67,6 +67,10 @@ class AsyncAIPOTrainer:
         if optimizers != (None, None):
             raise ValueError("optimizers: the optimizer is built after FSDP2 sharding; set learning_rate, "
                              "weight_decay, adam_* and lr_scheduler_type in AsyncAIPOConfig instead.")
+        if quantization_config is not None:
+            raise ValueError("quantization_config (a 4/8-bit bitsandbytes base model, QLoRA) is not supported: the "
+                             "trainer ranks shard the policy with FSDP2 and send its weights to vLLM at every step. "
+                             "Train LoRA adapters on a bf16 base (peft_config) instead.")
         if train_dataset is None:
             raise ValueError("train_dataset is required: a datasets.Dataset with a `prompt` column.")
         self.args, self.topology = args, args.topology
@@ -79,7 +83,7 @@ class AsyncAIPOTrainer:
         self.model_config = model_config
         self._model_obj = model_obj
         check_generator(model_config, use_cpu=args.use_cpu, dtype=self._generator_dtype(),
-                        tensor_parallel_size=args.generator_tensor_parallel_size)
+                        tensor_parallel_size=args.generator_tensor_parallel_size, model_impl=args.vllm_model_impl)
         if processing_class is None:
             from transformers import AutoTokenizer
 
@@ -177,6 +181,34 @@ class AsyncAIPOTrainer:
             self.state = TrainerState.load_from_json(os.path.join(directory, "trainer_state.json"))
         return TrainOutput(marker["step"], self._last_loss(), {})
 
+    @property
+    def accelerator(self):
+        """What TRL scripts use of `trainer.accelerator` (`print` once per job, process index and count,
+        `wait_for_everyone`, `end_training`)."""
+        from .script_api import JobAccelerator
+
+        return JobAccelerator(self)
+
+    @property
+    def hub_model_id(self) -> str:
+        from .script_api import hub_model_id
+
+        return hub_model_id(self)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
+                    revision=None, **kwargs):
+        """Save the policy to `output_dir` and upload it to the Hub repository `hub_model_id` (call it on every
+        process, after `train()`)."""
+        from .script_api import push_to_hub
+
+        return push_to_hub(self, commit_message, blocking, token, revision, **kwargs)
+
+    def end(self) -> None:
+        """Release the job's process groups, as transformers' `Trainer.end()` (call it last, on every process)."""
+        from .script_api import end
+
+        end(self)
+
     def add_callback(self, callback) -> None:
         """Add a `transformers.TrainerCallback` (an instance or a class), as `Trainer.add_callback`."""
         self.callbacks = list(self.callbacks or []) + [callback]
@@ -207,6 +239,7 @@ class AsyncAIPOTrainer:
             dtype=self._generator_dtype(),
             enforce_eager=a.generator_enforce_eager,
             quantization=a.generator_quantization,
+            model_impl=a.vllm_model_impl,
             kv_cache_bytes=a.generator_kv_cache_bytes,
             gpu_memory_utilization=a.vllm_gpu_memory_utilization,
             tensor_parallel_size=a.generator_tensor_parallel_size,

@@ -41,6 +41,17 @@ _UNSUPPORTED = {
     "fp16": "use bf16 (GPU) or fp32 (CPU)",
     "vllm_structured_outputs_regex": "not supported",
     "max_tool_calling_iterations": "tool calling is not supported",
+    "push_to_hub": "checkpoints are not pushed during training; after train(), call trainer.push_to_hub() (it saves "
+                   "the model to output_dir and uploads that folder)",
+    "cast_lm_head_to_fp32": "the lm head runs in the trainer's compute dtype (bf16 under FSDP2 mixed precision, with "
+                            "fp32 master weights); an fp32 head is not supported",
+    "use_liger_kernel": "the trainer computes log-probs itself (padding-free packing, the lm head only at completion "
+                        "positions); Liger's fused loss is not used",
+    "neftune_noise_alpha": "NEFTune embedding noise is a supervised fine-tuning method; the policy's log-probs must "
+                           "be those the generator sampled under",
+    "save_only_model": "a checkpoint always holds the optimizer, scheduler and both sides' unfinished work, so that a "
+                       "resume is exact; use save_model() for the model alone",
+    "data_seed": "the prompt order follows `seed` (the generator's schedule and every resume check use it); set seed",
     "log_completions_hub_repo": "pushing completion logs to the Hub is not supported; log_completions writes them "
                                 "under output_dir/completions (one parquet file per logged step)",
 }
@@ -150,6 +161,13 @@ class AsyncAIPOConfig(GRPOConfig):
                   "every engine parameter bitwise; the job stops naming the first parameters that differ. Costs a full "
                   "export and reload per sync."},
     )
+    padding_free: bool = field(
+        default=True,
+        metadata={"help": "Pack each micro-batch's sequences (prompt + completion) end to end in rows as wide as the "
+                  "longest one, instead of padding every sequence to it (TRL's SFTConfig name). The model's attention "
+                  "must keep packed sequences apart by their position ids, as transformers' models do; this is "
+                  "checked once on the model, and one that does not trains padded (logged)."},
+    )
     scale_rewards: str = field(
         default="none",
         metadata={"help": "Advantage scaling, as in GRPOConfig, but defaulting to 'none': AIPO's advantage is "
@@ -233,6 +251,9 @@ class AsyncAIPOConfig(GRPOConfig):
                 "AsyncAIPOConfig: save_strategy='best' / load_best_model_at_end keep the checkpoint with the best "
                 "evaluation metric; evaluations here run on the generator at policy versions that need not be "
                 "checkpointed ones, so checkpoints are not chosen by a metric. Use save_strategy='steps' or 'epoch'.")
+        if self.vllm_model_impl not in ("vllm", "transformers"):
+            raise ValueError(f"AsyncAIPOConfig: vllm_model_impl={self.vllm_model_impl!r}; it must be 'vllm' (vLLM's "
+                             "own model code) or 'transformers' (vLLM's transformers backend), as in GRPOConfig.")
         if self.num_generations_eval is not None and self.num_generations_eval < 1:
             raise ValueError("AsyncAIPOConfig: num_generations_eval must be >= 1 (completions per eval prompt).")
 

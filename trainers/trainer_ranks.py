@@ -147,7 +147,8 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
                               num_training_steps=trainer.num_batches,
                               scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
     reporter = Reporter(args, model, trainer.processing_class, optimizer, scheduler, trainer.callbacks,
-                        max_steps=trainer.num_batches, is_world_zero=topo.rank == 0)
+                        max_steps=trainer.num_batches, is_world_zero=topo.rank == 0,
+                        batches_per_epoch=trainer.batches_per_epoch)
     trainer.state, trainer._reporter = reporter.state, reporter
     trainer.optimizer, trainer.lr_scheduler = optimizer, scheduler
 
@@ -189,6 +190,8 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         mask_truncated_completions=args.mask_truncated_completions,
         on_samples=reporter.set_samples if args.log_completions else None,
         on_eval=reporter.evaluate,
+        padding_free=args.padding_free,
+        pad_to_multiple_of=args.pad_to_multiple_of,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)

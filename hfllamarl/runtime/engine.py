@@ -54,7 +54,16 @@ def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int,
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes or (256 << 20)
     else:  # pragma: no cover - needs a GPU
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-    return LLM(**kwargs)
+    try:
+        return LLM(**kwargs)
+    except RuntimeError as exc:
+        if "create shm in SHMManager failed" in str(exc) and "17" in str(exc):
+            raise RuntimeError(
+                f"{exc}: vLLM's CPU backend joins a tensor-parallel engine's ranks through shared memory named after "
+                f"the engine (/dev/shm/*-cpushm*, here ending in '-{engine_id}': the job's port, its number and the "
+                "replica), and a segment of that name exists already: a job killed while its engine started left it "
+                "behind. Remove those files once no vLLM process uses them.") from exc
+        raise
 
 
 def _cpu_shm_names(engine_id: str) -> None:

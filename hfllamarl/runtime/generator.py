@@ -54,6 +54,7 @@ class GeneratorSpec:
     dtype: str = "auto"
     enforce_eager: bool = True
     quantization: str | None = None  # vLLM online quantization of the generator ("fp8"); the trainer is unaffected
+    model_impl: str = "vllm"  # vLLM's model implementation: its own ("vllm") or transformers' ("transformers")
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.3
     tensor_parallel_size: int = 1
@@ -118,7 +119,8 @@ class GeneratorExecutor(Executor):
                             distributed=topo.replica_size > 1, use_cpu=topo.use_cpu,
                             engine_id=f"{(topo.store_addr or ('', 0))[1]}-{topo.job_id}-{topo.replica}",
                             enforce_eager=spec.enforce_eager, quantization=spec.quantization,
-                            kv_cache_bytes=spec.kv_cache_bytes, gpu_memory_utilization=spec.gpu_memory_utilization)
+                            kv_cache_bytes=spec.kv_cache_bytes, gpu_memory_utilization=spec.gpu_memory_utilization,
+                            model_impl=spec.model_impl)
 
     def _sampling_params(self, n: int, max_tokens: int):
         from vllm import SamplingParams

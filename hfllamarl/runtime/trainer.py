@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from hfllamarl.losses import StepShape
 
+from .batching import completion_logprobs, pack_batch, packing_agrees, pad_batch
 from .executor import Executor, wait_for_startup
 from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from .generator import ROLLOUTS
 from .rewards import RewardRunner
 from .rollout import Rollout, RolloutGroup
-from .sampling import Sampling, sampled_logprobs, seen_tokens, within_support
+from .sampling import Sampling, within_support
 from .schedule import Schedule
 from .topology import Topology
 from .weight_sync import POLICY_WEIGHTS, WeightSyncBackend
@@ -60,49 +61,8 @@ class TrainerSpec:
     mask_truncated_completions: bool = False  # a completion cut at max_completion_length is not trained on
     on_samples: Callable[[dict | None], None] | None = None  # log_completions: gets the step's samples (rank 0)
     on_eval: Callable[[dict], None] = lambda metrics: None  # evaluation during training: logs the eval_* metrics
-
-
-def pad_batch(rollouts: list[Rollout], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Left-pad prompts and right-pad completions so every completion starts at the same column.
-
-    Returns input_ids/attention_mask/position_ids `[B, P+T]`, completion_ids/mask/behavior `[B, T]`.
-    """
-    P = max(len(r.prompt_ids) for r in rollouts)
-    T = max(max(len(r.completion_ids) for r in rollouts), 1)
-    B = len(rollouts)
-    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P + T), dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.float32)
-    mu = torch.zeros((B, T), dtype=torch.float32)
-    for i, r in enumerate(rollouts):
-        p, c = len(r.prompt_ids), len(r.completion_ids)
-        input_ids[i, P - p:P] = torch.tensor(r.prompt_ids)
-        attn[i, P - p:P] = 1
-        if c:
-            input_ids[i, P:P + c] = torch.tensor(r.completion_ids)
-            attn[i, P:P + c] = 1
-            mask[i, :c] = 1.0
-            mu[i, :c] = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
-    position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
-    out = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-               completion_ids=input_ids[:, P:], mask=mask, behavior_logprobs=mu, prompt_width=P)
-    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in out.items()}
-
-
-def completion_logprobs(model, batch: dict, sampling: Sampling | float) -> torch.Tensor:
-    """log pi of every completion token, `[B, T]`, under the distribution vLLM samples from (`sampling`: its
-    transforms, or just a temperature)."""
-    if not isinstance(sampling, Sampling):
-        sampling = Sampling(temperature=float(sampling))
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], use_cache=False)
-    P = batch["prompt_width"]
-    tokens = batch["completion_ids"]
-    logits = out.logits[:, P - 1:P - 1 + tokens.shape[1], :]  # [B, T, V]
-    seen = None
-    if sampling.penalties:
-        seen = seen_tokens(batch["input_ids"][:, :P], batch["attention_mask"][:, :P], tokens, logits.shape[-1])
-    return sampled_logprobs(logits, tokens, sampling, seen)
+    padding_free: bool = True  # pack micro-batches without padding (`hfllamarl.runtime.batching`) if the model allows
+    pad_to_multiple_of: int | None = None  # round the micro-batch's width up to a multiple of this
 
 
 class TrainerExecutor(Executor):
@@ -121,6 +81,7 @@ class TrainerExecutor(Executor):
         self._save_due = False
         self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
         self.channel_seconds = 0.0  # this tick's time in the channels, before `step`
+        self.packed = False  # micro-batches packed without padding (decided by `init` on the real model)
 
     @property
     def weights(self):
@@ -131,6 +92,8 @@ class TrainerExecutor(Executor):
         self.backend = self.backend or self.spec.backend
         if self.topology.core_lender is not None:  # a single-process CPU job: borrow the generators' idle cores
             self.topology.core_lender.install(self.spec.model)
+        if self.spec.padding_free:
+            self.packed = packing_agrees(self.spec.model, self.spec.model.config.vocab_size, self.spec.device)
         wait_for_startup(self.topology, self.spec.startup_timeout_s)
         self.backend.setup_trainer(self.weights)
         self.sync_bytes = sum(t.numel() * self.backend.wire_dtype(t.dtype).itemsize
@@ -214,10 +177,11 @@ class TrainerExecutor(Executor):
             scored=_model_rewards(rollouts),
         )
         reward_seconds = time.perf_counter() - rewards_t0
+        logged, extra = spec.rewards.drain(len(rollouts))  # TRL's log_metric / log_extra calls of this step
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
         advantages = spec.algorithm.advantages(rewards_t, spec.num_generations)  # [N]
         if spec.on_samples is not None:  # log_completions: the step's samples, gathered to the first trainer rank
-            spec.on_samples(gather_samples(rollouts, per_func, advantages, self.topology.rank == 0))
+            spec.on_samples(gather_samples(rollouts, per_func, advantages, self.topology.rank == 0, extra))
         backward_t0 = time.perf_counter()
         loss_total, stats = self._accumulate_gradients(rollouts, advantages)
         backward_seconds = time.perf_counter() - backward_t0
@@ -248,6 +212,7 @@ class TrainerExecutor(Executor):
         lender = self.topology.core_lender
         if lender is not None:  # the generators finished first and lent their cores for the rest of this step
             metrics["time/borrowed_cores"] = float(lender.borrowed)
+        metrics.update(_logged_means(logged))
         metrics.update(spec.rewards.counters())
         if self.dispatch is not None:
             metrics.update(self.dispatch.metrics())  # replicas/live, replicas/lost, replicas/regenerated_prompts
@@ -257,6 +222,7 @@ class TrainerExecutor(Executor):
         metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
         metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
         metrics["train_step_seconds"] = time.perf_counter() - start
+        metrics["step_time"] = time.perf_counter() - self._tick_started  # TRL's name: the step's wall time
         self.trained_rows.append([r.row_index for r in rollouts[:: spec.num_generations]])
         self._save_due = bool(spec.on_step(self.version, metrics))
         return metrics
@@ -279,13 +245,14 @@ class TrainerExecutor(Executor):
         loss_total = 0.0
         for k in range(steps):
             chunk = rollouts[k * mb:(k + 1) * mb]
-            batch = pad_batch(chunk, spec.pad_token_id, spec.device)
+            build = pack_batch if self.packed else pad_batch
+            batch = build(chunk, spec.pad_token_id, spec.device, spec.pad_to_multiple_of)
             if any(masked[k * mb:(k + 1) * mb]):  # TRL's mask_truncated_completions: no loss on them
                 keep = torch.tensor([not m for m in masked[k * mb:(k + 1) * mb]], device=spec.device)
                 batch["mask"] = batch["mask"] * keep[:, None]
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(k == steps - 1)  # reduce-scatter once per optimizer step
-            raw = completion_logprobs(model, batch, spec.sampling)
+            raw, entropy = completion_logprobs(model, batch, spec.sampling, entropy=True)
             logprobs, outside = within_support(raw, batch["mask"], spec.sampling)
             chunk_advantages = advantages[k * mb:(k + 1) * mb].to(spec.device)
             ref = None
@@ -298,6 +265,7 @@ class TrainerExecutor(Executor):
             loss, m = checked_loss(spec.algorithm, spec.algorithm.loss(logprobs, batch["behavior_logprobs"],
                                                                        chunk_advantages, batch["mask"], **kwargs))
             m["is_ratio/outside_support_frac"] = float(outside.sum()) / max(float(batch["mask"].sum()), 1.0)
+            m["entropy"] = float((entropy * batch["mask"]).sum()) / max(float(batch["mask"].sum()), 1.0)
             # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
             agree(self._nonfinite(batch, raw.masked_fill(outside, 0.0), chunk_advantages, loss, chunk, k * mb),
                   step=self.version + 1, rank_name=self.topology.describe(self.topology.rank))
@@ -334,12 +302,14 @@ class TrainerExecutor(Executor):
         local = {"count": 0.0, "reward_sum": 0.0, "reward_sq": 0.0, "len_sum": 0.0, "truncated": 0.0}
         for name in spec.rewards.names:
             local[f"{name}/sum"] = local[f"{name}/n"] = 0.0
+        logged: dict[str, tuple[float, int]] = {}
         if rollouts:
             rewards, per_func = spec.rewards(
                 prompts=[r.prompt for r in rollouts], completions=[r.completion_text for r in rollouts],
                 completion_ids=[r.completion_ids for r in rollouts],
                 columns={k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns},
                 trainer_state=spec.trainer_state, scored=_model_rewards(rollouts))
+            logged = spec.rewards.drain(len(rollouts))[0]
             local.update(count=len(rewards), reward_sum=sum(rewards), reward_sq=sum(x * x for x in rewards),
                          len_sum=sum(len(r.completion_ids) for r in rollouts),
                          truncated=sum(r.finish_reason == "length" for r in rollouts))
@@ -356,6 +326,7 @@ class TrainerExecutor(Executor):
                         "eval_completions/truncated_frac": total["truncated"] / n, "eval_samples": total["count"],
                         "eval_policy_version": float(groups[0].eval_version),
                         "eval_generation_seconds": groups[0].generation_seconds})
+        metrics.update({f"eval_{name}": value for name, value in _logged_means(logged).items()})
         return metrics
 
     def _step_metrics(self, groups: list[RolloutGroup], rollouts: list[Rollout], rewards: list[float], per_func: dict,
@@ -365,6 +336,9 @@ class TrainerExecutor(Executor):
         n = len(rollouts)
         oldest = [max(s) for s in staleness if s]  # a completion is as stale as its first token
         lengths = [len(r.completion_ids) for r in rollouts]
+        G = self.spec.num_generations
+        flat = [all(math.isclose(x, rewards[i]) for x in rewards[i:i + G]) for i in range(0, n, G)]
+        ended = [length for length, r in zip(lengths, rollouts) if r.finish_reason != "length"]
         partial = [len(r.completion_ids) for r in rollouts if r.segments > 1]
         local = {
             "reward_sum": sum(rewards), "reward_sq": sum(x * x for x in rewards), "count": n,
@@ -372,18 +346,29 @@ class TrainerExecutor(Executor):
             "token_staleness_sum": sum(map(sum, staleness)), "partial": len(partial), "partial_len": sum(partial),
             "len_sum": sum(lengths), "truncated": sum(r.finish_reason == "length" for r in rollouts),
             "empty": sum(length == 0 for length in lengths),
+            "groups": len(flat), "flat_groups": sum(flat), "ended": len(ended), "ended_len": sum(ended),
+            "tokens": sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts),
         }
         for name, scores in per_func.items():
             vals = [s for s in scores if s is not None]
             local[f"rf_sum/{name}"] = sum(vals)
+            local[f"rf_sq/{name}"] = sum(x * x for x in vals)
             local[f"rf_n/{name}"] = len(vals)
         summed = _all_sum(local)
+        extremes = _all_max([max(lengths), -min(lengths), max(ended, default=-1), -min(ended, default=1 << 30)])
         count = summed["count"]
         mean = summed["reward_sum"] / count
         metrics: dict[str, float] = {"reward": mean,
                                      "reward_std": math.sqrt(max(summed["reward_sq"] / count - mean * mean, 0.0))}
         for name in per_func:
-            metrics[f"rewards/{name}/mean"] = summed[f"rf_sum/{name}"] / max(summed[f"rf_n/{name}"], 1)
+            k = max(summed[f"rf_n/{name}"], 1)
+            metrics[f"rewards/{name}/mean"] = f_mean = summed[f"rf_sum/{name}"] / k
+            metrics[f"rewards/{name}/std"] = math.sqrt(max(summed[f"rf_sq/{name}"] / k - f_mean * f_mean, 0.0))
+        metrics["frac_reward_zero_std"] = summed["flat_groups"] / max(summed["groups"], 1)  # TRL's: no signal
+        state = self.spec.trainer_state
+        if state is not None and hasattr(state, "num_input_tokens_seen"):  # prompt + completion tokens trained, as TRL
+            state.num_input_tokens_seen = int(state.num_input_tokens_seen or 0) + int(summed["tokens"])
+            metrics["num_tokens"] = float(state.num_input_tokens_seen)
         # The loss and the algorithm's own metrics (is_ratio/*, clipped_frac, behavior_kl, kl, ...), plus the share of
         # sampled tokens the current policy's top-k/top-p/min-p no longer allow (weight 0; only off-policy).
         metrics.update(reduce_metrics({"loss": [loss_total], "staleness/max": [max(oldest, default=0)], **stats}))
@@ -394,6 +379,13 @@ class TrainerExecutor(Executor):
         metrics["completions/mean_length"] = summed["len_sum"] / count
         metrics["completions/truncated_frac"] = summed["truncated"] / count
         metrics["completions/empty_frac"] = summed["empty"] / count  # they get a reward, but no token to train
+        # TRL's names: min/max length, truncated share, lengths of the completions that ended (0 when none did)
+        metrics["completions/max_length"], metrics["completions/min_length"] = extremes[0], -extremes[1]
+        metrics["completions/clipped_ratio"] = metrics["completions/truncated_frac"]
+        any_ended = summed["ended"] > 0
+        metrics["completions/mean_terminated_length"] = summed["ended_len"] / summed["ended"] if any_ended else 0.0
+        metrics["completions/max_terminated_length"] = extremes[2] if any_ended else 0.0
+        metrics["completions/min_terminated_length"] = -extremes[3] if any_ended else 0.0
         # Each replica sampled its share of the batch at once: tokens add up, the slowest replica is the time.
         per_replica = reduce_metrics({f"{g.replica}/{what}/max": [value] for g in groups for what, value in
                                       (("tokens", g.batch_tokens), ("seconds", g.generation_seconds))})
@@ -429,6 +421,31 @@ def _all_sum(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def _all_max(values: list[float]) -> list[float]:
+    """Element-wise maximum over the trainer world (identity with one trainer rank)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _logged_means(logged: dict[str, tuple[float, int]]) -> dict[str, float]:
+    """Metrics reward functions logged with `log_metric` (name -> this rank's sum and count), averaged over every
+    call on every trainer rank, as TRL does. Every trainer rank calls it (a name only some ranks logged counts
+    theirs)."""
+    parts = [logged]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, logged)
+    totals: dict[str, list[float]] = {}
+    for part in parts:
+        for name, (total, count) in part.items():
+            acc = totals.setdefault(name, [0.0, 0])
+            acc[0] += total
+            acc[1] += count
+    return {name: total / count for name, (total, count) in sorted(totals.items()) if count}
+
+
 def _model_rewards(rollouts: list[Rollout]) -> dict[str, list[float]]:
     """Reward models' scores computed on the generator, by model name (only names every rollout has)."""
     names = set(getattr(rollouts[0], "model_rewards", {})) if rollouts else set()
@@ -437,19 +454,25 @@ def _model_rewards(rollouts: list[Rollout]) -> dict[str, list[float]]:
     return {name: [r.model_rewards[name] for r in rollouts] for name in names}
 
 
-def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool) -> dict | None:
+def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool,
+                   extra: dict[str, list] | None = None) -> dict | None:
     """The step's samples over every trainer rank as TRL's completion-log columns (prompt, completion, one column
-    per reward function, advantage); on the first trainer rank, None on the others."""
+    per reward function, advantage, and under "extra" the columns reward functions added with `log_extra`); on
+    the first trainer rank, None on the others."""
     local = {"prompt": [r.prompt for r in rollouts], "completion": [r.completion_text for r in rollouts],
              **{name: [math.nan if v is None else v for v in scores] for name, scores in per_func.items()},
              "advantage": advantages.tolist()}
-    parts = [local]
+    parts = [(local, extra or {})]
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
+        dist.all_gather_object(parts, (local, extra or {}))
     if not first:
         return None
-    return {key: [v for part in parts for v in part[key]] for key in local}
+    out = {key: [v for part, _ in parts for v in part[key]] for key in local}
+    columns = sorted({c for _, more in parts for c in more})  # a column only some ranks logged: None elsewhere
+    out["extra"] = {c: [v for part, more in parts for v in more.get(c, [None] * len(part["prompt"]))]
+                    for c in columns}
+    return out
 
 
 def takes_shape(algorithm) -> bool:

@@ -62,7 +62,7 @@ def partial(workdir: str) -> dict:
 
     from hfllamarl.runtime.sampling import Sampling
     from hfllamarl.tools.tiny import build_tiny_model
-    from hfllamarl.runtime.trainer import completion_logprobs, pad_batch
+    from hfllamarl.runtime.batching import completion_logprobs, pad_batch
     from hfllamarl.runtime.weight_sync import POLICY_WEIGHTS
 
     path = build_tiny_model(os.path.join(workdir, "model"), seed=3)
