@@ -9,9 +9,9 @@
   `trainer_state.json` as transformers' Trainer writes them;
 - `hfllamarl/trainer-<rank>.pt`: rollouts a trainer rank received but has not trained on yet, and the
   ledger of which generator replica owes which prompts of the batches not trained yet;
-- `hfllamarl/generator-<replica>.pt`, one per generator replica: the batches it finished but has not sent
-  yet, the batches it is still generating (partial rollouts: every token so far with its log-prob and
-  version), its policy version;
+- `hfllamarl/generator.pt` (with several replicas `generator-<replica>.pt`, one each): the batches the
+  generator finished but has not sent yet, the batches it is still generating (partial rollouts: every
+  token so far with its log-prob and version), its policy version;
 - `hfllamarl.json`, written last: the step and the tick. A directory without it is not a checkpoint.
 
 Every rank writes into `.checkpoint-<step>.partial`; after a barrier over the bridge, trainer rank 0
@@ -149,9 +149,9 @@ def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
                      "trained_rows": executor.trained_rows, "dispatch": dispatch}, fh)
 
 
-def generator_file(replica: int) -> str:
-    """A replica's part of a checkpoint, relative to the checkpoint directory."""
-    return os.path.join("hfllamarl", f"generator-{replica}.pt")
+def generator_file(replica: int, replicas: int) -> str:
+    """A replica's part of a checkpoint, relative to the checkpoint directory (one generator: `generator.pt`)."""
+    return os.path.join("hfllamarl", "generator.pt" if replicas == 1 else f"generator-{replica}.pt")
 
 
 def save_generator_side(executor, directory: str) -> None:
@@ -161,7 +161,7 @@ def save_generator_side(executor, directory: str) -> None:
     if topo.local_rank != 0:
         return
     os.makedirs(os.path.join(directory, "hfllamarl"), exist_ok=True)
-    path = os.path.join(directory, generator_file(topo.replica))
+    path = os.path.join(directory, generator_file(topo.replica, topo.num_replicas))
     with open(path + ".tmp", "wb") as fh:
         pickle.dump({"pending": executor.pending, "in_flight": executor.in_flight, "version": executor.version,
                      "tick": executor.tick}, fh)
@@ -322,13 +322,10 @@ def load_trainer_side(trainer, executor, directory: str) -> None:
 def load_generator_side(executor, directory: str) -> None:
     """Called on every generator rank: all ranks of a replica continue the same carried completions. (A replica
     whose file the checkpoint lacks owes nothing: the checkpoint was committed without it.)"""
-    path = os.path.join(directory, generator_file(executor.topology.replica))
+    topo = executor.topology
+    path = os.path.join(directory, generator_file(topo.replica, topo.num_replicas))
     if not os.path.isfile(path):
-        old = os.path.join(directory, "hfllamarl", "generator.pt")  # one generator, before replicas
-        if executor.topology.num_replicas == 1 and os.path.isfile(old):
-            path = old
-        else:
-            return
+        return
     with open(path, "rb") as fh:
         saved = pickle.load(fh)
     executor.in_flight = saved.get("in_flight", [])

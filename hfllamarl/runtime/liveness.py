@@ -91,6 +91,7 @@ class Liveness:
         self._where: dict[int, dict] = {}  # rank -> {"host", "pid"}, read while the store answers
         self._frozen: list[int] = []  # the ranks the last verdict found silent
         self.culprit: int | None = None  # the rank the last verdict names
+        self._ended: set[int] = set()  # lost ranks (of another replica) whose processes this rank ended
 
     # ---------------------------------------------------------------- keys
     def _key(self, kind: str, rank: int) -> str:
@@ -358,7 +359,9 @@ class Liveness:
                                                   f"{self.stale_s:.0f} s (killed, or frozen)")
         for replica, cause in causes.items():
             topo.mark_lost(replica, cause)
-        if frozen:  # a frozen process never ends by itself: whoever shares its machine ends it
+        frozen = [r for r in frozen if r not in self._ended]
+        if frozen:  # a frozen process never ends by itself: whoever shares its machine ends it (once: a pid is reused)
+            self._ended.update(frozen)
             topo.kill_children(frozen)
             self._frozen = frozen
             self._kill_frozen_local_peers()
