@@ -187,9 +187,8 @@ def check_resumable(path: str, marker: dict, topology, args) -> None:
                    "and the ledger of which replica owes which prompts follows the replica count, so the work in "
                    "flight cannot be handed to another number of replicas.")
         raise ValueError(f"checkpoint {path!r} was written by {marker['world_size']} processes with "
-                         f"{marker['num_generators']} generator(s) in {marker.get('num_replicas', 1)} replica(s); this "
-                         f"job has {topology.world_size} with {topology.num_generators} in {topology.num_replicas} "
-                         f"({'; '.join(differ)}).{why} Resume with the same layout.")
+                         f"{marker['num_generators']} generator(s); this job has {topology.world_size} with "
+                         f"{topology.num_generators} ({'; '.join(differ)}).{why} Resume with the same layout.")
     saved, now = marker.get("job", {}), job_signature(args)
     changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in sorted(saved) if k in now and saved[k] != now[k]]
     if changed:
