@@ -272,3 +272,43 @@ def tail_of(proc) -> str:
     if proc.poll() is None:
         return "still running"
     return proc.communicate()[1][-3000:]
+
+
+@pytest.mark.slow
+def test_a_replica_lost_mid_sync_leaves_the_next_one_a_flagged_partial_load():
+    """The relay trainer -> replica 0 -> replica 1 (no vLLM; whole tensors). Whole, both replicas receive the
+    trainer's weights bitwise. With replica 0 gone after its first pieces, the trainer finishes its send without it
+    and replica 1, whose relay source it was, receives the rest as zeros, flags the load incomplete (the recovery
+    stage sends it the version again) and does not hang."""
+    from conftest import launch_bare
+
+    def run(*flags):
+        procs = launch_bare(3, [str(SCRIPTS / "relay_check.py"), *flags], env={"OMP_NUM_THREADS": "1"})
+        outs = [p.communicate(timeout=120) for p in procs]
+        return [p.returncode for p in procs], [
+            json.loads(next((l for l in o.splitlines() if l.startswith("RESULT ")), "RESULT null")[7:])
+            for o, _ in outs], outs
+
+    codes, results, outs = run()
+    assert codes == [0, 0, 0], outs
+    assert results[0] == {"lost": []}
+    for r in results[1:]:
+        assert r["bitwise"] and not r["incomplete"] and r["weights"] == r["of"] == r["same"], r
+    started = time.monotonic()
+    codes, results, outs = run("--break")
+    assert codes[1] == 9 and codes[0] == codes[2] == 0, (codes, outs)
+    assert results[0] == {"lost": [0]}
+    r = results[2]
+    assert r["incomplete"] and r["weights"] == r["of"] and 0 < r["same"] < r["of"], r  # the first pieces, then zeros
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.slow
+def test_an_interrupted_weight_load_is_repaired_by_the_next_whole_one(tmp_path):
+    """What the recovery stage relies on when a replica's relay source is lost mid-sync: vLLM's reload_weights
+    stopped half-way, then given the whole version, leaves the engine exactly as vLLM's own loader makes those
+    weights (an independent check) and sampling greedily as transformers does with them."""
+    proc = run_script([str(SCRIPTS / "generator_checks.py"), "interrupted", str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, tail(proc)
+    result = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
+    assert result == {"raised": True, "mismatches": [], "greedy_matches_hf": True}, result
