@@ -121,7 +121,12 @@ class WeightSyncBackend:
     """Moves the trainer's policy weights to the generator ranks (group `hfllamarl.weight_sync`; built-ins:
     nccl_ddma, broadcast, disk). The entry point names a subclass; it is built on every rank as
     `cls(topology, transfer_dtype=...)`. The `policy_weights` channel decides when weights move (it tells the
-    generator which version follows), the backend how."""
+    generator which version follows) and to which replicas (`targets`, set on every rank before each
+    `send`/`receive`), the backend how.
+
+    With several generator replicas and generator_failure="continue", a send to a replica that is lost raises
+    `hfllamarl.runtime.liveness.ReplicaLostError` from the channel helpers (`hfllamarl.runtime.channels`); a
+    backend catches it, leaves that replica out and finishes the others (`hfllamarl.runtime.weight_sync.settle`)."""
 
     def __init__(self, topology: Topology, transfer_dtype: str | torch.dtype | None = None, **options):
         import torch
@@ -134,6 +139,14 @@ class WeightSyncBackend:
         if isinstance(transfer_dtype, str):
             transfer_dtype = None if transfer_dtype == "auto" else getattr(torch, transfer_dtype)
         self.transfer_dtype = transfer_dtype
+        self.targets: list[int] | None = None  # the replicas the next send/receive reaches (None: every replica)
+
+    @property
+    def target_ranks(self) -> list[int]:
+        """The generator ranks of the replicas the next sync reaches (`targets`), in replica order."""
+        topo = self.topology
+        replicas = self.targets if self.targets is not None else range(topo.num_replicas)
+        return [g for r in replicas for g in topo.replica_ranks(r)]
 
     @property
     def device(self) -> torch.device:

@@ -103,7 +103,7 @@ class AsyncAIPOTrainer:
         self.batches_per_epoch = math.ceil(len(train_dataset) / args.prompts_per_step)
         num_batches = args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(
             args.num_train_epochs * len(train_dataset) / args.prompts_per_step)
-        self.schedule = Schedule(num_batches, args.max_staleness, args.generation_ticks)
+        self.schedule = Schedule(num_batches, args.max_staleness, args.generation_ticks, args.prompts_per_step)
         self.callbacks = callbacks
         self.model = None
         if self.topology.role == "trainer":
@@ -147,7 +147,7 @@ class AsyncAIPOTrainer:
             if topo.mode == "single":
                 topo.liveness.start()
                 topo.liveness.await_joining(topo.generator_ranks, self.args.vllm_server_timeout)
-            topo.bridge("object"), topo.bridge("tensor")  # every rank joins both bridge groups up front
+            topo.join_bridges()  # every rank joins its bridge groups up front
             backend = build_backend(self.args.weight_sync_backend, topo, **spec.weight_sync_options)
             if topo.role == "generator":
                 if self._model_obj is not None and topo.mode == "launcher" and not spec.resume_dir:
@@ -289,7 +289,8 @@ class AsyncAIPOTrainer:
         spec_path = os.path.join(workdir, "generator_spec.pkl")
         with open(spec_path, "wb") as fh:
             pickle.dump({"spec": spec, "use_cpu": self.args.use_cpu, "timeout_s": self.args.collective_timeout_s,
-                         "num_generators": self.topology.num_generators, "start_tick": start_tick}, fh)
+                         "num_generators": self.topology.num_generators, "start_tick": start_tick,
+                         "tensor_parallel_size": self.topology.replica_size, "failure": self.topology.failure}, fh)
         self.topology.store()
         self.topology.start_children(spec_path)
 

@@ -169,8 +169,10 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
     def on_save(step: int) -> None:
         directory = checkpoint.partial_dir(args.output_dir, step)
         checkpoint.save_trainer_side(trainer, holder["executor"], step, directory)
+        owing = holder["executor"].dispatch.owing_replicas() if holder["executor"].dispatch else set()
         checkpoint.commit(topo, args.output_dir, step, trainer.schedule.tick_of_step(step),
-                          args.save_total_limit, checkpoint.job_signature(args))
+                          args.save_total_limit, checkpoint.job_signature(args),
+                          required=[checkpoint.generator_file(r, topo.num_replicas) for r in sorted(owing)])
         reporter.saved()
 
     spec = TrainerSpec(

@@ -76,6 +76,7 @@ class TrainerExecutor(Executor):
         self.eval_inbox: list[RolloutGroup] = []  # evaluations the generator sent (eval_dataset), logged at `step`
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.weights_channel = None  # set by the front-end; its `last_seconds` is logged
+        self.dispatch = None  # `run_job` sets it: who generates what (`hfllamarl.runtime.dispatch`)
         self.trained_rows: list[list[int]] = []  # dataset rows of each trained batch, in order
         self._save_due = False
         self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
@@ -151,6 +152,8 @@ class TrainerExecutor(Executor):
         groups = self.inbox.pop(batch_index, None)
         if not groups:
             raise RuntimeError(f"trainer: batch {batch_index} never arrived from the generator")
+        if self.dispatch is not None:  # in position order, exactly this rank's positions
+            groups = self.dispatch.ordered(batch_index, groups)
         lender = self.topology.core_lender
         with lender.lending(self.tick) if lender is not None else contextlib.nullcontext():
             self.train_on(groups)
@@ -212,6 +215,8 @@ class TrainerExecutor(Executor):
             metrics["time/borrowed_cores"] = float(lender.borrowed)
         metrics.update(_logged_means(logged))
         metrics.update(spec.rewards.counters())
+        if self.dispatch is not None:
+            metrics.update(self.dispatch.metrics())  # replicas/live, replicas/lost, replicas/regenerated_prompts
         metrics["grad_norm"] = grad_norm
         if spec.scheduler is not None:
             metrics["learning_rate"] = spec.scheduler.get_last_lr()[0]
@@ -382,9 +387,13 @@ class TrainerExecutor(Executor):
         metrics["completions/mean_terminated_length"] = summed["ended_len"] / summed["ended"] if any_ended else 0.0
         metrics["completions/max_terminated_length"] = extremes[2] if any_ended else 0.0
         metrics["completions/min_terminated_length"] = -extremes[3] if any_ended else 0.0
-        gen_seconds = max(g.generation_seconds for g in groups)
+        # Each replica sampled its share of the batch at once: tokens add up, the slowest replica is the time.
+        per_replica = reduce_metrics({f"{g.replica}/{what}/max": [value] for g in groups for what, value in
+                                      (("tokens", g.batch_tokens), ("seconds", g.generation_seconds))})
+        gen_seconds = max(v for k, v in per_replica.items() if k.endswith("/seconds/max"))
         metrics["generation/seconds"] = gen_seconds
-        metrics["generation/tokens_per_s"] = groups[0].batch_tokens / gen_seconds if gen_seconds > 0 else 0.0
+        tokens = sum(v for k, v in per_replica.items() if k.endswith("/tokens/max"))
+        metrics["generation/tokens_per_s"] = tokens / gen_seconds if gen_seconds > 0 else 0.0
         return metrics
 
     def close(self) -> None:
