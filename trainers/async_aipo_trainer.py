@@ -100,10 +100,11 @@ class AsyncAIPOTrainer:
         self.eval_dataset = _eval_dataset(eval_dataset, args)
         if self.eval_dataset is not None:
             validate_dataset(self.eval_dataset, encoder, args.max_completion_length, self.max_model_len)
-        self.batches_per_epoch = math.ceil(len(train_dataset) / args.prompts_per_step)
+        prompts = args.prompts_per_generation  # a generation batch: the step's prompts (+ dynamic sampling's extra)
+        self.batches_per_epoch = math.ceil(len(train_dataset) / prompts)
         num_batches = args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(
-            args.num_train_epochs * len(train_dataset) / args.prompts_per_step)
-        self.schedule = Schedule(num_batches, args.max_staleness, args.generation_ticks, args.prompts_per_step)
+            args.num_train_epochs * len(train_dataset) / prompts)
+        self.schedule = Schedule(num_batches, args.max_staleness, args.generation_ticks, prompts)
         self.callbacks = callbacks
         self.model = None
         if self.topology.role == "trainer":
@@ -227,7 +228,7 @@ class AsyncAIPOTrainer:
             tokenizer_path=self.model_path,
             dataset=self.train_dataset,
             schedule=self.schedule,
-            prompts_per_batch=a.prompts_per_step,
+            prompts_per_batch=a.prompts_per_generation,
             num_generations=a.num_generations,
             max_completion_length=a.max_completion_length,
             max_model_len=self.max_model_len,

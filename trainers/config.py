@@ -161,6 +161,19 @@ class AsyncAIPOConfig(GRPOConfig):
                   "every engine parameter bitwise; the job stops naming the first parameters that differ. Costs a full "
                   "export and reload per sync."},
     )
+    drop_zero_variance_groups: bool = field(
+        default=False,
+        metadata={"help": "Dynamic sampling (DAPO): a group whose rewards are all equal (its advantage is 0) is not "
+                  "trained; the step is refilled with groups that have a signal, from the extra prompts the generator "
+                  "samples (dynamic_sampling_extra_prompts) and from those left over from earlier batches while they "
+                  "stay within max_staleness. Logged as dynamic_sampling/*."},
+    )
+    dynamic_sampling_extra_prompts: int = field(
+        default=0,
+        metadata={"help": "With drop_zero_variance_groups: prompts the generator samples per step beyond those the "
+                  "step trains (the next ones in the data order), to replace the groups dropped. A multiple of the "
+                  "number of trainer processes."},
+    )
     padding_free: bool = field(
         default=True,
         metadata={"help": "Pack each micro-batch's sequences (prompt + completion) end to end in rows as wide as the "
@@ -203,6 +216,7 @@ class AsyncAIPOConfig(GRPOConfig):
             failure=self.generator_failure,
         )
         super().__post_init__()
+        self._check_dynamic_sampling()  # needs the topology (the trainer processes)
         try:  # a value the algorithm refuses (an unknown loss_type, ...) fails now, with TRL's aliases applied
             self.build_algorithm()
         except ValueError as exc:
@@ -299,6 +313,18 @@ class AsyncAIPOConfig(GRPOConfig):
     def num_generator_replicas(self) -> int:
         """Independent vLLM engines: num_generator_processes / generator_tensor_parallel_size."""
         return self.num_generator_processes // self.generator_tensor_parallel_size
+
+    def _check_dynamic_sampling(self) -> None:
+        extra = self.dynamic_sampling_extra_prompts
+        if not _is_whole(extra) or extra < 0:
+            raise ValueError(f"AsyncAIPOConfig: dynamic_sampling_extra_prompts={extra!r}; it must be a whole number >= 0.")
+        if extra and not self.drop_zero_variance_groups:
+            raise ValueError("AsyncAIPOConfig: dynamic_sampling_extra_prompts is set without drop_zero_variance_groups: "
+                             "the extra prompts replace the groups dynamic sampling drops, and would otherwise never be "
+                             "trained. Set drop_zero_variance_groups=True, or remove dynamic_sampling_extra_prompts.")
+        if extra % self.num_trainer_processes:
+            raise ValueError(f"AsyncAIPOConfig: dynamic_sampling_extra_prompts={extra} must be a multiple of the "
+                             f"{self.num_trainer_processes} trainer processes (each trains its own share of a batch).")
 
     @property
     def sampling(self) -> Sampling:
@@ -437,7 +463,13 @@ class AsyncAIPOConfig(GRPOConfig):
 
     @property
     def prompts_per_step(self) -> int:
+        """Prompts one optimizer step trains (whole groups of num_generations completions)."""
         return self.completions_per_step // self.num_generations
+
+    @property
+    def prompts_per_generation(self) -> int:
+        """Prompts the generator samples per step: the step's, plus dynamic sampling's extra ones."""
+        return self.prompts_per_step + self.dynamic_sampling_extra_prompts
 
 
 def _is_whole(value) -> bool:

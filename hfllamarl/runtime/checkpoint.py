@@ -145,8 +145,9 @@ def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
                os.path.join(directory, f"rng_state_{rank}.pth"))
     dispatch = executor.dispatch.state() if getattr(executor, "dispatch", None) is not None else {}
     with open(os.path.join(directory, "hfllamarl", f"trainer-{rank}.pt"), "wb") as fh:
+        reserve = executor.group_filter.reserve if getattr(executor, "group_filter", None) is not None else []
         pickle.dump({"inbox": executor.inbox, "version": executor.version,
-                     "trained_rows": executor.trained_rows, "dispatch": dispatch}, fh)
+                     "trained_rows": executor.trained_rows, "dispatch": dispatch, "reserve": reserve}, fh)
 
 
 def generator_file(replica: int, replicas: int) -> str:
@@ -171,7 +172,9 @@ def save_generator_side(executor, directory: str) -> None:
 def job_signature(args) -> dict:
     """The settings a checkpoint's step and tick mean something under: a resume must use the same."""
     return {"max_staleness": args.max_staleness, "num_generations": args.num_generations,
-            "prompts_per_step": args.prompts_per_step, "seed": args.seed, "shuffle_dataset": args.shuffle_dataset}
+            "prompts_per_step": args.prompts_per_step, "seed": args.seed, "shuffle_dataset": args.shuffle_dataset,
+            "prompts_per_generation": args.prompts_per_generation,
+            "drop_zero_variance_groups": args.drop_zero_variance_groups}
 
 
 def check_resumable(path: str, marker: dict, topology, args) -> None:
@@ -310,11 +313,14 @@ def load_trainer_side(trainer, executor, directory: str) -> None:
     loaded = TrainerState.load_from_json(os.path.join(directory, "trainer_state.json"))
     state = trainer.state
     state.global_step, state.log_history, state.epoch = loaded.global_step, loaded.log_history, loaded.epoch
+    state.num_input_tokens_seen = loaded.num_input_tokens_seen
     with open(os.path.join(directory, "hfllamarl", f"trainer-{rank}.pt"), "rb") as fh:
         saved = pickle.load(fh)
     executor.inbox = saved["inbox"]
     executor.version = executor.sent_version = saved["version"]
     executor.trained_rows = saved["trained_rows"]
+    if getattr(executor, "group_filter", None) is not None:  # dynamic sampling's groups with signal not trained yet
+        executor.group_filter.reserve = saved.get("reserve", [])
     executor.dispatch_state = saved.get("dispatch", {})  # the ledger; `dispatch.stages` hands it to the Dispatch
 
 

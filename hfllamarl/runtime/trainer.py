@@ -25,6 +25,7 @@ from .executor import Executor, wait_for_startup
 from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from .generator import ROLLOUTS
 from .rewards import RewardRunner
+from .dynamic_sampling import GroupFilter, join_scored, split_scored
 from .rollout import Rollout, RolloutGroup
 from .sampling import Sampling, within_support
 from .schedule import Schedule
@@ -61,6 +62,7 @@ class TrainerSpec:
     mask_truncated_completions: bool = False  # a completion cut at max_completion_length is not trained on
     on_samples: Callable[[dict | None], None] | None = None  # log_completions: gets the step's samples (rank 0)
     on_eval: Callable[[dict], None] = lambda metrics: None  # evaluation during training: logs the eval_* metrics
+    dynamic_sampling_groups: int = 0  # drop_zero_variance_groups: this rank's groups per step (0: off)
     padding_free: bool = True  # pack micro-batches without padding (`hfllamarl.runtime.batching`) if the model allows
     pad_to_multiple_of: int | None = None  # round the micro-batch's width up to a multiple of this
 
@@ -77,6 +79,8 @@ class TrainerExecutor(Executor):
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.weights_channel = None  # set by the front-end; its `last_seconds` is logged
         self.dispatch = None  # `run_job` sets it: who generates what (`hfllamarl.runtime.dispatch`)
+        self.group_filter = (GroupFilter(spec.dynamic_sampling_groups, spec.schedule.max_staleness)
+                             if spec.dynamic_sampling_groups else None)  # dynamic sampling (drop_zero_variance_groups)
         self.trained_rows: list[list[int]] = []  # dataset rows of each trained batch, in order
         self._save_due = False
         self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
@@ -161,49 +165,42 @@ class TrainerExecutor(Executor):
     def train_on(self, groups: list[RolloutGroup]) -> dict:
         spec = self.spec
         start = time.perf_counter()
-        rollouts = [r for g in groups for r in g.rollouts]
-        staleness = [[self.version - v for v in r.versions] for r in rollouts]  # per token, at this step
-        worst = max((max(s) for s in staleness if s), default=0)
-        if worst > spec.schedule.max_staleness:
-            raise RuntimeError(f"trainer: a token of batch {groups[0].batch_index} was sampled {worst} policy versions "
-                               f"ago, past max_staleness={spec.schedule.max_staleness}; the schedule is broken")
+        self._check_staleness(groups)
+        rollouts = [r for g in groups for r in g.rollouts]  # what the batch generated (its rewards are logged)
         rewards_t0 = time.perf_counter()
-        columns = {k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns}
-        rewards, per_func = spec.rewards(
-            prompts=[r.prompt for r in rollouts],
-            completions=[r.completion_text for r in rollouts],
-            completion_ids=[r.completion_ids for r in rollouts],
-            columns=columns,
-            trainer_state=spec.trainer_state,
-            scored=_model_rewards(rollouts),
-        )
+        rewards, per_func = self._score(rollouts)
         reward_seconds = time.perf_counter() - rewards_t0
         logged, extra = spec.rewards.drain(len(rollouts))  # TRL's log_metric / log_extra calls of this step
-        rewards_t = torch.tensor(rewards, dtype=torch.float32)
-        advantages = spec.algorithm.advantages(rewards_t, spec.num_generations)  # [N]
+        trained, trained_rewards, sampling = groups, rewards, {}
+        if self.group_filter is not None:  # dynamic sampling: no flat group, refilled from the reserve
+            chosen, sampling = self.group_filter.select(split_scored(groups, rewards, per_func), self.version)
+            trained, trained_rewards, _ = join_scored(chosen)
+        train_rollouts = [r for g in trained for r in g.rollouts]
         if spec.on_samples is not None:  # log_completions: the step's samples, gathered to the first trainer rank
-            spec.on_samples(gather_samples(rollouts, per_func, advantages, self.topology.rank == 0, extra))
+            logged_advantages = spec.algorithm.advantages(torch.tensor(rewards, dtype=torch.float32),
+                                                          spec.num_generations)
+            spec.on_samples(gather_samples(rollouts, per_func, logged_advantages, self.topology.rank == 0, extra))
         backward_t0 = time.perf_counter()
-        loss_total, stats = self._accumulate_gradients(rollouts, advantages)
-        backward_seconds = time.perf_counter() - backward_t0
-        model = spec.model
-        grad_norm = total_grad_norm(model, spec.max_grad_norm)
-        if not math.isfinite(grad_norm):  # no optimizer step with a NaN/inf gradient: the weights stay finite
-            bad = first_bad_gradient(model)
-            where = self.topology.describe(self.topology.rank)
-            agree([f"the gradient norm is {grad_norm}; {bad}"] if bad else [], step=self.version + 1, rank_name=where)
-            raise NonFiniteError(f"non-finite values at step {self.version + 1}: the gradient norm is {grad_norm} while "
-                                 "every gradient is finite (it overflowed). The step was stopped before the optimizer; "
-                                 "lower the learning rate or clip gradients (max_grad_norm).")
-        optimizer_t0 = time.perf_counter()
-        spec.optimizer.step()
-        if spec.scheduler is not None:
+        loss_total, stats, grad_norm = 0.0, {}, 0.0
+        optimizer_seconds = 0.0
+        if train_rollouts:  # every trainer rank alike (dynamic sampling agrees on the count)
+            advantages = spec.algorithm.advantages(torch.tensor(trained_rewards, dtype=torch.float32),
+                                                   spec.num_generations)  # [N]
+            loss_total, stats = self._accumulate_gradients(train_rollouts, advantages)
+            grad_norm = self._checked_grad_norm()
+            optimizer_t0 = time.perf_counter()
+            spec.optimizer.step()
+            spec.optimizer.zero_grad(set_to_none=True)
+            optimizer_seconds = time.perf_counter() - optimizer_t0
+        backward_seconds = time.perf_counter() - backward_t0 - optimizer_seconds
+        if spec.scheduler is not None:  # the schedule counts steps, trained or not
             spec.scheduler.step()
-        spec.optimizer.zero_grad(set_to_none=True)
-        optimizer_seconds = time.perf_counter() - optimizer_t0
         self.version += 1
 
+        staleness = [[self.version - 1 - v for v in r.versions] for r in train_rollouts]  # per token, at this step
         metrics = self._step_metrics(groups, rollouts, rewards, per_func, staleness, loss_total, stats)
+        if sampling:
+            metrics.update(_all_sum(sampling))
         metrics["reward_seconds"] = reward_seconds
         # where the trainer's time went (hfllamarl bench vs-trl --profile): its channels this tick (waiting for the
         # rollouts, sending weights), the forward and backward passes, the optimizer
@@ -224,9 +221,37 @@ class TrainerExecutor(Executor):
         metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
         metrics["train_step_seconds"] = time.perf_counter() - start
         metrics["step_time"] = time.perf_counter() - self._tick_started  # TRL's name: the step's wall time
-        self.trained_rows.append([r.row_index for r in rollouts[:: spec.num_generations]])
+        self.trained_rows.append([r.row_index for r in train_rollouts[:: spec.num_generations]])
         self._save_due = bool(spec.on_step(self.version, metrics))
         return metrics
+
+    def _check_staleness(self, groups: list[RolloutGroup]) -> None:
+        """A token staler than max_staleness means a broken schedule: stop before anything is scored."""
+        worst = max((self.version - v for g in groups for r in g.rollouts for v in r.versions), default=0)
+        if worst > self.spec.schedule.max_staleness:
+            raise RuntimeError(f"trainer: a token of batch {groups[0].batch_index} was sampled {worst} policy versions "
+                               f"ago, past max_staleness={self.spec.schedule.max_staleness}; the schedule is broken")
+
+    def _score(self, rollouts: list[Rollout]) -> tuple[list[float], dict]:
+        """Every rollout's combined reward and each reward function's scores (TRL's call)."""
+        spec = self.spec
+        return spec.rewards(prompts=[r.prompt for r in rollouts], completions=[r.completion_text for r in rollouts],
+                            completion_ids=[r.completion_ids for r in rollouts],
+                            columns={k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns},
+                            trainer_state=spec.trainer_state, scored=_model_rewards(rollouts))
+
+    def _checked_grad_norm(self) -> float:
+        """The gradients' norm (clipped to max_grad_norm); a NaN/inf one stops the step before the optimizer."""
+        model = self.spec.model
+        grad_norm = total_grad_norm(model, self.spec.max_grad_norm)
+        if not math.isfinite(grad_norm):  # no optimizer step with a NaN/inf gradient: the weights stay finite
+            bad = first_bad_gradient(model)
+            where = self.topology.describe(self.topology.rank)
+            agree([f"the gradient norm is {grad_norm}; {bad}"] if bad else [], step=self.version + 1, rank_name=where)
+            raise NonFiniteError(f"non-finite values at step {self.version + 1}: the gradient norm is {grad_norm} while "
+                                 "every gradient is finite (it overflowed). The step was stopped before the optimizer; "
+                                 "lower the learning rate or clip gradients (max_grad_norm).")
+        return grad_norm
 
     def _accumulate_gradients(self, rollouts: list[Rollout], advantages: torch.Tensor) -> tuple[float, dict]:
         """Forward and backward over micro-batches (gradients summed, reduced once at the last one).

@@ -27,6 +27,11 @@ def digits(completions, **kwargs):
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
+def flat_zero(completions, answer, **kwargs):
+    """1.0 whatever the completion for the prompts whose answer is 0 (their groups have no signal), else digits."""
+    return [1.0 if a == "0" else score for a, score in zip(answer, digits(completions))]
+
+
 class PrintEvaluations(TrainerCallback):
     """Says on stdout when `on_evaluate` fires (evaluation during training)."""
 
@@ -119,7 +124,7 @@ def main():
         kill_inside_checkpoint(a.kill_in_checkpoint)
     if a.generator_raises:
         generator_raises(a.generator_raises)
-    rewards = [digits if a.reward == "digits" else a.reward] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
+    rewards = [{"digits": digits, "flat_zero": flat_zero}.get(a.reward, a.reward)] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
     if a.reward_model:
         rewards.insert(0, a.reward_model)
     config = AsyncAIPOConfig(
