@@ -65,6 +65,8 @@ def test_defaults_and_derived_sizes():
     ({"save_only_model": True}, "resume is exact"),
     ({"data_seed": 3}, "prompt order follows `seed`"),
     ({"vllm_model_impl": "jax"}, "vllm_model_impl='jax'"),
+    ({"dynamic_sampling_extra_prompts": 4}, "without drop_zero_variance_groups"),
+    ({"drop_zero_variance_groups": True, "dynamic_sampling_extra_prompts": -1}, "whole number >= 0"),
 ])
 def test_bad_settings_are_explained(kw, match):
     with pytest.raises(ValueError, match=match):
