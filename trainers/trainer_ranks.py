@@ -187,6 +187,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         mask_truncated_completions=args.mask_truncated_completions,
         on_samples=reporter.set_samples if args.log_completions else None,
         on_eval=reporter.evaluate,
+        tools=trainer.agent.uses_tools,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)

@@ -72,6 +72,7 @@ class GeneratorSpec:
     eval_every: int = 0  # evaluate every policy version that is a multiple of this (0: never)
     eval_on_start: bool = False  # also the starting policy (version 0)
     num_generations_eval: int = 1
+    agent: Any = None  # tools / environments / rollout_func: `hfllamarl.runtime.multi_turn.AgentSpec`
 
 
 class GeneratorExecutor(Executor):
@@ -88,6 +89,7 @@ class GeneratorExecutor(Executor):
         self.evaluated = spec.initial_version if spec.initial_version or not spec.eval_on_start else -1
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.core_board = None  # single-process CPU job: where this child says it has finished a tick
+        self.agent = None  # `MultiTurn`, when the job has tools, environments or a rollout_func
 
     # ------------------------------------------------------------------ set-up
     def init(self) -> None:
@@ -107,6 +109,10 @@ class GeneratorExecutor(Executor):
         if self.topology.local_rank == 0:  # the rank that sends the rollouts scores them
             for model in spec.reward_models:
                 model.load(self.topology.device_type)
+        if spec.agent is not None:  # multi-turn ticks (tools run on the engine's first rank; every rank builds this)
+            from .multi_turn import MultiTurn
+
+            self.agent = MultiTurn(spec.agent, self)
 
     def _build_engine(self):
         spec, topo = self.spec, self.topology
@@ -162,10 +168,13 @@ class GeneratorExecutor(Executor):
     # ------------------------------------------------------------------ work
     def step(self) -> None:
         batch = self.spec.schedule.generator_batch(self.tick)
-        if batch is not None or self.in_flight:
-            self.pending = self.generate_tick(batch)
-        if self.eval_due():
-            self.pending += self.evaluate()
+        if self.agent is not None:  # multi-turn: its tick generates, calls tools, evaluates when due
+            self.pending = self.agent.tick(batch)
+        else:
+            if batch is not None or self.in_flight:
+                self.pending = self.generate_tick(batch)
+            if self.eval_due():
+                self.pending += self.evaluate()
         if self.core_board is not None:  # idle until the next tick's channels: the trainer may use these cores
             self.core_board.finished(self.topology.local_rank, self.tick)
 
@@ -186,8 +195,7 @@ class GeneratorExecutor(Executor):
         requests = [(r.prompt_ids + r.completion_ids, self._sampling_params(1, n)) for r, n in zip(carried, asked)]
         new = None
         if batch_index is not None:
-            indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
-            rows = [self.dataset[i] for i in indices]
+            indices, rows = self.batch_prompts(batch_index)
             new = (indices, rows, [self.encoder.encode(row["prompt"]) for row in rows])
             requests += [(ids, self._sampling_params(spec.num_generations, budget)) for ids in new[2]]
         start = time.perf_counter()
@@ -210,6 +218,17 @@ class GeneratorExecutor(Executor):
                     group.append(r)
                 groups.append(group)
             self.in_flight.append(InFlightBatch(batch_index, self.version, groups))
+        return self.close_tick(seconds, tokens)
+
+    def batch_prompts(self, batch_index: int) -> tuple[list[int], list[dict]]:
+        """The dataset indices and rows of generation batch `batch_index`."""
+        spec = self.spec
+        indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
+        return indices, [self.dataset[i] for i in indices]
+
+    def close_tick(self, seconds: float, tokens: int) -> list[RolloutGroup]:
+        """The groups of the batches whose rollouts all finished (oldest first), scored by the reward models; the
+        others stay in flight. `seconds`, `tokens`: this tick's generation time and sampled tokens."""
         finished = [f for f in self.in_flight if not f.unfinished()]
         self.in_flight = [f for f in self.in_flight if f.unfinished()]
         groups = [RolloutGroup(group, f.batch_index, f.policy_version, seconds, tokens)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from hfllamarl.losses import StepShape
 
+from .episodes import reward_arguments, tool_counts, tool_metrics
 from .executor import Executor, wait_for_startup
 from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from .generator import ROLLOUTS
@@ -60,6 +61,7 @@ class TrainerSpec:
     mask_truncated_completions: bool = False  # a completion cut at max_completion_length is not trained on
     on_samples: Callable[[dict | None], None] | None = None  # log_completions: gets the step's samples (rank 0)
     on_eval: Callable[[dict], None] = lambda metrics: None  # evaluation during training: logs the eval_* metrics
+    tools: bool = False  # tool calling (tools / environment_factory): log TRL's tools/* metrics
 
 
 def pad_batch(rollouts: list[Rollout], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -81,7 +83,8 @@ def pad_batch(rollouts: list[Rollout], pad_id: int, device) -> dict[str, torch.T
         if c:
             input_ids[i, P:P + c] = torch.tensor(r.completion_ids)
             attn[i, P:P + c] = 1
-            mask[i, :c] = 1.0
+            # the loss mask: every sampled token; tool/environment tokens (env_mask 0) are context only
+            mask[i, :c] = 1.0 if r.env_mask is None else torch.tensor(r.env_mask, dtype=torch.float32)
             mu[i, :c] = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
     position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
     out = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
@@ -195,21 +198,13 @@ class TrainerExecutor(Executor):
         spec = self.spec
         start = time.perf_counter()
         rollouts = [r for g in groups for r in g.rollouts]
-        staleness = [[self.version - v for v in r.versions] for r in rollouts]  # per token, at this step
+        staleness = [[self.version - v for v in r.sampled_versions()] for r in rollouts]  # per sampled token
         worst = max((max(s) for s in staleness if s), default=0)
         if worst > spec.schedule.max_staleness:
             raise RuntimeError(f"trainer: a token of batch {groups[0].batch_index} was sampled {worst} policy versions "
                                f"ago, past max_staleness={spec.schedule.max_staleness}; the schedule is broken")
         rewards_t0 = time.perf_counter()
-        columns = {k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns}
-        rewards, per_func = spec.rewards(
-            prompts=[r.prompt for r in rollouts],
-            completions=[r.completion_text for r in rollouts],
-            completion_ids=[r.completion_ids for r in rollouts],
-            columns=columns,
-            trainer_state=spec.trainer_state,
-            scored=_model_rewards(rollouts),
-        )
+        rewards, per_func = spec.rewards(**reward_arguments(rollouts), trainer_state=spec.trainer_state)
         reward_seconds = time.perf_counter() - rewards_t0
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
         advantages = spec.algorithm.advantages(rewards_t, spec.num_generations)  # [N]
@@ -266,7 +261,7 @@ class TrainerExecutor(Executor):
         mb = spec.micro_batch_size
         steps = math.ceil(len(rollouts) / mb)
         masked = [spec.mask_truncated_completions and r.finish_reason == "length" for r in rollouts]
-        tokens = _all_sum({"tokens": sum(len(r.completion_ids) for r, m in zip(rollouts, masked) if not m)})["tokens"]
+        tokens = _all_sum({"tokens": sum(r.num_sampled for r, m in zip(rollouts, masked) if not m)})["tokens"]
         shape = StepShape(tokens=tokens, trainer_ranks=dist.get_world_size() if dist.is_initialized() else 1,
                           micro_batches=steps, max_completion_length=spec.max_completion_length)
         extra = {"shape": shape} if takes_shape(spec.algorithm) else {}
@@ -330,11 +325,7 @@ class TrainerExecutor(Executor):
         for name in spec.rewards.names:
             local[f"{name}/sum"] = local[f"{name}/n"] = 0.0
         if rollouts:
-            rewards, per_func = spec.rewards(
-                prompts=[r.prompt for r in rollouts], completions=[r.completion_text for r in rollouts],
-                completion_ids=[r.completion_ids for r in rollouts],
-                columns={k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns},
-                trainer_state=spec.trainer_state, scored=_model_rewards(rollouts))
+            rewards, per_func = spec.rewards(**reward_arguments(rollouts), trainer_state=spec.trainer_state)
             local.update(count=len(rewards), reward_sum=sum(rewards), reward_sq=sum(x * x for x in rewards),
                          len_sum=sum(len(r.completion_ids) for r in rollouts),
                          truncated=sum(r.finish_reason == "length" for r in rollouts))
@@ -359,7 +350,7 @@ class TrainerExecutor(Executor):
         `stats`: the algorithm's metrics, one value per micro-batch, logged under their own names)."""
         n = len(rollouts)
         oldest = [max(s) for s in staleness if s]  # a completion is as stale as its first token
-        lengths = [len(r.completion_ids) for r in rollouts]
+        lengths = [r.num_sampled for r in rollouts]  # as TRL: the tokens the policy sampled, not the tools'
         partial = [len(r.completion_ids) for r in rollouts if r.segments > 1]
         local = {
             "reward_sum": sum(rewards), "reward_sq": sum(x * x for x in rewards), "count": n,
@@ -372,6 +363,8 @@ class TrainerExecutor(Executor):
             vals = [s for s in scores if s is not None]
             local[f"rf_sum/{name}"] = sum(vals)
             local[f"rf_n/{name}"] = len(vals)
+        if self.spec.tools:
+            local.update(tool_counts(rollouts))
         summed = _all_sum(local)
         count = summed["count"]
         mean = summed["reward_sum"] / count
@@ -389,6 +382,8 @@ class TrainerExecutor(Executor):
         metrics["completions/mean_length"] = summed["len_sum"] / count
         metrics["completions/truncated_frac"] = summed["truncated"] / count
         metrics["completions/empty_frac"] = summed["empty"] / count  # they get a reward, but no token to train
+        if self.spec.tools:
+            metrics.update(tool_metrics(summed, count))
         gen_seconds = max(g.generation_seconds for g in groups)
         metrics["generation/seconds"] = gen_seconds
         metrics["generation/tokens_per_s"] = groups[0].batch_tokens / gen_seconds if gen_seconds > 0 else 0.0
@@ -418,14 +413,6 @@ def _all_sum(values: dict[str, float]) -> dict[str, float]:
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
-
-
-def _model_rewards(rollouts: list[Rollout]) -> dict[str, list[float]]:
-    """Reward models' scores computed on the generator, by model name (only names every rollout has)."""
-    names = set(getattr(rollouts[0], "model_rewards", {})) if rollouts else set()
-    for r in rollouts[1:]:
-        names &= set(getattr(r, "model_rewards", {}))
-    return {name: [r.model_rewards[name] for r in rollouts] for name in names}
 
 
 def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool) -> dict | None:
