@@ -195,3 +195,31 @@ def _assistant_labels(ids: list[int], opening: list[int], eos: int) -> list[int]
             i = j
         i += 1
     return labels
+
+
+def prepare_tool_model(directory: str, hidden_size: int = 128, num_heads: int = 4, steps: int = 600,
+                       call_share: float = 0.5, seed: int = 0) -> str:
+    """Build the calculator example's model once into `directory`: the tiny model with the Qwen3 chat template
+    (hidden 128, 4 heads of 32, 2 layers), warmed up on both answer formats (`warm_start_tool_calls`).
+
+    Several processes (a launcher's ranks) may call it at once: each builds in a temporary directory (same seed,
+    same bits) and renames it into place; the first rename wins.
+    """
+    import shutil
+    import tempfile
+
+    from .tiny import build_tiny_model
+
+    if os.path.isfile(os.path.join(directory, "config.json")):
+        return directory
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".building-")
+    build_tiny_model(tmp, hidden_size=hidden_size, num_heads=num_heads, intermediate_size=2 * hidden_size,
+                     max_position_embeddings=512, seed=seed, chat_template="qwen3")
+    warm_start_tool_calls(tmp, steps=steps, call_share=call_share, seed=seed)
+    try:
+        os.rename(tmp, directory)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory

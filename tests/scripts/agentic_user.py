@@ -2,7 +2,7 @@
 the class names swapped and nothing else.
 
     python tests/scripts/agentic_user.py tools|env|rollout_func MODEL_DIR OUTPUT_DIR [--trl] [--steps 3]
-        [--max-staleness 1] [--partial N] [--hang] [--timeout S] [--summary FILE] [--calls FILE]
+        [--max-staleness 1] [--partial N] [--batch 4] [--hang] [--timeout S] [--summary FILE] [--calls FILE]
 
 - `tools`: `tools=[calculator]`, a reward reading the last assistant message and `answer`;
 - `env`: `environment_factory=CalculatorEnv` (state per rollout, `reset` adds to the prompt, `get_reward`), and a
@@ -11,7 +11,7 @@ the class names swapped and nothing else.
   TRL's needs use_vllm=True, which needs a GPU build of vLLM).
 
 The model is hfllamarl's tiny Qwen3-template model (`build_tiny_model(..., chat_template="qwen3")`). `--hang`: the
-calculator never returns on expressions ending in 1 and raises on those ending in 2. `--summary` writes what the
+calculator never returns on its 1st call (and every 3rd after) and raises on its 2nd (likewise). `--summary` writes what the
 reward function received, one JSON line per call; `--calls` appends one line per tool call (pid, expression).
 """
 
@@ -24,7 +24,7 @@ from datasets import Dataset
 
 from hfllamarl.tools.tiny_chat import calculator_rows
 
-OPTIONS = {"hang": False, "calls": None}
+OPTIONS = {"hang": False, "calls": None, "count": 0}
 SUMMARY = []
 
 
@@ -34,9 +34,10 @@ def _evaluate(expression: str) -> str:
     if OPTIONS["calls"]:
         with open(OPTIONS["calls"], "a") as fh:
             fh.write(json.dumps({"pid": os.getpid(), "expression": expression}) + "\n")
-    if OPTIONS["hang"] and expression.endswith("1"):
+    OPTIONS["count"] += 1
+    if OPTIONS["hang"] and OPTIONS["count"] % 3 == 1:
         time.sleep(3600)  # a tool that never returns
-    if OPTIONS["hang"] and expression.endswith("2"):
+    if OPTIONS["hang"] and OPTIONS["count"] % 3 == 2:
         raise RuntimeError("the calculator is broken today")
     return evaluate(expression)
 
@@ -113,6 +114,7 @@ def main():
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--partial", type=int, default=None, help="partial_rollout_tokens")
     p.add_argument("--generators", type=int, default=1, help="num_generator_processes (tensor parallel)")
+    p.add_argument("--batch", type=int, default=4, help="per_device_train_batch_size")
     p.add_argument("--hang", action="store_true")
     p.add_argument("--timeout", type=float, default=60.0, help="tool_call_timeout_s")
     p.add_argument("--summary", default=None)
@@ -130,8 +132,8 @@ def main():
                      partial_rollout_tokens=args.partial, num_generator_processes=args.generators)
     if args.mode != "rollout_func":
         extra["max_tool_calling_iterations"] = 2
-    config = Config(output_dir=args.output_dir, per_device_train_batch_size=4, num_generations=2,
-                    max_completion_length=64, max_steps=args.steps, learning_rate=1e-3, logging_steps=1,
+    config = Config(output_dir=args.output_dir, per_device_train_batch_size=args.batch, num_generations=2,
+                    max_completion_length=96, max_steps=args.steps, learning_rate=1e-3, logging_steps=1,
                     report_to="none", save_strategy="no", chat_template_kwargs={"enable_thinking": False},
                     seed=0, **extra)
     dataset = Dataset.from_list(calculator_rows(32, seed=0))
