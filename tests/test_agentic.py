@@ -272,7 +272,7 @@ def test_user_scripts_train_under_trl_and_under_async_aipo(tool_model, tmp_path)
         for names in (["tools/call_frequency", "tools/failure_frequency", "completions/mean_length"],
                       ["rewards/CalculatorEnv/mean", "rewards/used_the_tool/mean"] if mode == "env" else []):
             assert all(k in h for h in trl_steps + ours for k in names), names
-        trl_kwargs = {k for c in trl_calls for k in c["kwargs"]} - {"log_extra", "log_metric"}
+        trl_kwargs = {k for c in trl_calls for k in c["kwargs"]}
         assert trl_kwargs == {k for c in our_calls for k in c["kwargs"]}, (trl_kwargs, our_calls[0]["kwargs"])
         for calls in (trl_calls, our_calls):  # completions: assistant turns, tool results after a calling turn
             assert all(r[0] == "assistant" and all(b == "assistant" or a in ("assistant", "tool")

@@ -2,7 +2,8 @@
 
 A reward function is called as
 
-    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)
+    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=..., log_metric=...,
+       **dataset_columns)
 
 and returns one `float | None` per completion (`None`: this function does not score that sample).
 Completions are strings, or `[{"role": "assistant", "content": ...}]` when the prompts are chat
@@ -90,6 +91,8 @@ class RewardRunner:
         self.on_error = on_error
         self.error_count = 0
         self.nonfinite_count = 0  # NaN/inf rewards, scored as None
+        self.extra_logs: dict[str, list] = {}  # TRL's log_extra: columns for the completions table
+        self.metric_logs: dict[str, list[float]] = {}  # TRL's log_metric: scalars, averaged per step
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list[list[int]], columns: dict,
                  trainer_state=None, scored: dict[str, list] | None = None,
@@ -100,7 +103,7 @@ class RewardRunner:
         if prompts and is_conversational(prompts[0]):  # a multi-turn rollout's messages are already a list
             completions = [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                      trainer_state=trainer_state, **columns)
+                      trainer_state=trainer_state, log_extra=self._log_extra, log_metric=self._log_metric, **columns)
         results = self._call_all(kwargs, n, scored or {})
         per_func = {}
         for name, scores in zip(self.names, results):
@@ -110,6 +113,20 @@ class RewardRunner:
             vals = [w * s[i] for w, s in zip(self.weights, results) if s[i] is not None]
             total.append(float(sum(vals)) if vals else 0.0)
         return total, per_func
+
+    def _log_extra(self, column: str, values: list) -> None:
+        """TRL's `log_extra` (a reward function's keyword argument): a column of the completions table."""
+        self.extra_logs.setdefault(str(column), []).extend(values)
+
+    def _log_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric`: a scalar, averaged over the step's calls and logged under `name`."""
+        self.metric_logs.setdefault(str(name), []).append(float(value))
+
+    def take_logs(self) -> tuple[dict[str, list], dict[str, list[float]]]:
+        """What the reward functions logged since the last call (extra columns, metrics), then forgotten."""
+        extra, metrics = self.extra_logs, self.metric_logs
+        self.extra_logs, self.metric_logs = {}, {}
+        return extra, metrics
 
     def counters(self) -> dict[str, float]:
         """What each reward function reports through `.stats()` (e.g. math_sympy's timeouts), every number as

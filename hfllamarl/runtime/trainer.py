@@ -208,8 +208,9 @@ class TrainerExecutor(Executor):
         reward_seconds = time.perf_counter() - rewards_t0
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
         advantages = spec.algorithm.advantages(rewards_t, spec.num_generations)  # [N]
+        extra, logged = spec.rewards.take_logs()  # what reward functions logged (TRL's log_extra / log_metric)
         if spec.on_samples is not None:  # log_completions: the step's samples, gathered to the first trainer rank
-            spec.on_samples(gather_samples(rollouts, per_func, advantages, self.topology.rank == 0))
+            spec.on_samples(gather_samples(rollouts, per_func, advantages, self.topology.rank == 0, extra))
         backward_t0 = time.perf_counter()
         loss_total, stats = self._accumulate_gradients(rollouts, advantages)
         backward_seconds = time.perf_counter() - backward_t0
@@ -241,6 +242,7 @@ class TrainerExecutor(Executor):
         if lender is not None:  # the generators finished first and lent their cores for the rest of this step
             metrics["time/borrowed_cores"] = float(lender.borrowed)
         metrics.update(spec.rewards.counters())
+        metrics.update(reduce_metrics(logged))
         metrics["grad_norm"] = grad_norm
         if spec.scheduler is not None:
             metrics["learning_rate"] = spec.scheduler.get_last_lr()[0]
@@ -332,6 +334,7 @@ class TrainerExecutor(Executor):
             for name, scores in per_func.items():
                 scored = [x for x in scores if x is not None]
                 local[f"{name}/sum"], local[f"{name}/n"] = sum(scored), len(scored)
+        _, logged = spec.rewards.take_logs()
         total = _all_sum(local)
         n = max(total["count"], 1.0)
         mean = total["reward_sum"] / n
@@ -342,6 +345,7 @@ class TrainerExecutor(Executor):
                         "eval_completions/truncated_frac": total["truncated"] / n, "eval_samples": total["count"],
                         "eval_policy_version": float(groups[0].eval_version),
                         "eval_generation_seconds": groups[0].generation_seconds})
+        metrics.update({f"eval_{name}": value for name, value in reduce_metrics(logged).items()})
         return metrics
 
     def _step_metrics(self, groups: list[RolloutGroup], rollouts: list[Rollout], rewards: list[float], per_func: dict,
@@ -415,19 +419,24 @@ def _all_sum(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
-def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool) -> dict | None:
+def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool,
+                   extra: dict | None = None) -> dict | None:
     """The step's samples over every trainer rank as TRL's completion-log columns (prompt, completion, one column
-    per reward function, advantage); on the first trainer rank, None on the others."""
+    per reward function, advantage, and the columns reward functions added with `log_extra`); on the first trainer
+    rank, None on the others."""
     local = {"prompt": [r.prompt for r in rollouts], "completion": [r.completion_text for r in rollouts],
              **{name: [math.nan if v is None else v for v in scores] for name, scores in per_func.items()},
              "advantage": advantages.tolist()}
+    for column, values in (extra or {}).items():
+        local.setdefault(column, (list(values) + [None] * len(rollouts))[:len(rollouts)])
     parts = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, local)
     if not first:
         return None
-    return {key: [v for part in parts for v in part[key]] for key in local}
+    keys = list(local) + sorted({key for part in parts for key in part} - set(local))
+    return {key: [v for part in parts for v in part.get(key, [None] * len(part["prompt"]))] for key in keys}
 
 
 def takes_shape(algorithm) -> bool:
