@@ -329,7 +329,7 @@ class TrainerExecutor(Executor):
         if rollouts:
             rewards, per_func = spec.rewards(**reward_arguments(rollouts), trainer_state=spec.trainer_state)
             local.update(count=len(rewards), reward_sum=sum(rewards), reward_sq=sum(x * x for x in rewards),
-                         len_sum=sum(len(r.completion_ids) for r in rollouts),
+                         len_sum=sum(r.num_sampled for r in rollouts),
                          truncated=sum(r.finish_reason == "length" for r in rollouts))
             for name, scores in per_func.items():
                 scored = [x for x in scores if x is not None]

@@ -39,7 +39,7 @@ UNKNOWN = "\ufffd"
 
 #: The calculator task's tool, as the example and the tests give it (`tools=[calculator]`).
 TOOL_NAME = "calculator"
-#: Text an environment's reset() may append to the question; half the warm-up questions end with it.
+#: Text an environment's reset() may append to the question (`warm_start_tool_calls(hint_share=...)`).
 HINT = " Use the calculator."
 
 
@@ -112,12 +112,14 @@ def _conversation(call: bool) -> list[dict]:
 
 
 def warm_start_tool_calls(path: str, steps: int = 300, batch_size: int = 32, lr: float = 3e-3, call_share: float = 0.25,
-                          seed: int = 0, chat_template_kwargs: dict | None = None) -> dict:
+                          seed: int = 0, chat_template_kwargs: dict | None = None, hint_share: float = 0.0) -> dict:
     """Teach the model at `path` the two answer formats of the calculator task, and save it.
 
     The conversations are rendered with the calculator's schema and the template the trainer renders with
     (TRL's training variant of the tokenizer's, when that one is not prefix-preserving); the loss covers the
-    assistant's tokens only (tool results and prompts are given). Returns {"loss_first", "loss_last"}.
+    assistant's tokens only (tool results and prompts are given). `hint_share` of the questions end with `HINT` (an
+    environment's reset() text; the copy of the numbers is then harder to learn: their distance to the call varies).
+    Returns {"loss_first", "loss_last"}.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -143,7 +145,7 @@ def warm_start_tool_calls(path: str, steps: int = 300, batch_size: int = 32, lr:
     torch.set_num_threads(1)  # matrices this small run faster on one thread than on two that compete
     try:
         for _ in range(steps):
-            first, last = _warm_step(model, opt, tok, texts, opening, rng, batch_size, call_share, first)
+            first, last = _warm_step(model, opt, tok, texts, opening, rng, batch_size, call_share, hint_share, first)
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(path)
@@ -151,7 +153,7 @@ def warm_start_tool_calls(path: str, steps: int = 300, batch_size: int = 32, lr:
 
 
 def _warm_step(model, opt, tok, texts: dict, opening: list[int], rng: random.Random, batch_size: int,
-               call_share: float, first):
+               call_share: float, hint_share: float, first):
     """One supervised step on `batch_size` fresh conversations; returns (first loss seen, this step's loss)."""
     import torch
 
@@ -159,7 +161,7 @@ def _warm_step(model, opt, tok, texts: dict, opening: list[int], rng: random.Ran
     for _ in range(batch_size):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         text = texts[rng.random() < call_share]
-        hint = HINT if rng.random() < 0.5 else ""  # some prompts carry an environment's text (reset())
+        hint = HINT if rng.random() < hint_share else ""  # an environment's reset() text
         for key, value in (("@A", a), ("@B", b), ("@S", a + b), ("@G", rng.randint(20, 198)), ("@H", hint)):
             text = text.replace(key, str(value))
         ids = tok(text, add_special_tokens=False)["input_ids"]
