@@ -3,9 +3,10 @@
 The task: "What is 37+45?"; the reward (`math_sympy`) is 1 when the last assistant message boxes the sum. The
 model is built locally (random init, the Qwen3 chat template with its tool-call tokens: no model hub) and warmed up
 on the two formats of an answer: calling `calculator(expression)` then boxing what it returns, or boxing a guess
-without the tool. The warm-up calls the tool in half of its examples and never tells which way pays; the model
-starts calling it in about a third of its answers. A tiny model cannot add two-digit numbers itself, so RL
-(AIPO, staleness 1: generation of step k+1 overlaps training on step k) has to learn that calling the tool pays.
+without the tool (`hfllamarl.tools.tiny_chat.prepare_tool_model`: first every example calls the tool, so the model
+learns to copy the numbers, then only a quarter do). It starts calling the tool in about 15 % of its answers and
+never learned which way pays. A tiny model cannot add two-digit numbers itself, so RL (AIPO, staleness 1:
+generation of step k+1 overlaps training on step k) has to learn that calling the tool pays.
 
 Each rollout is multi-turn on the generator: the model's turn is parsed with TRL's Qwen3 response template, the
 calculator runs (never `eval`: `hfllamarl.plugins.environments.calculator` computes arithmetic from a syntax
@@ -57,7 +58,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model directory (built and warmed up here if missing)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--max-staleness", type=int, default=1)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--learning-rate", type=float, default=5e-4)
     parser.add_argument("--report-to", default="none")
     args = parser.parse_args()
 

@@ -3,9 +3,12 @@
     hfllamarl bench multi-turn [--steps 20] [--tool-latency 0.5] [--variants sync,async,async_partial]
 
 The job is the CPU example's (`examples/tool_calling_cpu.py`): the tiny Qwen3-template model warmed up on the
-calculator task, `tools=[calculator]`, 32 completions per step (4 prompts x 8), up to 96 tokens each, one
-tool-calling round. The calculator waits `--tool-latency` seconds before it answers, standing for a real tool (a
-sandbox, a search API); the calls of one round run concurrently. Each variant runs in a fresh process:
+calculator task (only the first phase of its warm-up, so that it calls the tool in most answers), `tools=[calculator]`,
+32 completions per step (4 prompts x 8), up to 96 tokens each, one tool-calling round. The calculator waits
+`--tool-latency` seconds before it answers, standing for a real tool (a sandbox, a search API); the calls of one round
+run concurrently. The learning rate is 0 by default: the trainer does all its work (forward, backward, optimizer
+step, weight sync) but the policy stays the same, so every variant samples the same workload and the ratio measures
+the runtime, not a difference in what the policies learned to do. Each variant runs in a fresh process:
 
 - `sync`: `max_staleness=0`, generation (with its tool calls) then training, alternating: the baseline;
 - `async`: `max_staleness=1`, generation of step k+1 (tools included) overlaps training on step k;
@@ -37,8 +40,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per variant")
     parser.add_argument("--tool-latency", type=float, default=0.5, help="seconds the calculator takes per call")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--model", default=None, help="the tool model (default: built once, as the CPU example's)")
+    parser.add_argument("--learning-rate", type=float, default=0.0,
+                        help="0 (default): the policy stays as it is, so every variant samples the same workload")
+    parser.add_argument("--model", default=None, help="the tool model (default: built once: the CPU example's model "
+                        "before it learns to call the tool rarely, so most rollouts call it)")
     parser.add_argument("--output-dir", default="outputs/bench_multi_turn")
 
 
@@ -107,7 +112,7 @@ def run(args) -> int:
     if args.steps < 3 or args.tool_latency < 0:
         raise SystemExit("give --steps >= 3 and --tool-latency >= 0")
     os.makedirs(args.output_dir, exist_ok=True)
-    model = prepare_tool_model(args.model or os.path.join(args.output_dir, "tiny-qwen3-tools"))
+    model = args.model or prepare_tool_model(os.path.join(args.output_dir, "tiny-qwen3-tools-calling"), decide_steps=0)
     results = {}
     for variant in variants:
         job = {"variant": variant, "model": model, "steps": args.steps, "tool_latency": args.tool_latency,

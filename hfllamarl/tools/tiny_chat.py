@@ -4,14 +4,14 @@
 tokenizer of this module: TRL's copy of the Qwen3 chat template (so `trl.chat_template_utils.add_response_schema`
 recognises it and `parse_response` reads tool calls the way it reads a real Qwen3's), its special tokens
 (`<|im_start|>`, `<|im_end|>` as end of turn, `<tool_call>`, `<tool_response>`, `<think>`, ...) as single tokens,
-digits and every other printable character one token each, and the template's fixed sentences and JSON keys
-as one token each, so that a prompt with a tool schema is ~100 tokens instead of ~800 characters.
+numbers from 10 to 199 one token each, every other character one token, and the template's fixed sentences and
+JSON keys one token each, so that a prompt with a tool schema is ~100 tokens instead of ~800 characters.
 
 The calculator task (`calculator_rows`, `warm_start_tool_calls`) is the CPU example's: "What is 37+45?"; the
 model may call `calculator(expression)` and must answer `\\boxed{82}`. The warm-up teaches the format of both
 ways of answering (a tool call copying the expression, then the tool's result boxed; or a boxed guess without
-the tool) and calls the tool in only a quarter of its examples, so reinforcement learning has something to
-learn: that calling the tool pays.
+the tool); `prepare_tool_model` ends it with the tool called in a quarter of the examples, so reinforcement
+learning has something to learn: that calling the tool pays.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ PIECES = [
     '"type"', '"function"', '"name"', '"description"', '"parameters"', '"object"', '"properties"', '"string"',
     '"integer"', '"number"', '"boolean"', '"array"', '"items"', '"required"', '"return"', '"arguments"', '"error"',
     "system", "user", "assistant", "What is ", "calculator", "expression", "Evaluate", "arithmetic", " Use the ",
+    # numbers from 10 to 199 are one token each: the calculator task's operands and sums are copied as single
+    # tokens (a tiny model learns to copy one token from a fixed distance much faster than a run of digits)
+    *(str(n) for n in range(10, 200)),
 ]
 CHARS = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
 UNKNOWN = "\ufffd"
@@ -199,10 +202,14 @@ def _assistant_labels(ids: list[int], opening: list[int], eos: int) -> list[int]
     return labels
 
 
-def prepare_tool_model(directory: str, hidden_size: int = 128, num_heads: int = 4, steps: int = 600,
-                       call_share: float = 0.5, seed: int = 0) -> str:
+def prepare_tool_model(directory: str, hidden_size: int = 64, num_heads: int = 2, copy_steps: int = 800,
+                       decide_steps: int = 60, call_share: float = 0.25, seed: int = 0) -> str:
     """Build the calculator example's model once into `directory`: the tiny model with the Qwen3 chat template
-    (hidden 128, 4 heads of 32, 2 layers), warmed up on both answer formats (`warm_start_tool_calls`).
+    (hidden 64, 2 heads of 32, 2 layers), warmed up in two phases. First every warm-up answer calls the tool
+    (`copy_steps`): the model learns the call format and to copy the numbers into the call and the tool's result
+    into the box (a skill that appears suddenly, after ~400 steps here, and sharpens after). Then only `call_share`
+    of them do (`decide_steps`): the model keeps the skill (about 70 % of its sampled calls end in the right boxed
+    sum) but calls the tool in about 15 % of its answers, leaving RL the decision to learn.
 
     Several processes (a launcher's ranks) may call it at once: each builds in a temporary directory (same seed,
     same bits) and renames it into place; the first rename wins.
@@ -219,7 +226,8 @@ def prepare_tool_model(directory: str, hidden_size: int = 128, num_heads: int = 
     tmp = tempfile.mkdtemp(dir=parent, prefix=".building-")
     build_tiny_model(tmp, hidden_size=hidden_size, num_heads=num_heads, intermediate_size=2 * hidden_size,
                      max_position_embeddings=512, seed=seed, chat_template="qwen3")
-    warm_start_tool_calls(tmp, steps=steps, call_share=call_share, seed=seed)
+    warm_start_tool_calls(tmp, steps=copy_steps, call_share=1.0, seed=seed)
+    warm_start_tool_calls(tmp, steps=decide_steps, call_share=call_share, seed=seed + 1)
     try:
         os.rename(tmp, directory)
     except OSError:  # another process finished first
