@@ -124,6 +124,27 @@ def test_the_loss_mask_excludes_tool_tokens_and_staleness_counts_sampled_tokens_
         rollout([1], [2, 3], [1], [0, 0])
 
 
+def test_an_environment_that_cannot_be_pickled_is_explained():
+    """Reward functions on the trainer get a stand-in whose use says why; a checkpoint with it in flight says how."""
+    import pickle
+    import threading
+
+    from hfllamarl.runtime.episodes import Episode, snapshot, unpickled
+
+    class Connected:
+        def __init__(self):
+            self.lock, self.calls = threading.Lock(), 3
+
+    copy = unpickled(snapshot(Connected()))
+    with pytest.raises(RuntimeError, match="environment Connected could not be pickled.*environments\\[i\\].calls"):
+        copy.calls
+    with pytest.raises(TypeError, match="cannot save the environment Connected.*__getstate__"):
+        pickle.dumps(Episode(environment=Connected()))
+    episode = pickle.loads(pickle.dumps(Episode(messages=[{"role": "tool", "content": "1"}], tool_calls=2,
+                                                environment=SimpleNamespace(calls=5))))
+    assert episode.tool_calls == 2 and unpickled(episode.environment).calls == 5
+
+
 # ---------------------------------------------------------------------------- chat templates, against TRL itself
 def test_prompts_and_tool_results_are_the_tokens_trls_trainer_builds(tool_model):
     """Our rendering of a prompt with tools, and of the tool results that follow a turn, against TRL's own

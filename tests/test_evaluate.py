@@ -175,6 +175,8 @@ def test_rewards_get_columns_and_chat_completions():
     assert seen["prompts"] == [chat_prompt, chat_prompt]
     assert seen["completions"] == [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "b"}]]
     assert seen["completion_ids"] == [[1, 2], [3]]
+    logging = {k: seen["columns"].pop(k) for k in ("log_extra", "log_metric")}  # TRL passes these two callables
+    assert all(callable(f) for f in logging.values())
     assert seen["columns"] == {"answer": ["2", "2"], "level": [3, 3], "trainer_state": None}  # TRL passes it
 
 

@@ -30,8 +30,16 @@ class Episode:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        if state["environment"] is not None and not isinstance(state["environment"], bytes):
-            state["environment"] = pickled(state["environment"])  # a live instance in a checkpoint
+        env = state["environment"]
+        if env is not None and not isinstance(env, bytes):  # a live instance, in a checkpoint
+            try:
+                state["environment"] = pickled(env)
+            except Exception as exc:
+                raise TypeError(
+                    f"cannot save the environment {type(env).__name__} of a rollout still in flight at this checkpoint: "
+                    f"{type(exc).__name__}: {exc}. Make it picklable (__getstate__/__setstate__ leaving out what cannot "
+                    "be saved, e.g. a connection, and opening it again), or run without partial_rollout_tokens (then no "
+                    "rollout is in flight at a checkpoint).") from exc
         return state
 
 
@@ -55,6 +63,8 @@ class UnpicklableEnvironment:
         self._name, self._reason = name, reason
 
     def __getattr__(self, attribute):
+        if attribute.startswith("_"):  # pickle's own look-ups (__setstate__, ...) and our fields before they are set
+            raise AttributeError(attribute)
         raise RuntimeError(
             f"the environment {self._name} could not be pickled to reach the trainer ranks, where reward functions "
             f"run ({self._reason}); a reward function read `environments[i].{attribute}`. Make the environment "
