@@ -11,9 +11,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from conftest import REPO, SCRIPTS, assert_on_policy, free_port, run_script, step_logs, tail
+from conftest import REPO, SCRIPTS, assert_on_policy, run_script, step_logs, tail
 
 from hfllamarl.runtime.rollout import Rollout
 from hfllamarl.runtime.tool_calls import ToolRunner
