@@ -238,7 +238,8 @@ def test_multi_turn_rollouts_on_a_real_engine(tool_model, tmp_path):
     """vLLM with tools, 5 policy versions over a partial multi-turn batch: every sampled token's mu equals the
     transformers pi of the version that sampled it (so the tool tokens sit exactly where the model saw them), every
     tool span is what Qwen3's template writes for that result, the loss mask is 1 on sampled tokens only;
-    in-flight environments survive a checkpoint; hanging and raising tools end in errors the model reads."""
+    in-flight environments survive a checkpoint; hanging and raising tools end in errors the model reads; evaluation
+    rollouts are multi-turn too."""
     proc = run_script([str(SCRIPTS / "agentic_checks.py"), tool_model, str(tmp_path)], timeout=600)
     assert proc.returncode == 0, tail(proc)
     res = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
@@ -251,6 +252,9 @@ def test_multi_turn_rollouts_on_a_real_engine(tool_model, tmp_path):
     assert ckpt["kept_earlier_calls"] and ckpt["env_calls_match"] and ckpt["reward_counts_calls"], ckpt
     assert hang["finished"] == 16 and hang["timeouts"] >= 1 and hang["failures"] > hang["timeouts"], hang
     assert "abandoned" in hang["errors_seen"] and hang["seconds"] < 60, hang
+    ev = res["evaluation"]
+    assert ev["groups"] == 6 and ev["rollouts"] == 18 and ev["eval_versions"] == [0], ev
+    assert ev["all_finished"] and ev["masks_ok"] and ev["with_tool_calls"] >= 1, ev
 
 
 def _launch(args: list[str], log) -> subprocess.Popen:

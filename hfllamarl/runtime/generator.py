@@ -19,6 +19,7 @@ from typing import Any
 
 from . import checkpoint
 from .checkpoint import load_generator_side
+from .episodes import completion
 from .engine import WeightSyncMismatch, build_engine, load_weights, loader_boxes, verify_against_disk
 from .core_lending import open_board
 from .executor import Executor, wait_for_startup
@@ -280,8 +281,9 @@ class GeneratorExecutor(Executor):
         rollouts = [r for g in groups for r in g.rollouts]
         prompts = [r.prompt for r in rollouts]
         chat = bool(prompts) and not isinstance(prompts[0], str)
-        completions = [[{"role": "assistant", "content": r.completion_text}] if chat else r.completion_text
-                       for r in rollouts]
+        completions = [completion(r) for r in rollouts]  # a multi-turn rollout's messages, else its text
+        if chat:
+            completions = [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]
         for model in self.spec.reward_models:
             for r, score in zip(rollouts, model(prompts=prompts, completions=completions)):
                 r.model_rewards[model.__name__] = score

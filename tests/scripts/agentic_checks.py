@@ -16,6 +16,9 @@ its calls, and its reward must count the calls of the whole rollout.
 
 `hang`: a tool that never returns and one that raises, with a 1 s bound: every rollout finishes, the model reads
 the errors, the tick takes seconds.
+
+`evaluation`: evaluation during training with tools (6 prompts x 3): multi-turn, finished within the tick even with
+a per-tick budget.
 """
 
 import json
@@ -216,6 +219,25 @@ def check_checkpoint(path: str, engine, workdir: str) -> dict:
     }
 
 
+def check_evaluation(path: str, engine) -> dict:
+    """Evaluation during training with tools: every eval prompt's rollouts run to the end in the tick, multi-turn."""
+    from datasets import Dataset
+
+    from hfllamarl.runtime.multi_turn import AgentSpec
+    from hfllamarl.tools.tiny_chat import calculator_rows
+
+    agent = AgentSpec(tools=[calculator], max_iterations=2, tool_call_timeout_s=30)
+    gen = generator(path, calculator_rows(8, seed=9), agent, engine, schedule=Schedule(1, 1), prompts_per_batch=8,
+                    num_generations=2, partial_rollout_tokens=BUDGET, num_generations_eval=3)
+    gen.eval_dataset = Dataset.from_list(calculator_rows(6, seed=11))
+    groups = gen.agent._evaluation()
+    rollouts = [r for g in groups for r in g.rollouts]
+    return {"groups": len(groups), "rollouts": len(rollouts), "eval_versions": sorted({g.eval_version for g in groups}),
+            "all_finished": all(r.finish_reason in ("stop", "length") for r in rollouts),
+            "with_tool_calls": sum(bool(r.episode.tool_calls) for r in rollouts),
+            "masks_ok": all(len(r.env_mask) == len(r.completion_ids) for r in rollouts)}
+
+
 def check_hang(path: str, engine) -> dict:
     from hfllamarl.runtime.multi_turn import AgentSpec
     from hfllamarl.tools.tiny_chat import calculator_rows
@@ -250,7 +272,8 @@ def _spans(mask: list[int], value: int) -> list[tuple[int, int]]:
 
 def main(path: str, workdir: str) -> None:
     rows, engine = check_rows(path)
-    result = {"rows": rows, "checkpoint": check_checkpoint(path, engine, workdir), "hang": check_hang(path, engine)}
+    result = {"rows": rows, "checkpoint": check_checkpoint(path, engine, workdir), "hang": check_hang(path, engine),
+              "evaluation": check_evaluation(path, engine)}
     print("RESULT " + json.dumps(result), flush=True)
 
 
