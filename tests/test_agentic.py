@@ -70,7 +70,8 @@ def test_every_tool_call_is_bounded_and_its_failure_is_the_models_to_read():
     ])
     elapsed = time.monotonic() - start
     first = [(r.name, r.content, r.failed) for r in results[0]]
-    assert first[:3] == [("add", 7, False), ("nope", {"error": "Tool nope not found."}, True), ("boom", {"error": "bad input"}, True)]
+    assert first[:3] == [("add", 7, False), ("nope", {"error": "Tool nope not found."}, True),
+                         ("boom", {"error": "bad input"}, True)]
     assert first[3][0] == "add" and first[3][2] and "missing 1 required positional argument" in first[3][1]["error"]
     assert first[4] == ("slow_add", 3, False)  # async results come after the sync ones, as in TRL
     assert [r.timed_out for r in results[1]] == [True, True, True] and all("abandoned" in r.content["error"]
@@ -109,8 +110,9 @@ def test_the_loss_mask_excludes_tool_tokens_and_staleness_counts_sampled_tokens_
     from hfllamarl.runtime.trainer import pad_batch
 
     def rollout(prompt, completion, mask, versions):
-        return Rollout(prompt="p", prompt_ids=prompt, completion_ids=completion, behavior_logprobs=[-1.0] * len(completion),
-                       versions=versions, finish_reason="stop", completion_text="", env_mask=mask)
+        return Rollout(prompt="p", prompt_ids=prompt, completion_ids=completion, versions=versions,
+                       behavior_logprobs=[-1.0] * len(completion), finish_reason="stop", completion_text="",
+                       env_mask=mask)
 
     rows = [rollout([5, 6], [10, 11, 20, 21, 22, 12], [1, 1, 0, 0, 0, 1], [3, 3, 4, 4, 4, 4]),
             rollout([7], [13, 14], None, [2, 3])]
@@ -170,8 +172,8 @@ def test_prompts_and_tool_results_are_the_tokens_trls_trainer_builds(tool_model)
                      [{"role": "tool", "name": "calculator", "content": "{'error': 'x'}"},
                       {"role": "tool", "name": "calculator", "content": "7"}]):
         assert chat.suffix_ids(messages) == list(GRPOTrainer._get_tool_suffix_ids(trl, messages))
-    turn = ours.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call><|im_end|>',
-                       add_special_tokens=False)
+    turn = ours.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
+                       '<|im_end|>', add_special_tokens=False)
     assert chat.parse(turn, expected[0], [calculator])["tool_calls"] == [call("calculator", expression="1+2")]
 
 
@@ -287,7 +289,8 @@ def test_user_scripts_train_under_trl_and_under_async_aipo(tool_model, tmp_path)
         log.close()
         text = (tmp_path / f"{name}.log").read_text()
         assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{text[-4000:]}"
-        summary = [json.loads(l) for l in open(tmp_path / f"{name}.jsonl")] if (tmp_path / f"{name}.jsonl").exists() else []
+        path = tmp_path / f"{name}.jsonl"
+        summary = [json.loads(line) for line in open(path)] if path.exists() else []
         out[name] = (step_logs(text) if not name.startswith("trl") else _trl_steps(text), summary)
 
     for mode in ("tools", "env"):
@@ -310,7 +313,8 @@ def test_user_scripts_train_under_trl_and_under_async_aipo(tool_model, tmp_path)
         assert all(e.endswith(" Use the calculator.") for c in calls for e in c["prompt_ends"]), name
         assert all(kind == "CalculatorEnv" for c in calls for kind, _ in c["environments"]), name
     env_steps = out["ours_env"][0]
-    assert [h["staleness/max"] for h in env_steps] == [0, 1, 2] and any(h["tools/call_frequency"] > 0 for h in env_steps)
+    assert [h["staleness/max"] for h in env_steps] == [0, 1, 2]
+    assert any(h["tools/call_frequency"] > 0 for h in env_steps)
     assert any(h["partial_rollouts/count"] > 0 for h in env_steps)
     rf_steps, rf_calls = out["ours_rollout_func"]
     assert len(rf_steps) == 3 and assert_on_policy(rf_steps[0]) is None

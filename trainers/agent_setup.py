@@ -42,7 +42,8 @@ def build_agent(args, tools, environment_factory, rollout_func) -> Agent:
         raise ValueError("rollout_func owns a batch's whole generation loop, so it cannot be combined with tools or "
                          "environment_factory: call your tools inside rollout_func, or drop rollout_func.")
     if rollout_func is not None and not callable(rollout_func):
-        raise TypeError(f"rollout_func must be a callable (prompts, trainer) -> dict, got {type(rollout_func).__name__}.")
+        raise TypeError(f"rollout_func must be a callable (prompts, trainer) -> dict, got "
+                        f"{type(rollout_func).__name__}.")
     if not (tools or factories or rollout_func):
         if args.max_tool_calling_iterations is not None:
             raise ValueError("AsyncAIPOConfig: max_tool_calling_iterations is set, but the trainer has no tools and no "

@@ -63,8 +63,8 @@ def _factory(value, where: str) -> Callable:
 
 def tool_methods(environment) -> list[Callable]:
     """The environment's tools, as TRL lists them: public functions of its class (by name), bound to it."""
-    return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
-            if name not in NOT_TOOLS and not name.startswith("_")]
+    members = inspect.getmembers(type(environment), predicate=inspect.isfunction)  # on the class: no property runs
+    return [getattr(environment, name) for name, _ in members if name not in NOT_TOOLS and not name.startswith("_")]
 
 
 def probe(factories: dict[Any, Callable]) -> tuple[dict[Any, EnvironmentKind], dict[Any, Any]]:

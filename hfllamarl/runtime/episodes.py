@@ -36,10 +36,10 @@ class Episode:
                 state["environment"] = pickled(env)
             except Exception as exc:
                 raise TypeError(
-                    f"cannot save the environment {type(env).__name__} of a rollout still in flight at this checkpoint: "
-                    f"{type(exc).__name__}: {exc}. Make it picklable (__getstate__/__setstate__ leaving out what cannot "
-                    "be saved, e.g. a connection, and opening it again), or run without partial_rollout_tokens (then no "
-                    "rollout is in flight at a checkpoint).") from exc
+                    f"cannot save the environment {type(env).__name__} of a rollout still in flight at this "
+                    f"checkpoint: {type(exc).__name__}: {exc}. Make it picklable (__getstate__/__setstate__ leaving "
+                    "out what cannot be saved, e.g. a connection, and opening it again), or run without "
+                    "partial_rollout_tokens (then no rollout is in flight at a checkpoint).") from exc
         return state
 
 

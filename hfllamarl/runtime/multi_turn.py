@@ -55,7 +55,16 @@ class AgentSpec:
     def __getstate__(self):
         from .episodes import pickled
 
-        return {"blob": pickled(dict(self.__dict__))}
+        try:
+            return {"blob": pickled(dict(self.__dict__))}
+        except Exception as exc:
+            raise TypeError(
+                f"the tools, environment_factory or rollout_func cannot be sent to the generator process "
+                f"({type(exc).__name__}: {exc}): under plain `python script.py` the generator runs in a child process "
+                "and receives them pickled (with cloudpickle, so functions and classes of the script travel by value, "
+                "with the globals they use). "
+                "Create what cannot be pickled (connections, locks, clients) inside the tool or the environment, or "
+                "launch with torchrun / accelerate launch, where every process imports the script.") from exc
 
     def __setstate__(self, state):
         self.__dict__.update(unpickled(state["blob"]))
@@ -117,7 +126,8 @@ class MultiTurn:
             if self.rollout_funcs is not None:
                 new = self.rollout_funcs.batch(indices, rows, spec.num_generations)
             else:
-                new = [[self.start(row, index) for _ in range(spec.num_generations)] for index, row in zip(indices, rows)]
+                new = [[self.start(row, index) for _ in range(spec.num_generations)]
+                       for index, row in zip(indices, rows)]
         work = carried + ([r for group in new for r in group if r.finish_reason == UNFINISHED] if new else [])
         tokens = self.run(work, budget)
         if new is not None:
@@ -135,7 +145,8 @@ class MultiTurn:
             groups = self.rollout_funcs.batch(list(range(len(rows))), rows, spec.num_generations_eval)
             tokens = sum(r.num_sampled for group in groups for r in group)
         else:
-            groups = [[self.start(row, index) for _ in range(spec.num_generations_eval)] for index, row in enumerate(rows)]
+            groups = [[self.start(row, index) for _ in range(spec.num_generations_eval)]
+                      for index, row in enumerate(rows)]
             tokens = self.run([r for group in groups for r in group], spec.max_completion_length)
         seconds = time.perf_counter() - start
         evaluation = [RolloutGroup(g, -1 - ex.version, ex.version, seconds, tokens, eval_version=ex.version)
@@ -158,8 +169,8 @@ class MultiTurn:
                 prompt = _append_observation(prompt, observation)
         prompt_ids = self.chat.encode_prompt(prompt, self.tools(episode))
         if len(prompt_ids) >= self.ex.spec.max_model_len:
-            raise ValueError(f"dataset row {index}: its prompt is {len(prompt_ids)} tokens once rendered with its tools "
-                             f"(and its environment's reset text), which leaves no room in the model's context of "
+            raise ValueError(f"dataset row {index}: its prompt is {len(prompt_ids)} tokens once rendered with its "
+                             "tools (and its environment's reset text), which leaves no room in the model's context of "
                              f"{self.ex.spec.max_model_len} tokens.")
         columns = {k: v for k, v in row.items() if k != "prompt"}
         return Rollout(prompt=prompt, prompt_ids=prompt_ids, completion_ids=[], behavior_logprobs=[], versions=[],

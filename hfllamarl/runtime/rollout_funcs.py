@@ -131,7 +131,8 @@ class RolloutFuncRunner:
         raw = list(out["logprobs"][i])
         if len(raw) != len(ids) or (mask is not None and len(mask) != len(ids)):
             raise ValueError(f"rollout_func: completion {i} has {len(ids)} tokens, {len(raw)} log-probs"
-                             + (f" and {len(mask)} env_mask entries" if mask is not None else "") + "; one each per token.")
+                             + (f" and {len(mask)} env_mask entries" if mask is not None else "")
+                             + "; one each per token.")
         logprobs = []
         for t, value in enumerate(raw):
             value = value[0] if isinstance(value, (list, tuple)) else value

@@ -44,7 +44,7 @@ class ToolChat:
                 "The tokenizer's chat template cannot render a tool-calling conversation (user -> assistant with "
                 "tool_calls -> tool): tools and environments need a chat template made for tool use (e.g. Qwen3's, "
                 "Llama 3.1's), set on processing_class.chat_template.")
-        if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        if all(getattr(tokenizer, name, None) is None for name in ("response_template", "response_schema")):
             try:
                 add_response_schema(tokenizer)
             except ValueError as exc:

@@ -11,8 +11,9 @@ the class names swapped and nothing else.
   TRL's needs use_vllm=True, which needs a GPU build of vLLM).
 
 The model is hfllamarl's tiny Qwen3-template model (`build_tiny_model(..., chat_template="qwen3")`). `--hang`: the
-calculator never returns on its 1st call (and every 3rd after) and raises on its 2nd (likewise). `--summary` writes what the
-reward function received, one JSON line per call; `--calls` appends one line per tool call (pid, expression).
+calculator never returns on its 1st call (and every 3rd after) and raises on its 2nd (likewise). `--summary` writes
+what the reward function received, one JSON line per call; `--calls` appends one line per tool call (pid,
+expression).
 """
 
 import argparse
