@@ -61,7 +61,8 @@ def check(script: ScriptArguments, config: AsyncAIPOConfig) -> None:
     trainers = (n - g) if n else None
     per_step = (config.per_device_train_batch_size * config.gradient_accumulation_steps * trainers) if n else None
     print(f"recipe OK: {n or '?'} processes = {trainers or '?'} trainer + {g} generator ranks "
-          f"(vLLM tensor-parallel {config.generator_tensor_parallel_size}, quantization "
+          f"({config.num_generator_replicas} vLLM replica(s) of tensor-parallel {config.generator_tensor_parallel_size}, "
+          f"quantization "
           f"{config.generator_quantization or 'none'}); {per_step or '?'} completions per step, "
           f"{config.num_generations} per prompt; staleness <= {config.max_staleness}; algorithm {config.algorithm}")
 

@@ -102,9 +102,11 @@ class RewardFunction(Protocol):
     boxed_format, length). Called on the trainer ranks once per trainer step with that rank's completions, and by
     `hfllamarl eval`:
 
-        fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., **dataset_columns)
-            -> list[float | None]
+        fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_metric=..., log_extra=...,
+           **dataset_columns) -> list[float | None]
 
+    `log_metric(name, value)` logs a scalar under `name` (averaged over the step's calls on every trainer rank) and
+    `log_extra(column, values)` adds a column to the completions table (`log_completions`), as in TRL.
     `completions` are strings, or `[{"role": "assistant", "content": ...}]` when the prompts are chat messages.
     One value per completion; None: this function does not score that sample. `async def` functions run
     concurrently. A function may also have `stats() -> dict[str, float]`: every entry is logged after each step
@@ -143,7 +145,12 @@ class WeightSyncBackend:
     """Moves the trainer's policy weights to the generator ranks (group `hfllamarl.weight_sync`; built-ins:
     nccl_ddma, broadcast, disk). The entry point names a subclass; it is built on every rank as
     `cls(topology, transfer_dtype=...)`. The `policy_weights` channel decides when weights move (it tells the
-    generator which version follows), the backend how."""
+    generator which version follows) and to which replicas (`targets`, set on every rank before each
+    `send`/`receive`), the backend how.
+
+    With several generator replicas and generator_failure="continue", a send to a replica that is lost raises
+    `hfllamarl.runtime.liveness.ReplicaLostError` from the channel helpers (`hfllamarl.runtime.channels`); a
+    backend catches it, leaves that replica out and finishes the others (`hfllamarl.runtime.weight_sync.settle`)."""
 
     def __init__(self, topology: Topology, transfer_dtype: str | torch.dtype | None = None, **options):
         import torch
@@ -156,6 +163,14 @@ class WeightSyncBackend:
         if isinstance(transfer_dtype, str):
             transfer_dtype = None if transfer_dtype == "auto" else getattr(torch, transfer_dtype)
         self.transfer_dtype = transfer_dtype
+        self.targets: list[int] | None = None  # the replicas the next send/receive reaches (None: every replica)
+
+    @property
+    def target_ranks(self) -> list[int]:
+        """The generator ranks of the replicas the next sync reaches (`targets`), in replica order."""
+        topo = self.topology
+        replicas = self.targets if self.targets is not None else range(topo.num_replicas)
+        return [g for r in replicas for g in topo.replica_ranks(r)]
 
     @property
     def device(self) -> torch.device:

@@ -107,7 +107,8 @@ def test_the_python_sandbox_bounds_time_and_memory_and_has_no_network():
 
 # ---------------------------------------------------------------------------- the loss mask
 def test_the_loss_mask_excludes_tool_tokens_and_staleness_counts_sampled_tokens_only():
-    from hfllamarl.runtime.trainer import pad_batch
+    """The trainer's loss mask (padded and packed layouts) is env_mask: tool tokens are in the input, not trained."""
+    from hfllamarl.runtime.batching import pack_batch, pad_batch
 
     def rollout(prompt, completion, mask, versions):
         return Rollout(prompt="p", prompt_ids=prompt, completion_ids=completion, versions=versions,
@@ -119,6 +120,9 @@ def test_the_loss_mask_excludes_tool_tokens_and_staleness_counts_sampled_tokens_
     batch = pad_batch(rows, 0, "cpu")
     assert batch["mask"].tolist() == [[1, 1, 0, 0, 0, 1], [1, 1, 0, 0, 0, 0]]
     assert batch["input_ids"].tolist() == [[5, 6, 10, 11, 20, 21, 22, 12], [0, 7, 13, 14, 0, 0, 0, 0]]
+    packed = pack_batch(rows, 0, "cpu")  # the padding-free layout: the same loss side, tool tokens still context
+    assert packed["mask"].tolist() == batch["mask"].tolist()
+    assert packed["input_ids"].tolist() == [[5, 6, 10, 11, 20, 21, 22, 12], [7, 13, 14, 0, 0, 0, 0, 0]]
     assert rows[0].sampled == [0, 1, 5] and rows[0].num_sampled == 3 and rows[0].sampled_versions() == [3, 3, 4]
     assert rows[1].sampled_versions() == [2, 3] and rows[1].num_sampled == 2
     with pytest.raises(ValueError, match="env_mask"):
@@ -189,6 +193,7 @@ def test_prompts_and_tool_results_are_the_tokens_trls_trainer_builds(tool_model)
     ({}, {"environment_factory": lambda: object()}, "has no `reset` method"),
     ({}, {"tools": "calc", "string_prompts": True}, "need chat prompts"),
     ({}, {"environment_factory": {"x": "calculator"}}, "`environment` column"),
+    ({"generator_failure": "continue"}, {"tools": "calc"}, "single-turn"),
 ])
 def test_settings_the_multi_turn_loop_cannot_honour_are_refused(tool_model, tmp_path, kw, ctor, match):
     from datasets import Dataset

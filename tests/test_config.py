@@ -58,6 +58,13 @@ def test_defaults_and_derived_sizes():
     ({"reward_errors": "ignore"}, "reward_errors"),
     ({"collective_timeout_s": 0}, "collective_timeout_s"),
     ({"vllm_server_timeout": 0}, "vllm_server_timeout .how long the ranks wait for each other.s start-up"),
+    ({"push_to_hub": True}, "call trainer.push_to_hub"),
+    ({"cast_lm_head_to_fp32": True}, "cast_lm_head_to_fp32"),
+    ({"use_liger_kernel": True}, "Liger"),
+    ({"neftune_noise_alpha": 5.0}, "NEFTune"),
+    ({"save_only_model": True}, "resume is exact"),
+    ({"data_seed": 3}, "prompt order follows `seed`"),
+    ({"vllm_model_impl": "jax"}, "vllm_model_impl='jax'"),
 ])
 def test_bad_settings_are_explained(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -7,6 +7,7 @@ rank is found by its missing heartbeat after 15 s of silence, whatever the timeo
 processes to cores (OMP_NUM_THREADS=1), so that side-by-side jobs share both cores.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from conftest import SCRIPTS, free_port, launch_bare, orphans
+from conftest import SCRIPTS, assert_on_policy, free_port, launch_bare, orphans, step_logs, trained_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.drill]
 
@@ -223,3 +224,99 @@ def test_under_a_bare_launch_the_store_host_frozen_or_a_rank_killed(family_model
         assert "rank 1 (trainer 1) stopped answering" in err, err[-3000:]
     for v in (0, 1):
         assert not orphans(str(tmp_path / f"bare{v}"))
+
+
+# ---------------------------------------------------------------------------- a lost generator replica
+REPLICA_JOBS = {  # name: (launch, processes, generator_failure, what happens to replica 1 after the first steps)
+    "python-killed": ("python", 3, "continue", "SIGKILL"),
+    "python-killed-stop": ("python", 3, "stop", "SIGKILL"),
+    "bare-frozen": ("bare", 4, "continue", "SIGSTOP"),
+    "torchrun-raises": ("torchrun", 4, "continue", "raise"),
+}
+EPOCH = 16  # 64 rows / 4 prompts per step: every prompt once
+
+
+def replica_job(model: str, out: str, name: str, results: dict) -> None:
+    """Run one job with two generator replicas (1 or 2 trainers) and do `REPLICA_JOBS[name]` to replica 1."""
+    launch, n, failure, what = REPLICA_JOBS[name]
+    args = [str(SCRIPTS / "train_tiny.py"), model, out, "--steps", str(EPOCH), "--report-to", "none",
+            "--timeout", str(TIMEOUT_S), "--num-generators", "2", "--generator-tp", "1", "--max-staleness", "0",
+            "--extra", json.dumps({"generator_failure": failure})]
+    if what == "raise":
+        args += ["--generator-raises", "4:1"]
+    env = dict({k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, OMP_NUM_THREADS="1")
+    if launch == "bare":
+        procs = launch_bare(n, args, env={"OMP_NUM_THREADS": "1"})
+    else:
+        cmd = [sys.executable, *args] if launch == "python" else [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), *args]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)]
+    try:
+        victim = None
+        if what != "raise":
+            wait_first_step(out, procs[0])
+            time.sleep(1.0)
+            if launch == "python":
+                victim = next(p for p in psutil.Process(procs[0].pid).children()
+                              if "generator_child" in " ".join(cmdline(p)) and p.environ().get("HFLLAMARL_RANK") == "2")
+            else:
+                victim = psutil.Process(procs[-1].pid)  # the last rank: replica 1
+            victim.send_signal(getattr(signal, what))
+        signalled = time.monotonic()
+        watched = procs[:-1] if launch == "bare" else procs
+        outs = [p.communicate(timeout=600) for p in watched]
+        results[name] = {"seconds": time.monotonic() - signalled, "codes": [p.returncode for p in watched],
+                         "stdout": outs[0][0], "stderr": outs[0][1],
+                         "victim_gone": victim is None or not alive(victim)}
+    finally:
+        for p in psutil.Process(os.getpid()).children(recursive=True):
+            if out in " ".join(cmdline(p)):
+                p.kill()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+def test_a_lost_generator_replica_is_survived_or_named(tiny_model, tmp_path):
+    """Two vLLM replicas, on-policy, one epoch. With generator_failure="continue" a replica SIGKILLed (plain python),
+    frozen (SIGSTOP, ranks started bare: a survivor ends it) or failing on its own (under torchrun, whose agent would
+    stop every rank on a non-zero exit) is survived: the job finishes every step with the other replica, the loss is
+    logged and counted, every prompt of the epoch is trained exactly once and every step is on-policy (the prompts
+    the lost replica owed are generated again under the current weights). With "stop" the job ends naming it.
+    Four jobs side by side."""
+    from hfllamarl.runtime.prompts import batch_rows
+
+    results: dict = {}
+    threads = [threading.Thread(target=replica_job, args=(tiny_model, str(tmp_path / name), name, results))
+               for name in REPLICA_JOBS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stopped = results["python-killed-stop"]
+    last = "\n".join(stopped["stderr"].strip().splitlines()[-6:])
+    assert stopped["codes"] != [0] and stopped["seconds"] < BOUND_S, stopped["codes"]
+    assert "rank 2 (generator 1, replica 1) was killed by signal 9" in last, last
+    for name in ("python-killed", "bare-frozen", "torchrun-raises"):
+        r = results[name]
+        assert r["codes"] == [0] * len(r["codes"]) and r["victim_gone"], (name, r["codes"], r["stderr"][-3000:])
+        assert "generator replica 1 (rank " in r["stderr"] and "is lost at tick" in r["stderr"], (name, r["stderr"][-3000:])
+        steps = step_logs(r["stdout"])
+        assert [h["step"] for h in steps] == list(range(1, EPOCH + 1)), name
+        for h in steps:
+            assert h["staleness/max"] == 0
+            assert_on_policy(h)
+        assert steps[0]["replicas/live"] == 2 and steps[-1]["replicas/live"] == 1 and steps[-1]["replicas/lost"] == 1
+        assert steps[-1]["replicas/regenerated_prompts"] >= 1, name
+        trainers = 1 if name == "python-killed" else 2
+        rows = [trained_rows(str(tmp_path / name), rank) for rank in range(trainers)]
+        epoch = []
+        for step in range(1, EPOCH + 1):
+            got = [row for rank in range(trainers) for row in rows[rank][step]]
+            assert got == batch_rows(64, 4 * trainers, step - 1, seed=0), (name, step)
+            epoch += got
+        if trainers == 1:
+            assert sorted(epoch) == list(range(64)), name  # one epoch: every prompt exactly once
+        assert not orphans(str(tmp_path / name)), name

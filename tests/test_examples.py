@@ -100,10 +100,21 @@ def test_bad_quantization_is_explained():
 
 
 @pytest.mark.slow
-def test_train_math_script_runs_on_the_cpu(tiny_model, tmp_path):
-    """The cluster script, unchanged, on this machine: the CPU recipe, a GSM8K-shaped JSONL, torchrun."""
+def test_a_small_plans_launch_settings_run_on_the_cpu(tiny_model, tmp_path, capsys):
+    """`hfllamarl plan` for the tiny model on 3 "GPUs" recommends two vLLM replicas beside one trainer; the cluster
+    script, unchanged, runs exactly the launch settings the plan prints (processes, num_generator_processes,
+    generator_tensor_parallel_size) on this machine: the CPU recipe, a GSM8K-shaped JSONL, torchrun."""
     import json
 
+    from hfllamarl import cli
+
+    assert cli.main(["plan", "--model-config", tiny_model, "--gpus", "3", "--gpus-per-node", "3", "--global-batch", "8",
+                     "--group-size", "4", "--prompt-length", "8", "--completion-length", "8"]) == 0
+    out = capsys.readouterr().out
+    launch = json.loads(out.strip().splitlines()[-1])["launch"]
+    assert (launch["nodes"], launch["replicas"]) == (1, 2), out
+    assert f"--num_generator_processes {launch['num_generator_processes']} --generator_tensor_parallel_size " \
+           f"{launch['generator_tensor_parallel_size']}" in out
     data = tmp_path / "gsm8k.jsonl"
     with open(data, "w") as fh:
         for a in range(20):
@@ -111,6 +122,9 @@ def test_train_math_script_runs_on_the_cpu(tiny_model, tmp_path):
     out = tmp_path / "out"
     proc = run_script([str(REPO / "examples" / "train_math.py"), "--config", str(REPO / "examples" / "recipes" /
                        "tiny_cpu.yaml"), "--model_name_or_path", tiny_model, "--dataset_path", str(data),
-                       "--output_dir", str(out)], nproc=2, timeout=400)
+                       "--output_dir", str(out), "--num_generator_processes", str(launch["num_generator_processes"]),
+                       "--generator_tensor_parallel_size", str(launch["generator_tensor_parallel_size"])],
+                      nproc=launch["nproc_per_node"], timeout=400)
     assert proc.returncode == 0, tail(proc)
     assert (out / "model.safetensors").exists()  # save_model at the end
+    assert "'replicas/live': '2'" in proc.stdout + proc.stderr, tail(proc)  # the step logs: both replicas sampled

@@ -13,7 +13,9 @@ import pytest
 
 from conftest import SCRIPTS, assert_on_policy, run_script, step_logs, tail
 
-FAMILIES = ["llama_gqa", "qwen2", "qwen3"]  # 1 KV head; biases + tied embeddings; q/k norms + 1 KV head
+# 1 KV head; biases + tied embeddings; q/k norms + 1 KV head; a sliding window shorter than the sequences;
+# tied embeddings + llama3 RoPE scaling + 1 KV head
+FAMILIES = ["llama_gqa", "qwen2", "qwen3", "mistral", "llama32"]
 LAYOUTS = {  # name: (processes, generator processes = vLLM tensor-parallel size)
     "1trainer_tp2": (3, 2),
     "2trainers_tp1": (3, 1),
@@ -22,7 +24,7 @@ LAYOUTS = {  # name: (processes, generator processes = vLLM tensor-parallel size
 # CI: every family on the layout that shards both sides (trainer rows cut by FSDP2, generator rows by TP, KV heads
 # replicated), and the whole trainer tensor split over TP ranks once (tied, padded vocabulary, biases); trainer
 # shards joined on one generator run in test_weight_sync.py and test_train_e2e.py. HFLLAMARL_ALL_LAYOUTS=1: all nine.
-CI_CASES = [(family, "2trainers_tp2") for family in FAMILIES] + [("qwen2", "1trainer_tp2")]
+CI_CASES = [(family, "2trainers_tp2") for family in ("llama32", "qwen2", "qwen3", "mistral")] + [("qwen2", "1trainer_tp2")]
 CASES = ([(family, layout) for family in FAMILIES for layout in LAYOUTS] if os.environ.get("HFLLAMARL_ALL_LAYOUTS")
          else CI_CASES)
 

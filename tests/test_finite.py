@@ -70,9 +70,11 @@ def test_nan_mu_names_the_sample_and_token(model):
 def test_nan_pi_is_caught_before_the_backward_pass(model):
     before = copy.deepcopy(model.state_dict())
 
-    def poison(module, args, output):  # sample 1's logits at position 3, which predict its completion token 2
+    def poison(module, args, output):  # the logits that predict sample 1's completion token 2
+        # the lm head runs only where a completion token is predicted, sample by sample ([1, N, V]): sample 0's 3
+        # tokens, then sample 1's
         output = output.clone()
-        output[1, 3, :] = float("inf")
+        output[0, 3 + 2, :] = float("inf")
         return output
 
     model.lm_head.register_forward_hook(poison)

@@ -60,3 +60,34 @@ def test_two_nodes_train_and_the_generator_ends_with_the_trainers_weights(tiny_m
     rows = [trained_rows(out, r) for r in range(3)]
     for step in (1, 2, 3):  # 3 trainer ranks x 16 completions / 4 per prompt = 12 prompts per step
         assert sorted(rows[0][step] + rows[1][step] + rows[2][step]) == sorted(batch_rows(64, 12, step - 1, seed=0))
+
+
+def test_two_replicas_of_tensor_parallel_two_one_per_node(tiny_model, tmp_path):
+    """2 nodes x 3 processes: node 0 runs trainer ranks 0-1 and replica 0 (ranks 2-3, vLLM tensor parallel 2),
+    node 1 runs replica 1 (ranks 4-5). The trainers feed replica 0, which relays every piece to replica 1 across the
+    node boundary; after every sync both replicas' engines hold exactly what vLLM's own loader makes of the
+    trainer's weights (verify_weight_sync) and sample on-policy, and every rank trains exactly its prompts."""
+    from hfllamarl.runtime.prompts import batch_rows
+
+    out = str(tmp_path / "replicas")
+    procs = launch_nodes("torchrun", 2, 3, [str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "3",
+                                            "--max-staleness", "0", "--report-to", "none", "--num-generators", "4",
+                                            "--generator-tp", "2", "--verify-weight-sync"])
+    results = []
+    try:
+        for proc in procs:
+            results.append(proc.communicate(timeout=900))
+    finally:
+        for proc in procs:
+            proc.kill()
+    for node, (proc, (stdout, stderr)) in enumerate(zip(procs, results)):
+        assert proc.returncode == 0, f"node {node} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    steps = step_logs(results[0][0])
+    assert [h["step"] for h in steps] == [1, 2, 3]
+    for h in steps:
+        assert h["staleness/max"] == 0 and h["replicas/live"] == 2
+        assert_on_policy(h)  # every token of both replicas
+    for rank in (0, 1):  # 2 trainer ranks x 16 completions / 4 per prompt = 8 prompts per step, 4 each
+        rows = trained_rows(out, rank)
+        for step in (1, 2, 3):
+            assert rows[step] == batch_rows(64, 8, step - 1, seed=0)[4 * rank:4 * rank + 4], (rank, step)

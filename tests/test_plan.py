@@ -212,6 +212,29 @@ def test_405b_fp8_generator_mp_not_above_trainer_mp(capsys):
     assert o["generator_mp"] <= o["trainer_mp"]
 
 
+def test_the_plan_prints_launch_settings_the_runtime_accepts(capsys):
+    """LlamaRL's 8B setting: 160 generator GPUs at model-parallel 8 are 20 vLLM replicas, one per node after the 12
+    trainer nodes; the config takes exactly those settings (tests/test_examples.py runs a small plan's output)."""
+    from hfllamarl import AsyncAIPOConfig
+
+    code, out, _ = run_plan(capsys, "--model-size", "8B", "--gpus", "256", "--global-batch", "2048", "--group-size", "8")
+    o = json.loads(out.strip().splitlines()[-1])
+    launch = o["launch"]
+    assert (launch["num_generator_processes"], launch["generator_tensor_parallel_size"], launch["replicas"]) == (
+        o["generator_gpus"], o["generator_mp"], o["generator_gpus"] // o["generator_mp"])
+    assert (launch["nodes"], launch["nproc_per_node"], launch["replicas_across_nodes"]) == (32, 8, [])
+    assert sum(n["trainer_processes"] for n in launch["per_node"]) == o["trainer_gpus"]
+    assert all(len(n["replicas"]) <= 1 for n in launch["per_node"])  # tensor parallel 8 inside a node
+    assert "--num_generator_processes 160 --generator_tensor_parallel_size 8" in out and "20 vLLM replica(s)" in out
+    config = AsyncAIPOConfig(output_dir="/tmp/hfllamarl-test-config", report_to="none",
+                             num_generator_processes=launch["num_generator_processes"],
+                             generator_tensor_parallel_size=launch["generator_tensor_parallel_size"])
+    assert config.num_generator_replicas == launch["replicas"] == 20
+    # 70B: the planned trainer uses tensor parallelism, which the runtime does not: the launch block says so
+    o = plan_json(capsys, "--model-size", "70B", "--gpus", "256", "--global-batch", "2048", "--group-size", "8")
+    assert o["trainer_mp"] > 1 and not o["launch"]["trainer_layout_as_planned"]
+
+
 def test_global_batch_counts_completions(capsys):
     common = ["--model-size", "8B", "--gpus", "32", "--group-size", "8"]
     by_completions = plan_json(capsys, *common, "--global-batch", "256")

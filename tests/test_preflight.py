@@ -61,3 +61,9 @@ def test_trainer_refuses_before_starting_anything(tmp_path):
     with pytest.raises(PreflightError, match="heads of size 16"):
         AsyncAIPOTrainer(path, reward_funcs="math_sympy", args=config, train_dataset=Dataset.from_list(successor_rows(8)))
     assert not config.topology._children
+
+
+def test_transformers_backend_with_cpu_tensor_parallelism_is_refused():
+    with pytest.raises(PreflightError, match="transformers backend sets up its tensor-parallel shared memory twice"):
+        check_generator(llama(), use_cpu=True, dtype="float32", tensor_parallel_size=2, model_impl="transformers")
+    check_generator(llama(), use_cpu=True, dtype="float32", tensor_parallel_size=1, model_impl="transformers")

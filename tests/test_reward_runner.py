@@ -32,7 +32,7 @@ def test_kwargs_columns_and_weights():
 
 def test_log_metric_and_log_extra_as_trl_passes_them():
     """TRL 1.16 gives every reward function `log_metric(name, value)` and `log_extra(column, values)`; what they log
-    is taken once per step (then forgotten), for the step's metrics and the completions table."""
+    is drained once per step (then forgotten): each metric's sum and count, each column fitted to the completions."""
     def scored(completions, log_metric, log_extra, **kw):
         log_metric("judge/calls", 2.0)
         log_extra("verdict", ["yes", "no"])
@@ -41,8 +41,8 @@ def test_log_metric_and_log_extra_as_trl_passes_them():
     runner = RewardRunner([scored])
     call(runner, ["p1", "p2"], ["a", "b"])
     call(runner, ["p1", "p2"], ["a", "b"])
-    assert runner.take_logs() == ({"verdict": ["yes", "no", "yes", "no"]}, {"judge/calls": [2.0, 2.0]})
-    assert runner.take_logs() == ({}, {})
+    assert runner.drain(4) == ({"judge/calls": (4.0, 2)}, {"verdict": ["yes", "no", "yes", "no"]})
+    assert runner.drain(2) == ({}, {})
 
 
 def test_multi_turn_completions_stay_message_lists():

@@ -7,7 +7,7 @@ from hfllamarl.plugins.algorithms.aipo import AIPO
 from hfllamarl.runtime.sampling import Sampling
 from hfllamarl.runtime.schedule import Schedule
 from hfllamarl.runtime.rollout import Rollout
-from hfllamarl.runtime.trainer import completion_logprobs, pad_batch
+from hfllamarl.runtime.batching import completion_logprobs, pack_batch, pack_rows, packing_agrees, pad_batch
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,35 @@ def rollout(prompt, completion, logprobs=None):
 
 def test_padding_puts_every_completion_at_the_same_column():
     b = pad_batch([rollout([5, 6, 7], [8, 9]), rollout([5], []), rollout([1, 2], [3])], pad_id=0, device="cpu")
-    assert b["prompt_width"] == 3
     assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [0, 0, 5, 0, 0], [0, 1, 2, 3, 0]]
     assert b["mask"].tolist() == [[1, 1], [0, 0], [1, 0]]
     assert b["position_ids"][2].tolist()[1:4] == [0, 1, 2]  # positions count real tokens only
+    # the flat position (row x 5 + column) whose logits predict each completion token
+    assert b["targets"][0].tolist() == [2, 3] and b["targets"][2].tolist() == [12, 0]
+
+
+def test_first_fit_decreasing_rows():
+    assert pack_rows([3, 9, 5, 4, 2], 9) == [[1], [2, 3], [0, 4]]
+    assert pack_rows([4, 4, 4], 8) == [[0, 1], [2]]  # ties keep their order
+
+
+def test_packing_lays_sequences_end_to_end_with_positions_restarting():
+    rows = [rollout([5, 6, 7], [8, 9]), rollout([5], []), rollout([1, 2], [3]), rollout([4], [6, 7])]
+    b = pack_batch(rows, pad_id=0, device="cpu")
+    # lengths 5, 1, 3, 3 in rows of width 5: [0], [2, 1] then 3 does not fit with 2+1 -> [3]
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [1, 2, 3, 5, 0], [4, 6, 7, 0, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 0], [0, 1, 2, 0, 1]]
+    assert b["attention_mask"] is None
+    assert b["targets"][0].tolist() == [2, 3]  # token 8 is predicted at row 0, column 2
+    assert b["targets"][2].tolist()[:1] == [6]  # token 3 at row 1, column 1 = flat 6
+    assert b["targets"][3].tolist() == [10, 11]  # row 2, columns 0 and 1
+    assert b["mask"].tolist() == [[1, 1], [0, 0], [1, 0], [1, 1]]
+
+
+def test_pad_to_multiple_of_rounds_the_width_up():
+    rows = [rollout([5, 6, 7], [8, 9]), rollout([1, 2], [3])]
+    assert pad_batch(rows, 0, "cpu", multiple_of=8)["input_ids"].shape == (2, 8)
+    assert pack_batch(rows, 0, "cpu", multiple_of=8)["input_ids"].shape == (1, 8)  # 5 + 3 tokens fit one row
 
 
 @pytest.mark.parametrize("sampling", [Sampling(temperature=0.7),

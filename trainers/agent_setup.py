@@ -75,6 +75,10 @@ def _check_config(args, uses_tools: bool, uses_rollout_func: bool) -> None:
         if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool) or bound < 0):
             raise ValueError(f"AsyncAIPOConfig: max_tool_calling_iterations={bound!r}; it must be a whole number >= 0, "
                              "or None (no bound).")
+    if getattr(args, "generator_failure", "stop") == "continue":
+        raise ValueError("AsyncAIPOConfig: generator_failure='continue' makes up a lost replica's prompts on the "
+                         "survivors in one single-turn generation call, which would drop the tool calls of those "
+                         "rollouts; with tools, environment_factory or rollout_func use generator_failure='stop'.")
     if uses_rollout_func and args.partial_rollout_tokens is not None:
         raise ValueError("AsyncAIPOConfig: partial_rollout_tokens cannot apply to a rollout_func, which generates a "
                          "batch's rollouts to the end in one call; remove partial_rollout_tokens.")

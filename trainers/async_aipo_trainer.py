@@ -63,7 +63,8 @@ class AsyncAIPOTrainer:
 
     def __init__(self, model, reward_funcs=None, args: AsyncAIPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None, tools=None, rollout_func=None, environment_factory=None):
+                 optimizers=(None, None), quantization_config=None, peft_config=None, tools=None,
+                 rollout_func=None, environment_factory=None):
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = AsyncAIPOConfig(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-AIPO")
@@ -75,6 +76,10 @@ class AsyncAIPOTrainer:
         if optimizers != (None, None):
             raise ValueError("optimizers: the optimizer is built after FSDP2 sharding; set learning_rate, "
                              "weight_decay, adam_* and lr_scheduler_type in AsyncAIPOConfig instead.")
+        if quantization_config is not None:
+            raise ValueError("quantization_config (a 4/8-bit bitsandbytes base model, QLoRA) is not supported: the "
+                             "trainer ranks shard the policy with FSDP2 and send its weights to vLLM at every step. "
+                             "Train LoRA adapters on a bf16 base (peft_config) instead.")
         self.args, self.topology = args, args.topology
         self.agent = agent = build_agent(args, tools, environment_factory, rollout_func)
         user_funcs = [] if reward_funcs is None and agent.env_rewards else resolve_reward_funcs(
@@ -88,7 +93,7 @@ class AsyncAIPOTrainer:
         self.model_config = model_config
         self._model_obj = model_obj
         check_generator(model_config, use_cpu=args.use_cpu, dtype=self._generator_dtype(),
-                        tensor_parallel_size=args.generator_tensor_parallel_size)
+                        tensor_parallel_size=args.generator_tensor_parallel_size, model_impl=args.vllm_model_impl)
         if processing_class is None:
             from transformers import AutoTokenizer
 
@@ -112,7 +117,7 @@ class AsyncAIPOTrainer:
         self.batches_per_epoch = math.ceil(len(train_dataset) / args.prompts_per_step)
         num_batches = args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(
             args.num_train_epochs * len(train_dataset) / args.prompts_per_step)
-        self.schedule = Schedule(num_batches, args.max_staleness, args.generation_ticks)
+        self.schedule = Schedule(num_batches, args.max_staleness, args.generation_ticks, args.prompts_per_step)
         self.callbacks = callbacks
         self.model = None
         if self.topology.role == "trainer":
@@ -156,7 +161,7 @@ class AsyncAIPOTrainer:
             if topo.mode == "single":
                 topo.liveness.start()
                 topo.liveness.await_joining(topo.generator_ranks, self.args.vllm_server_timeout)
-            topo.bridge("object"), topo.bridge("tensor")  # every rank joins both bridge groups up front
+            topo.join_bridges()  # every rank joins its bridge groups up front
             backend = build_backend(self.args.weight_sync_backend, topo, **spec.weight_sync_options)
             if topo.role == "generator":
                 if self._model_obj is not None and topo.mode == "launcher" and not spec.resume_dir:
@@ -190,6 +195,34 @@ class AsyncAIPOTrainer:
             self.state = TrainerState.load_from_json(os.path.join(directory, "trainer_state.json"))
         return TrainOutput(marker["step"], self._last_loss(), {})
 
+    @property
+    def accelerator(self):
+        """What TRL scripts use of `trainer.accelerator` (`print` once per job, process index and count,
+        `wait_for_everyone`, `end_training`)."""
+        from .script_api import JobAccelerator
+
+        return JobAccelerator(self)
+
+    @property
+    def hub_model_id(self) -> str:
+        from .script_api import hub_model_id
+
+        return hub_model_id(self)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
+                    revision=None, **kwargs):
+        """Save the policy to `output_dir` and upload it to the Hub repository `hub_model_id` (call it on every
+        process, after `train()`)."""
+        from .script_api import push_to_hub
+
+        return push_to_hub(self, commit_message, blocking, token, revision, **kwargs)
+
+    def end(self) -> None:
+        """Release the job's process groups, as transformers' `Trainer.end()` (call it last, on every process)."""
+        from .script_api import end
+
+        end(self)
+
     def add_callback(self, callback) -> None:
         """Add a `transformers.TrainerCallback` (an instance or a class), as `Trainer.add_callback`."""
         self.callbacks = list(self.callbacks or []) + [callback]
@@ -220,6 +253,7 @@ class AsyncAIPOTrainer:
             dtype=self._generator_dtype(),
             enforce_eager=a.generator_enforce_eager,
             quantization=a.generator_quantization,
+            model_impl=a.vllm_model_impl,
             kv_cache_bytes=a.generator_kv_cache_bytes,
             gpu_memory_utilization=a.vllm_gpu_memory_utilization,
             tensor_parallel_size=a.generator_tensor_parallel_size,
@@ -270,7 +304,8 @@ class AsyncAIPOTrainer:
         spec_path = os.path.join(workdir, "generator_spec.pkl")
         with open(spec_path, "wb") as fh:
             pickle.dump({"spec": spec, "use_cpu": self.args.use_cpu, "timeout_s": self.args.collective_timeout_s,
-                         "num_generators": self.topology.num_generators, "start_tick": start_tick}, fh)
+                         "num_generators": self.topology.num_generators, "start_tick": start_tick,
+                         "tensor_parallel_size": self.topology.replica_size, "failure": self.topology.failure}, fh)
         self.topology.store()
         self.topology.start_children(spec_path)
 

@@ -40,6 +40,17 @@ _UNSUPPORTED = {
     "deepspeed": "trainer ranks shard the policy with torch FSDP2; DeepSpeed is not supported",
     "fp16": "use bf16 (GPU) or fp32 (CPU)",
     "vllm_structured_outputs_regex": "not supported",
+    "push_to_hub": "checkpoints are not pushed during training; after train(), call trainer.push_to_hub() (it saves "
+                   "the model to output_dir and uploads that folder)",
+    "cast_lm_head_to_fp32": "the lm head runs in the trainer's compute dtype (bf16 under FSDP2 mixed precision, with "
+                            "fp32 master weights); an fp32 head is not supported",
+    "use_liger_kernel": "the trainer computes log-probs itself (padding-free packing, the lm head only at completion "
+                        "positions); Liger's fused loss is not used",
+    "neftune_noise_alpha": "NEFTune embedding noise is a supervised fine-tuning method; the policy's log-probs must "
+                           "be those the generator sampled under",
+    "save_only_model": "a checkpoint always holds the optimizer, scheduler and both sides' unfinished work, so that a "
+                       "resume is exact; use save_model() for the model alone",
+    "data_seed": "the prompt order follows `seed` (the generator's schedule and every resume check use it); set seed",
     "log_completions_hub_repo": "pushing completion logs to the Hub is not supported; log_completions writes them "
                                 "under output_dir/completions (one parquet file per logged step)",
 }
@@ -68,13 +79,28 @@ class AsyncAIPOConfig(GRPOConfig):
 
     num_generator_processes: int = field(
         default=1,
-        metadata={"help": "How many processes run the vLLM generator; the other processes train. In a "
-                  "single-process run (`python script.py`) the generators are started as child processes."},
+        metadata={"help": "How many processes run vLLM; the other processes train. They form num_generator_processes / "
+                  "generator_tensor_parallel_size independent vLLM engines (replicas), each tensor parallel over "
+                  "generator_tensor_parallel_size consecutive ranks. In a single-process run (`python script.py`) the "
+                  "generators are started as child processes."},
     )
     generator_tensor_parallel_size: int | None = field(
         default=None,
-        metadata={"help": "Tensor-parallel size of the vLLM engine on the generator ranks (default: "
-                  "`vllm_tensor_parallel_size` if set, else num_generator_processes: one engine over all of them)."},
+        metadata={"help": "Tensor-parallel size of each vLLM replica (default: `vllm_tensor_parallel_size` if set, "
+                  "else num_generator_processes / vllm_data_parallel_size: with neither, one engine over all "
+                  "generator processes)."},
+    )
+    vllm_data_parallel_size: int | None = field(
+        default=None,
+        metadata={"help": "The number of vLLM replicas (data parallel), as `trl vllm-serve --data_parallel_size`: "
+                  "must equal num_generator_processes / generator_tensor_parallel_size when both are set."},
+    )
+    generator_failure: str = field(
+        default="stop",
+        metadata={"help": "What the loss of a generator replica (its process died, froze or raised) does: 'stop' ends "
+                  "the job naming it; 'continue' goes on with the other replicas: they take its prompts (the ones it "
+                  "had not delivered are generated again), the next weight syncs skip it, the loss is logged and "
+                  "counted (replicas/lost). The job stops when no replica is left. Trainer failures always stop it."},
     )
     max_staleness: int = field(
         default=1,
@@ -134,6 +160,13 @@ class AsyncAIPOConfig(GRPOConfig):
                   "every engine parameter bitwise; the job stops naming the first parameters that differ. Costs a full "
                   "export and reload per sync."},
     )
+    padding_free: bool = field(
+        default=True,
+        metadata={"help": "Pack each micro-batch's sequences (prompt + completion) end to end in rows as wide as the "
+                  "longest one, instead of padding every sequence to it (TRL's SFTConfig name). The model's attention "
+                  "must keep packed sequences apart by their position ids, as transformers' models do; this is "
+                  "checked once on the model, and one that does not trains padded (logged)."},
+    )
     scale_rewards: str = field(
         default="none",
         metadata={"help": "Advantage scaling, as in GRPOConfig, but defaulting to 'none': AIPO's advantage is "
@@ -170,6 +203,8 @@ class AsyncAIPOConfig(GRPOConfig):
             num_generator_processes=self.num_generator_processes,
             timeout_s=self.collective_timeout_s,
             use_cpu=self.use_cpu,
+            tensor_parallel_size=self.generator_tensor_parallel_size,
+            failure=self.generator_failure,
         )
         super().__post_init__()
         try:  # a value the algorithm refuses (an unknown loss_type, ...) fails now, with TRL's aliases applied
@@ -181,27 +216,7 @@ class AsyncAIPOConfig(GRPOConfig):
         for name in sorted(changed):
             if name in _UNSUPPORTED:
                 raise ValueError(f"AsyncAIPOConfig: `{name}` is set, but {_UNSUPPORTED[name]}. Remove it.")
-        if self.generator_tensor_parallel_size is None:  # one engine across all generator ranks
-            tp = self.vllm_tensor_parallel_size
-            self.generator_tensor_parallel_size = tp if tp != 1 else self.num_generator_processes
-        for name in ("max_staleness", "num_generator_processes", "num_generations",
-                     "generator_tensor_parallel_size"):
-            value = getattr(self, name)
-            if not _is_whole(value):
-                raise ValueError(f"AsyncAIPOConfig: {name}={value!r}; it must be a whole number.")
-        if self.num_generator_processes < 1:
-            raise ValueError("AsyncAIPOConfig: num_generator_processes must be >= 1.")
-        tp = self.generator_tensor_parallel_size
-        if tp < 1 or self.num_generator_processes % tp:
-            raise ValueError(
-                f"AsyncAIPOConfig: num_generator_processes ({self.num_generator_processes}) must be a multiple of "
-                f"generator_tensor_parallel_size ({tp})."
-            )
-        if self.num_generator_processes != tp:
-            raise ValueError(
-                "AsyncAIPOConfig: several vLLM engine replicas (num_generator_processes > "
-                "generator_tensor_parallel_size) are not supported yet; set them equal."
-            )
+        self._check_replicas()
         if self.max_staleness < 0:
             raise ValueError("AsyncAIPOConfig: max_staleness must be >= 0 (0 = strictly on-policy).")
         self._check_partial_rollouts()
@@ -243,8 +258,54 @@ class AsyncAIPOConfig(GRPOConfig):
                 "AsyncAIPOConfig: save_strategy='best' / load_best_model_at_end keep the checkpoint with the best "
                 "evaluation metric; evaluations here run on the generator at policy versions that need not be "
                 "checkpointed ones, so checkpoints are not chosen by a metric. Use save_strategy='steps' or 'epoch'.")
+        if self.vllm_model_impl not in ("vllm", "transformers"):
+            raise ValueError(f"AsyncAIPOConfig: vllm_model_impl={self.vllm_model_impl!r}; it must be 'vllm' (vLLM's "
+                             "own model code) or 'transformers' (vLLM's transformers backend), as in GRPOConfig.")
         if self.num_generations_eval is not None and self.num_generations_eval < 1:
             raise ValueError("AsyncAIPOConfig: num_generations_eval must be >= 1 (completions per eval prompt).")
+
+    def _check_replicas(self) -> None:
+        """The generator layout: num_generator_processes = replicas x generator_tensor_parallel_size."""
+        for name in ("max_staleness", "num_generator_processes", "num_generations"):
+            if not _is_whole(getattr(self, name)):
+                raise ValueError(f"AsyncAIPOConfig: {name}={getattr(self, name)!r}; it must be a whole number.")
+        for name in ("generator_tensor_parallel_size", "vllm_data_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and (not _is_whole(value) or value < 1):
+                raise ValueError(f"AsyncAIPOConfig: {name}={value!r}; it must be a whole number >= 1.")
+        n, dp = self.num_generator_processes, self.vllm_data_parallel_size
+        if n < 1:
+            raise ValueError("AsyncAIPOConfig: num_generator_processes must be >= 1.")
+        if self.generator_tensor_parallel_size is None:
+            if self.vllm_tensor_parallel_size != 1:
+                self.generator_tensor_parallel_size = self.vllm_tensor_parallel_size
+            elif dp is not None:
+                if n % dp:
+                    raise ValueError(f"AsyncAIPOConfig: vllm_data_parallel_size={dp} replicas do not split "
+                                     f"num_generator_processes={n} evenly; set num_generator_processes to a multiple "
+                                     f"of {dp}.")
+                self.generator_tensor_parallel_size = n // dp
+            else:  # one engine across all generator ranks
+                self.generator_tensor_parallel_size = n
+        tp = self.generator_tensor_parallel_size
+        if n % tp:
+            raise ValueError(
+                f"AsyncAIPOConfig: num_generator_processes ({n}) must be a multiple of generator_tensor_parallel_size "
+                f"({tp}): the generator processes form replicas of {tp} ranks each (e.g. num_generator_processes="
+                f"{(n // tp + 1) * tp} for {n // tp + 1} replicas).")
+        if dp is not None and dp != n // tp:
+            raise ValueError(
+                f"AsyncAIPOConfig: vllm_data_parallel_size={dp} replicas, but num_generator_processes={n} with "
+                f"generator_tensor_parallel_size={tp} make {n // tp}: set vllm_data_parallel_size={n // tp}, or "
+                f"num_generator_processes={dp * tp} for {dp} replicas of {tp}.")
+        if self.generator_failure not in ("stop", "continue"):
+            raise ValueError(f"AsyncAIPOConfig: generator_failure must be 'stop' or 'continue', not "
+                             f"{self.generator_failure!r}.")
+
+    @property
+    def num_generator_replicas(self) -> int:
+        """Independent vLLM engines: num_generator_processes / generator_tensor_parallel_size."""
+        return self.num_generator_processes // self.generator_tensor_parallel_size
 
     @property
     def sampling(self) -> Sampling:

@@ -147,7 +147,8 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
                               num_training_steps=trainer.num_batches,
                               scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
     reporter = Reporter(args, model, trainer.processing_class, optimizer, scheduler, trainer.callbacks,
-                        max_steps=trainer.num_batches, is_world_zero=topo.rank == 0)
+                        max_steps=trainer.num_batches, is_world_zero=topo.rank == 0,
+                        batches_per_epoch=trainer.batches_per_epoch)
     trainer.state, trainer._reporter = reporter.state, reporter
     trainer.optimizer, trainer.lr_scheduler = optimizer, scheduler
 
@@ -168,8 +169,10 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
     def on_save(step: int) -> None:
         directory = checkpoint.partial_dir(args.output_dir, step)
         checkpoint.save_trainer_side(trainer, holder["executor"], step, directory)
+        owing = holder["executor"].dispatch.owing_replicas() if holder["executor"].dispatch else set()
         checkpoint.commit(topo, args.output_dir, step, trainer.schedule.tick_of_step(step),
-                          args.save_total_limit, checkpoint.job_signature(args))
+                          args.save_total_limit, checkpoint.job_signature(args),
+                          required=[checkpoint.generator_file(r, topo.num_replicas) for r in sorted(owing)])
         reporter.saved()
 
     spec = TrainerSpec(
@@ -187,6 +190,8 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         mask_truncated_completions=args.mask_truncated_completions,
         on_samples=reporter.set_samples if args.log_completions else None,
         on_eval=reporter.evaluate,
+        padding_free=args.padding_free,
+        pad_to_multiple_of=args.pad_to_multiple_of,
         tools=trainer.agent.uses_tools,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)

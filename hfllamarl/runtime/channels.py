@@ -9,16 +9,20 @@ ranks in one of three patterns:
 - GATHER: every source sends one object to the single destination, which gets them in rank order.
 
 Every operation waits at most the job's `collective_timeout_s`; a peer that died or stopped
-answering raises `PeerLostError` naming it.
+answering raises `PeerLostError` naming it. With several generator replicas and
+`generator_failure="continue"`, a wait on another replica's rank gives up as soon as that replica is
+known to be lost (by this rank's watchdog, or an error on its link) and raises `ReplicaLostError`.
 """
 
 from __future__ import annotations
 
 import enum
 import pickle
+import threading
 
 import torch
 
+from .liveness import ReplicaLostError
 from .topology import PeerLostError, Topology
 
 
@@ -29,6 +33,8 @@ class ChannelKind(enum.Enum):
 
 
 def _wait(work, topo: Topology, peer: int, what: str) -> None:
+    if topo.contained(peer):
+        return _wait_contained(work, topo, peer, what)
     try:
         ok = work.wait(topo.timeout)
     except RuntimeError as exc:
@@ -39,24 +45,75 @@ def _wait(work, topo: Topology, peer: int, what: str) -> None:
         raise PeerLostError(f"{what}: {topo.describe(peer)} did not answer within {topo.timeout_s:.0f} s.")
 
 
-def send_tensor(topo: Topology, tensor: torch.Tensor, dst: int, what: str, kind: str = "tensor"):
-    """Start sending `tensor` to bridge rank `dst`; returns a callable that waits for completion."""
-    work = topo.bridge(kind).send([tensor], dst, 0)
+POLL_S = 0.05  # how often a wait on another replica looks whether that replica was found lost
+
+
+def _wait_contained(work, topo: Topology, peer: int, what: str) -> None:
+    """Wait for `work` with a peer whose loss the job survives: in a helper thread, so that this rank stops
+    waiting as soon as the peer's replica is known to be lost (a frozen peer would otherwise hold it for the whole
+    timeout; gloo cannot cancel a pending operation, so the helper is left behind with the lost replica's group)."""
+    replica = topo.replica_of(peer)
+    box: dict = {}
+    done = threading.Event()
+
+    def run():
+        try:
+            box["ok"] = work.wait(topo.timeout)
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+        done.set()
+
+    threading.Thread(target=run, name="hfllamarl-wait", daemon=True).start()
+    while not done.wait(POLL_S):
+        if replica in topo.lost:
+            raise ReplicaLostError(replica, f"{what}: {topo.describe_replica(replica)} is lost: {topo.lost[replica]}")
+    if "error" in box or box.get("ok") is False:
+        cause = (f"{topo.describe(peer)} failed on {what} (seen from {topo.describe(topo.rank)}): "
+                 f"{box.get('error') or f'no answer within {topo.timeout_s:.0f} s'}")
+        topo.mark_lost(replica, cause)
+        raise ReplicaLostError(replica, cause)
+
+
+def _start(topo: Topology, tensor: torch.Tensor, peer: int, what: str, kind: str, op: str):
+    """Post a send or receive (`op`) with bridge rank `peer`; returns a callable that waits for completion. With a
+    peer whose loss is survived (`Topology.contained`), a replica already lost (or found lost while posting) gives
+    a wait that raises `ReplicaLostError`, so that a caller collecting waits can settle them all."""
+    replica = topo.replica_of(peer)
+    contained = topo.contained(peer)
+
+    def lost(cause: str):
+        topo.mark_lost(replica, cause)
+
+        def wait():
+            raise ReplicaLostError(replica, cause)
+
+        return wait
+
+    if contained and replica in topo.lost:
+        return lost(topo.lost[replica])
+    pg, group_peer = topo.link(peer, kind)
+    try:
+        work = getattr(pg, op)([tensor], group_peer, 0)
+    except RuntimeError as exc:
+        cause = f"{what}: lost {topo.describe(peer)} (seen from {topo.describe(topo.rank)}): {exc}".strip()
+        if contained:
+            return lost(cause)
+        raise PeerLostError(cause) from exc
 
     def wait(_keep_alive=tensor):  # the buffer must outlive the transfer
-        _wait(work, topo, dst, what)
+        _wait(work, topo, peer, what)
 
     return wait
+
+
+def send_tensor(topo: Topology, tensor: torch.Tensor, dst: int, what: str, kind: str = "tensor"):
+    """Start sending `tensor` to bridge rank `dst`; returns a callable that waits for completion."""
+    return _start(topo, tensor, dst, what, kind, "send")
 
 
 def start_recv_tensor(topo: Topology, tensor: torch.Tensor, src: int, what: str, kind: str = "tensor"):
     """Start receiving into `tensor` from bridge rank `src`; returns a callable that waits for completion."""
-    work = topo.bridge(kind).recv([tensor], src, 0)
-
-    def wait(_keep_alive=tensor):
-        _wait(work, topo, src, what)
-
-    return wait
+    return _start(topo, tensor, src, what, kind, "recv")
 
 
 def recv_tensor(topo: Topology, tensor: torch.Tensor, src: int, what: str, kind: str = "tensor") -> torch.Tensor:
@@ -170,11 +227,17 @@ class Channel:
             executor.put_input(self.name, received)
 
 
-def bridge_barrier(topo: Topology, what: str) -> None:
-    """Wait until every rank of the job reaches this point (bounded by the job timeout)."""
-    try:
-        ok = topo.bridge("object").barrier().wait(topo.timeout)
-    except RuntimeError as exc:
-        raise PeerLostError(f"barrier ({what}) failed, seen from {topo.describe(topo.rank)}: {exc}") from exc
-    if ok is False:
-        raise PeerLostError(f"barrier ({what}): not every rank arrived within {topo.timeout_s:.0f} s.")
+def bridge_barrier(topo: Topology, what: str) -> list[int]:
+    """Wait until every rank of the job reaches this point (bounded by the job timeout): a trainer rank passes the
+    barrier of each live replica's bridge in turn, a generator rank its own. Returns the replicas lost on the way
+    (generator_failure="continue"; they are skipped)."""
+    lost = []
+    for replica in topo.live_replicas if topo.role == "trainer" else [topo.replica]:
+        peer = topo.replica_ranks(replica)[0] if topo.role == "trainer" else 0
+        try:
+            _wait(topo.bridge("object", replica).barrier(), topo, peer, f"barrier ({what})")
+        except ReplicaLostError:
+            lost.append(replica)
+        except PeerLostError as exc:
+            raise PeerLostError(f"barrier ({what}) failed, seen from {topo.describe(topo.rank)}: {exc}") from exc
+    return lost

@@ -7,14 +7,17 @@
   `hfllamarl/optimizer/` (the AdamW state in torch distributed checkpoint format: every trainer rank
   writes its own shards); `hfllamarl/adapters.pt` (LoRA); `scheduler.pt`, `rng_state_<rank>.pth`,
   `trainer_state.json` as transformers' Trainer writes them;
-- `hfllamarl/trainer-<rank>.pt`: rollouts a trainer rank received but has not trained on yet;
-- `hfllamarl/generator.pt`: the batches the generator finished but has not sent yet, the batches it
-  is still generating (partial rollouts: every token so far with its log-prob and version), its
-  policy version;
+- `hfllamarl/trainer-<rank>.pt`: rollouts a trainer rank received but has not trained on yet, and the
+  ledger of which generator replica owes which prompts of the batches not trained yet;
+- `hfllamarl/generator.pt` (with several replicas `generator-<replica>.pt`, one each): the batches the
+  generator finished but has not sent yet, the batches it is still generating (partial rollouts: every
+  token so far with its log-prob and version), its policy version;
 - `hfllamarl.json`, written last: the step and the tick. A directory without it is not a checkpoint.
 
 Every rank writes into `.checkpoint-<step>.partial`; after a barrier over the bridge, trainer rank 0
-renames it into place (atomic), then prunes to `save_total_limit`. The dataset position needs no
+renames it into place (atomic), then prunes to `save_total_limit`. A checkpoint lacking the state of a replica
+the ledger says still owes prompts (a replica lost while it was written, generator_failure="continue") is
+not committed: it could not be resumed. The dataset position needs no
 saving: which rows batch b holds is a function of the seed and b.
 
 On resume the generator starts vLLM from the checkpoint's policy, which is exactly the policy it would
@@ -140,19 +143,29 @@ def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
         trainer.state.save_to_json(os.path.join(directory, "trainer_state.json"))
     torch.save({"python": random.getstate(), "torch": torch.get_rng_state()},
                os.path.join(directory, f"rng_state_{rank}.pth"))
+    dispatch = executor.dispatch.state() if getattr(executor, "dispatch", None) is not None else {}
     with open(os.path.join(directory, "hfllamarl", f"trainer-{rank}.pt"), "wb") as fh:
         pickle.dump({"inbox": executor.inbox, "version": executor.version,
-                     "trained_rows": executor.trained_rows}, fh)
+                     "trained_rows": executor.trained_rows, "dispatch": dispatch}, fh)
+
+
+def generator_file(replica: int, replicas: int) -> str:
+    """A replica's part of a checkpoint, relative to the checkpoint directory (one generator: `generator.pt`)."""
+    return os.path.join("hfllamarl", "generator.pt" if replicas == 1 else f"generator-{replica}.pt")
 
 
 def save_generator_side(executor, directory: str) -> None:
-    """Called on every generator rank; the first writes (every rank of the engine holds the same state)."""
-    if executor.topology.local_rank != 0:
+    """Called on every generator rank; the first rank of each replica writes its replica's state (every rank of an
+    engine holds the same), under a temporary name first: the file is whole or absent."""
+    topo = executor.topology
+    if topo.local_rank != 0:
         return
     os.makedirs(os.path.join(directory, "hfllamarl"), exist_ok=True)
-    with open(os.path.join(directory, "hfllamarl", "generator.pt"), "wb") as fh:
+    path = os.path.join(directory, generator_file(topo.replica, topo.num_replicas))
+    with open(path + ".tmp", "wb") as fh:
         pickle.dump({"pending": executor.pending, "in_flight": executor.in_flight, "version": executor.version,
                      "tick": executor.tick}, fh)
+    os.replace(path + ".tmp", path)
 
 
 def job_signature(args) -> dict:
@@ -163,10 +176,19 @@ def job_signature(args) -> dict:
 
 def check_resumable(path: str, marker: dict, topology, args) -> None:
     """Refuse, before any work, a resume whose layout or schedule differs from the checkpoint's."""
-    if (marker["world_size"], marker["num_generators"]) != (topology.world_size, topology.num_generators):
+    layout = {"processes": (marker["world_size"], topology.world_size),
+              "generator processes": (marker["num_generators"], topology.num_generators),
+              "generator replicas": (marker.get("num_replicas", 1), topology.num_replicas)}
+    differ = [f"{k}: {old} -> {new}" for k, (old, new) in layout.items() if old != new]
+    if differ:
+        why = ""
+        if layout["generator replicas"][0] != layout["generator replicas"][1]:
+            why = (" Each replica's carried work (sampled but unsent batches, partial rollouts) is in its own file "
+                   "and the ledger of which replica owes which prompts follows the replica count, so the work in "
+                   "flight cannot be handed to another number of replicas.")
         raise ValueError(f"checkpoint {path!r} was written by {marker['world_size']} processes with "
                          f"{marker['num_generators']} generator(s); this job has {topology.world_size} with "
-                         f"{topology.num_generators}. Resume with the same layout.")
+                         f"{topology.num_generators} ({'; '.join(differ)}).{why} Resume with the same layout.")
     saved, now = marker.get("job", {}), job_signature(args)
     changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in sorted(saved) if k in now and saved[k] != now[k]]
     if changed:
@@ -186,17 +208,27 @@ def remove_partial(output_dir: str) -> list[str]:
 
 
 def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: int | None,
-           job: dict | None = None) -> None:
+           job: dict | None = None, required: list[str] = ()) -> None:
     """Every rank: wait until all have written, then trainer rank 0 makes the checkpoint visible at once.
-    `job` (trainer rank 0's `job_signature`) goes into the marker."""
+    `job` (trainer rank 0's `job_signature`) goes into the marker; without every file of `required` (relative
+    paths) the checkpoint is dropped instead."""
+    import logging
+
     from hfllamarl.runtime.channels import bridge_barrier
 
     bridge_barrier(topology, f"checkpoint {step}")
-    if topology.rank == 0:
-        partial = partial_dir(output_dir, step)
+    partial = partial_dir(output_dir, step)
+    missing = [f for f in required if not os.path.isfile(os.path.join(partial, f))]
+    if topology.rank == 0 and missing:
+        logging.getLogger(__name__).warning(
+            "checkpoint %d is not kept: %s missing (a generator replica was lost while it was written); the next "
+            "one will be", step, ", ".join(missing))
+        shutil.rmtree(partial, ignore_errors=True)
+    elif topology.rank == 0:
         with open(os.path.join(partial, MARKER), "w") as fh:
             json.dump({"step": step, "tick": tick, "world_size": topology.world_size,
-                       "num_generators": topology.num_generators, "job": job or {}}, fh)
+                       "num_generators": topology.num_generators, "num_replicas": topology.num_replicas,
+                       "lost_replicas": sorted(topology.lost), "job": job or {}}, fh)
         final = final_dir(output_dir, step)
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -283,11 +315,17 @@ def load_trainer_side(trainer, executor, directory: str) -> None:
     executor.inbox = saved["inbox"]
     executor.version = executor.sent_version = saved["version"]
     executor.trained_rows = saved["trained_rows"]
+    executor.dispatch_state = saved.get("dispatch", {})  # the ledger; `dispatch.stages` hands it to the Dispatch
 
 
 def load_generator_side(executor, directory: str) -> None:
-    """Called on every generator rank: all ranks of the engine continue the same carried completions."""
-    with open(os.path.join(directory, "hfllamarl", "generator.pt"), "rb") as fh:
+    """Called on every generator rank: all ranks of a replica continue the same carried completions. (A replica
+    whose file the checkpoint lacks owes nothing: the checkpoint was committed without it.)"""
+    topo = executor.topology
+    path = os.path.join(directory, generator_file(topo.replica, topo.num_replicas))
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb") as fh:
         saved = pickle.load(fh)
     executor.in_flight = saved.get("in_flight", [])
     if executor.topology.local_rank == 0:  # only the first rank sends rollouts

@@ -56,14 +56,6 @@ def fail(topology, exc: BaseException) -> BaseException:
     return exc
 
 
-def async_stages(channels: list) -> list:
-    return [Communicate(ch) for ch in channels] + [Step()]
-
-
-def sync_stages(weights_channel, rollouts_channel) -> list:
-    return [Communicate(weights_channel), Step("generator"), Communicate(rollouts_channel), Step("trainer")]
-
-
 class ExecutorController:
     """Runs `num_ticks` ticks of `stages` on the local `executor`."""
 
@@ -85,28 +77,34 @@ class ExecutorController:
 
 
 def run_job(executor: Executor, backend, topology, schedule: Schedule, start_tick: int = 0) -> None:
-    """Build the job's two channels and run the loop over the ticks of `schedule` (`hfllamarl.runtime.schedule`):
-    with `max_staleness = s >= 1` the trainer trains batch t-s at tick t while the generator samples batch t;
-    `s = 0` runs the synchronous stage order.
+    """Build the job's stages (`hfllamarl.runtime.dispatch.stages`: the weights and rollouts channels, and with
+    generator_failure="continue" the recovery stage) and run the loop over the ticks of `schedule`
+    (`hfllamarl.runtime.schedule`): with `max_staleness = s >= 1` the trainer trains batch t-s at tick t while the
+    generator samples batch t; `s = 0` runs the synchronous stage order.
     """
-    from .channels import Channel, ChannelKind
-    from .generator import ROLLOUTS
-    from .rollout import split_by_batch
-    from .weight_sync import WeightsChannel
+    from .dispatch import stages
 
-    weights = WeightsChannel(backend, topology)
-    rollouts = Channel(ROLLOUTS, ChannelKind.SCATTER, [topology.generator_ranks[0]], topology.trainer_ranks, topology,
-                       split=split_by_batch)
-    if hasattr(executor, "weights_channel"):
-        executor.weights_channel = weights
-    executor.backend = backend
+    stages_, dispatch = stages(topology, schedule, backend, executor)
+    executor.backend, executor.dispatch = backend, dispatch
     topology.liveness.start()
-    stages = sync_stages(weights, rollouts) if schedule.synchronous else async_stages([weights, rollouts])
     try:
         executor.init()  # start-up failures (an engine that cannot start) are reported like any other
-        ExecutorController(executor, stages, num_ticks=schedule.num_ticks, start_tick=start_tick).run()
+        topology.containing = True  # every rank is up: from now on a lost replica may be survived
+        ExecutorController(executor, stages_, num_ticks=schedule.num_ticks, start_tick=start_tick).run()
     except Exception as exc:
         error = fail(topology, exc)
+        culprit = topology.liveness.culprit if error is not exc else topology.rank
+        if (topology.role == "generator" and topology.survivable and culprit is not None
+                and topology.replica_of(culprit) == topology.replica):
+            # This replica is lost and the job goes on without it (generator_failure="continue"): the trainer ranks
+            # read the error recorded by `fail`; the process ends cleanly (a launcher such as torchrun stops every
+            # rank when one exits with an error).
+            import traceback
+
+            traceback.print_exception(error)
+            logger.warning("%s: this replica is lost; the job goes on without it (generator_failure='continue')",
+                           topology.describe(topology.rank))
+            return
         if error is exc:
             raise
         raise error from exc

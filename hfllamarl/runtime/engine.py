@@ -22,8 +22,9 @@ class WeightSyncMismatch(RuntimeError):
 def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int, max_model_len: int,
                  tensor_parallel_size: int, distributed: bool, use_cpu: bool, enforce_eager: bool = True,
                  quantization: str | None = None, kv_cache_bytes: int | None = None,
-                 gpu_memory_utilization: float = 0.3, load_format: str | None = None, **extra):
-    """An in-process `vllm.LLM` whose log-probs are those of the distribution it samples from."""
+                 gpu_memory_utilization: float = 0.3, load_format: str | None = None, engine_id: str = "", **extra):
+    """An in-process `vllm.LLM` whose log-probs are those of the distribution it samples from. `engine_id` names
+    this engine among the others of the machine (replicas, other jobs): see `_cpu_shm_names`."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine stays in this process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # No compile-worker pool: its spawned processes would re-import the user's script.
@@ -47,11 +48,43 @@ def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int,
     kwargs.update(extra)
     if distributed:
         kwargs["distributed_executor_backend"] = "external_launcher"
+        if use_cpu:
+            _cpu_shm_names(engine_id)
     if use_cpu:
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes or (256 << 20)
     else:  # pragma: no cover - needs a GPU
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-    return LLM(**kwargs)
+    try:
+        return LLM(**kwargs)
+    except RuntimeError as exc:
+        if "create shm in SHMManager failed" in str(exc) and "17" in str(exc):
+            raise RuntimeError(
+                f"{exc}: vLLM's CPU backend joins a tensor-parallel engine's ranks through shared memory named after "
+                f"the engine (/dev/shm/*-cpushm*, here ending in '-{engine_id}': the job's port, its number and the "
+                "replica), and a segment of that name exists already: a job killed while its engine started left it "
+                "behind. Remove those files once no vLLM process uses them.") from exc
+        raise
+
+
+def _cpu_shm_names(engine_id: str) -> None:
+    """vLLM's CPU backend joins the ranks of a tensor-parallel engine by a shared-memory segment named after the
+    engine's init method and group ranks, which under the external launcher are the same for every engine
+    ("env://", ranks 0..m-1): a second engine on the machine (another replica, another job) fails to create it
+    (`create shm in SHMManager failed. errno: 17`). The name gets this engine's id appended (every rank of an
+    engine passes the same id)."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    if shm is None or not hasattr(shm, "make_group_name"):
+        return  # another vLLM: nothing to rename
+    os.environ["HFLLAMARL_ENGINE_ID"] = engine_id
+    original = getattr(shm.make_group_name, "_hfllamarl_original", shm.make_group_name)
+
+    def make_group_name(communicator) -> str:
+        return f"{original(communicator)}-{os.environ.get('HFLLAMARL_ENGINE_ID', '')}"
+
+    make_group_name._hfllamarl_original = original
+    shm.make_group_name = staticmethod(make_group_name)
 
 
 def load_weights(llm, weights) -> None:

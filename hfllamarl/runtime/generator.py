@@ -26,9 +26,9 @@ from .executor import Executor, wait_for_startup
 from .prompts import PromptEncoder, batch_rows
 from .rollout import UNFINISHED, InFlightBatch, Rollout, RolloutGroup
 from .sampling import Sampling
-from .schedule import Schedule
+from .schedule import Schedule, replica_share
 from .topology import Topology
-from .weight_sync import POLICY_WEIGHTS, build_backend, verify_dir
+from .weight_sync import POLICY_WEIGHTS, REPLICAS, build_backend, verify_dir
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class GeneratorSpec:
     dtype: str = "auto"
     enforce_eager: bool = True
     quantization: str | None = None  # vLLM online quantization of the generator ("fp8"); the trainer is unaffected
+    model_impl: str = "vllm"  # vLLM's model implementation: its own ("vllm") or transformers' ("transformers")
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.3
     tensor_parallel_size: int = 1
@@ -91,6 +92,8 @@ class GeneratorExecutor(Executor):
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.core_board = None  # single-process CPU job: where this child says it has finished a tick
         self.agent = None  # `MultiTurn`, when the job has tools, environments or a rollout_func
+        self.live = list(range(getattr(topology, "num_replicas", 1)))  # live replicas, told by the trainer each tick
+        self.weights_broken = False  # the last weight sync lost its relay source part-way (re-sent before sampling)
 
     # ------------------------------------------------------------------ set-up
     def init(self) -> None:
@@ -101,6 +104,7 @@ class GeneratorExecutor(Executor):
         self.encoder = PromptEncoder(AutoTokenizer.from_pretrained(spec.tokenizer_path), spec.chat_template_kwargs)
         self.llm = self._build_engine()
         self.core_board = open_board(self.topology.num_generators) if self.topology.mode == "child" else None
+        self.slot = self.topology.rank - self.topology.num_trainers  # this generator's place on the core board
         wait_for_startup(self.topology, spec.startup_timeout_s)
         if self.backend is None:
             self.backend = build_backend(spec.weight_sync_backend, self.topology, **spec.weight_sync_options)
@@ -119,9 +123,12 @@ class GeneratorExecutor(Executor):
         spec, topo = self.spec, self.topology
         return build_engine(spec.model_path, spec.tokenizer_path, dtype=spec.dtype, seed=spec.seed,
                             max_model_len=spec.max_model_len, tensor_parallel_size=spec.tensor_parallel_size,
-                            distributed=topo.num_generators > 1, use_cpu=topo.use_cpu,
+                            distributed=topo.replica_size > 1, use_cpu=topo.use_cpu,
+                            engine_id=(f"{topo.store_addr[1]}-{topo.job_id}-{topo.replica}"
+                                       if topo.replica_size > 1 else ""),  # names its shared memory (engine.py)
                             enforce_eager=spec.enforce_eager, quantization=spec.quantization,
-                            kv_cache_bytes=spec.kv_cache_bytes, gpu_memory_utilization=spec.gpu_memory_utilization)
+                            kv_cache_bytes=spec.kv_cache_bytes, gpu_memory_utilization=spec.gpu_memory_utilization,
+                            model_impl=spec.model_impl)
 
     def _sampling_params(self, n: int, max_tokens: int):
         from vllm import SamplingParams
@@ -133,6 +140,9 @@ class GeneratorExecutor(Executor):
 
     # ------------------------------------------------------------------ channels
     def put_input(self, channel: str, value) -> None:
+        if channel == REPLICAS:  # the live replicas this tick: which share of a batch is this replica's
+            self.live = list(value)
+            return None
         if channel != POLICY_WEIGHTS:
             return super().put_input(channel, value)
         version, weights = value
@@ -177,7 +187,7 @@ class GeneratorExecutor(Executor):
             if self.eval_due():
                 self.pending += self.evaluate()
         if self.core_board is not None:  # idle until the next tick's channels: the trainer may use these cores
-            self.core_board.finished(self.topology.local_rank, self.tick)
+            self.core_board.finished(self.slot, self.tick)
 
     def generate_tick(self, batch_index: int | None) -> list[RolloutGroup]:
         """One tick of generation: continue every carried completion and start batch `batch_index`.
@@ -195,13 +205,13 @@ class GeneratorExecutor(Executor):
         asked = [min(budget, length - len(r.completion_ids)) for r in carried]
         requests = [(r.prompt_ids + r.completion_ids, self._sampling_params(1, n)) for r, n in zip(carried, asked)]
         new = None
-        if batch_index is not None:
-            indices, rows = self.batch_prompts(batch_index)
+        if batch_index is not None:  # this replica's share of the batch's prompts (`schedule.replica_share`)
+            indices, rows, positions = self.batch_prompts(batch_index)
             new = (indices, rows, [self.encoder.encode(row["prompt"]) for row in rows])
             requests += [(ids, self._sampling_params(spec.num_generations, budget)) for ids in new[2]]
         start = time.perf_counter()
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in requests],
-                                    [params for _, params in requests], use_tqdm=False)
+                                    [params for _, params in requests], use_tqdm=False) if requests else []
         seconds = time.perf_counter() - start
         tokens = 0
         for r, n, out in zip(carried, asked, outputs[:len(carried)]):
@@ -218,22 +228,58 @@ class GeneratorExecutor(Executor):
                     tokens += self._extend(r, comp, budget)
                     group.append(r)
                 groups.append(group)
-            self.in_flight.append(InFlightBatch(batch_index, self.version, groups))
+            self.in_flight.append(InFlightBatch(batch_index, self.version, groups, positions))
         return self.close_tick(seconds, tokens)
 
-    def batch_prompts(self, batch_index: int) -> tuple[list[int], list[dict]]:
-        """The dataset indices and rows of generation batch `batch_index`."""
+    def batch_prompts(self, batch_index: int) -> tuple[list[int], list[dict], list[int]]:
+        """This replica's share of generation batch `batch_index` (`schedule.replica_share`): the dataset indices,
+        the rows, and their positions in the batch."""
         spec = self.spec
         indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
-        return indices, [self.dataset[i] for i in indices]
+        positions = replica_share(spec.prompts_per_batch, self.live, batch_index).get(self.topology.replica, [])
+        indices = [indices[p] for p in positions]
+        return indices, [self.dataset[i] for i in indices], positions
 
     def close_tick(self, seconds: float, tokens: int) -> list[RolloutGroup]:
         """The groups of the batches whose rollouts all finished (oldest first), scored by the reward models; the
         others stay in flight. `seconds`, `tokens`: this tick's generation time and sampled tokens."""
         finished = [f for f in self.in_flight if not f.unfinished()]
         self.in_flight = [f for f in self.in_flight if f.unfinished()]
-        groups = [RolloutGroup(group, f.batch_index, f.policy_version, seconds, tokens)
-                  for f in finished for group in f.groups]
+        groups = [RolloutGroup(group, f.batch_index, f.policy_version, seconds, tokens, position=position,
+                               replica=self.topology.replica)
+                  for f in finished for group, position in zip(f.groups, f.positions or range(len(f.groups)))]
+        self._score_with_models(groups)
+        return groups
+
+    def generate_makeup(self, work: dict[int, list[int]]) -> list[RolloutGroup]:
+        """Generate now, whole, the prompts of a lost replica that the trainer ranks never received
+        (generator_failure="continue"): `work` maps a batch index to positions of it. Returns their groups,
+        each with its position, sampled under the weights held now (fresher than the batch's own)."""
+        from vllm.inputs import TokensPrompt
+
+        spec, length = self.spec, self.spec.max_completion_length
+        jobs = []  # (batch, position, dataset row index)
+        for batch, positions in sorted(work.items()):
+            indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch, spec.seed, spec.shuffle)
+            jobs += [(batch, p, indices[p]) for p in positions]
+        rows = [self.dataset[i] for _, _, i in jobs]
+        prompts = [self.encoder.encode(row["prompt"]) for row in rows]
+        start = time.perf_counter()
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
+                                    self._sampling_params(spec.num_generations, length), use_tqdm=False)
+        seconds, tokens, groups = time.perf_counter() - start, 0, []
+        for (batch, position, index), row, ids, out in zip(jobs, rows, prompts, outputs):
+            group = []
+            for comp in out.outputs:
+                r = Rollout(prompt=row["prompt"], prompt_ids=list(ids), completion_ids=[], behavior_logprobs=[],
+                            versions=[], finish_reason=UNFINISHED, completion_text="",
+                            columns={k: v for k, v in row.items() if k != "prompt"}, row_index=int(index), segments=0)
+                tokens += self._extend(r, comp, length)
+                group.append(r)
+            groups.append(RolloutGroup(group, batch, self.version, seconds, 0, position=position,
+                                       replica=self.topology.replica))
+        for g in groups:
+            g.batch_tokens = tokens
         self._score_with_models(groups)
         return groups
 
@@ -242,7 +288,8 @@ class GeneratorExecutor(Executor):
         `eval_on_start`) not evaluated yet, while the generator still samples (its results reach the trainer)."""
         spec = self.spec
         return (self.eval_dataset is not None and spec.eval_every > 0 and self.version > self.evaluated
-                and self.version % spec.eval_every == 0 and spec.schedule.generator_batch(self.tick) is not None)
+                and self.version % spec.eval_every == 0 and spec.schedule.generator_batch(self.tick) is not None
+                and self.topology.replica == self.live[0])  # one replica evaluates: the first live one
 
     def evaluate(self) -> list[RolloutGroup]:
         """`num_generations_eval` completions of every eval prompt under the weights held now, in one call

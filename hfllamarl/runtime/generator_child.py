@@ -20,9 +20,10 @@ def main(spec_path: str) -> int:
     from hfllamarl.runtime.topology import init_topology
     from hfllamarl.runtime.weight_sync import build_backend
 
-    topo = init_topology(job["num_generators"], job["timeout_s"], job["use_cpu"])
+    topo = init_topology(job["num_generators"], job["timeout_s"], job["use_cpu"],
+                         tensor_parallel_size=job.get("tensor_parallel_size"), failure=job.get("failure", "stop"))
     topo.liveness.announce_joining()
-    topo.bridge("object"), topo.bridge("tensor")
+    topo.join_bridges()
     spec = job["spec"]
     backend = build_backend(spec.weight_sync_backend, topo, **spec.weight_sync_options)
     run_job(GeneratorExecutor(spec, topo), backend, topo, spec.schedule, start_tick=job.get("start_tick", 0))

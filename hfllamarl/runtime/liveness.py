@@ -30,6 +30,15 @@ class PeerLostError(RuntimeError):
     """Another rank of the job died, froze or failed; the message names it and ends with its own error."""
 
 
+class ReplicaLostError(PeerLostError):
+    """A generator replica was lost and the job survives it (generator_failure="continue"): the caller goes on
+    without that replica."""
+
+    def __init__(self, replica: int, message: str):
+        super().__init__(message)
+        self.replica = replica
+
+
 def heartbeat_timeout(collective_timeout_s: float) -> float:
     """Seconds without a heartbeat after which a rank counts as lost (frozen or dead)."""
     return min(max(collective_timeout_s / 4.0, 10.0), 60.0)
@@ -81,6 +90,8 @@ class Liveness:
         self._lock = threading.Lock()  # one store call at a time on the shared client
         self._where: dict[int, dict] = {}  # rank -> {"host", "pid"}, read while the store answers
         self._frozen: list[int] = []  # the ranks the last verdict found silent
+        self.culprit: int | None = None  # the rank the last verdict names
+        self._ended: set[int] = set()  # lost ranks (of another replica) whose processes this rank ended
 
     # ---------------------------------------------------------------- keys
     def _key(self, kind: str, rank: int) -> str:
@@ -282,7 +293,10 @@ class Liveness:
         return self._stale(beats, done)
 
     def verdict(self) -> str | None:
-        """Why this job cannot go on, naming the rank at fault and ending with its own error; None if it can."""
+        """Why this job cannot go on, naming the rank at fault and ending with its own error; None if it can.
+
+        With generator_failure="continue", a failed, dead or frozen rank of another generator replica is not a
+        verdict: its replica is marked lost (`Topology.mark_lost`) and the job goes on, unless no replica is left."""
         topo = self.topology
         asked = time.monotonic()
         try:
@@ -298,23 +312,62 @@ class Liveness:
             who = f"{topo.describe(host)}, which hosts the job's store," if host is not None else "the job's store"
             return (f"{who} stopped answering for {self.stale_s:.0f} s (the process is frozen, e.g. SIGSTOP, or gone "
                     f"together with its machine).")
+        exited = topo.exited_children()  # a single-process job's generator children
+        stale = self._stale(beats, done)
+        if topo.failure == "continue" and topo.containing:
+            failed, exited, stale = self._contain(failed, exited, stale)
+            if topo.role == "trainer" and not topo.live_replicas:
+                return "every generator replica is lost: " + "; ".join(
+                    f"{topo.describe_replica(r)}: {cause}" for r, cause in sorted(topo.lost.items()))
         own = [(rec["time"], r, rec) for r, rec in failed.items() if not rec.get("reaction")]
         if own:
             _, r, rec = min(own)
+            self.culprit = r
             return f"{topo.describe(r)} failed:\n{rec['cause']}"
-        for r, code in topo.exited_children():  # a single-process job's generator children
+        for r, code in exited:
             if r not in failed:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                self.culprit = r
                 return f"{topo.describe(r)} {how} without reporting an error."
-        lost = self._frozen = self._stale(beats, done)
+        lost = self._frozen = stale
         if lost:
+            self.culprit = lost[0]
             names = ", ".join(topo.describe(r) for r in lost)
             return (f"{names} stopped answering: no heartbeat for more than {self.stale_s:.0f} s (the process was "
                     "killed, or is frozen, e.g. SIGSTOP).")
         if failed:  # only reactions: name the first
             _, r, rec = min((rec["time"], r, rec) for r, rec in failed.items())
+            self.culprit = r
             return f"{topo.describe(r)} stopped:\n{rec['cause']}"
         return None
+
+    def _contain(self, failed: dict, exited: list, stale: list) -> tuple[dict, list, list]:
+        """Mark the replicas of contained ranks (`Topology.contained`) lost, with the first cause seen, end their
+        frozen processes where this rank can, and return the evidence about the other ranks only."""
+        topo = self.topology
+        causes: dict[int, str] = {}
+        for r, rec in sorted(failed.items(), key=lambda item: item[1]["time"]):
+            if topo.contained(r) and not rec.get("reaction"):
+                causes.setdefault(topo.replica_of(r), f"{topo.describe(r)} failed: {rec['cause']}")
+        for r, code in exited:
+            if topo.contained(r):
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                causes.setdefault(topo.replica_of(r), f"{topo.describe(r)} {how}")
+        frozen = [r for r in stale if topo.contained(r)]
+        for r in frozen:
+            causes.setdefault(topo.replica_of(r), f"{topo.describe(r)} stopped answering: no heartbeat for more than "
+                                                  f"{self.stale_s:.0f} s (killed, or frozen)")
+        for replica, cause in causes.items():
+            topo.mark_lost(replica, cause)
+        frozen = [r for r in frozen if r not in self._ended]
+        if frozen:  # a frozen process never ends by itself: whoever shares its machine ends it (once: a pid is reused)
+            self._ended.update(frozen)
+            topo.kill_children(frozen)
+            self._frozen = frozen
+            self._kill_frozen_local_peers()
+        keep = lambda r: not topo.contained(r)  # noqa: E731
+        return ({r: rec for r, rec in failed.items() if keep(r)}, [(r, c) for r, c in exited if keep(r)],
+                [r for r in stale if keep(r)])
 
     def explain(self, exc: BaseException) -> PeerLostError | None:
         """After a failed collective: the verdict as an error (waiting long enough for a peer that just died to
@@ -341,11 +394,17 @@ class Liveness:
             topo.kill_children()
             return
         self.record_failure(message, reaction=True)
-        sys.stderr.write(f"\n[hfllamarl] {message}\n")
+        # A rank of this rank's own replica is at fault and the job survives the replica's loss: leaving is not a
+        # failure of the job, and a non-zero exit would make torchrun stop every rank.
+        code = 0 if topo.survivable and topo.replica_of(self.culprit if self.culprit is not None else 0) == \
+            topo.replica else 1
+        sys.stderr.write(f"\n[hfllamarl] {message}" + ("\n[hfllamarl] this replica is lost; the job goes on "
+                                                       "without it (generator_failure='continue')" if not code else "")
+                         + "\n")
         sys.stderr.flush()
         if topo.mode == "launcher":  # (a generator child leaves its frozen parent, the user's process, alone)
             self._kill_frozen_local_peers()
-        os._exit(1)
+        os._exit(code)
 
     def _kill_frozen_local_peers(self) -> None:
         """A frozen rank (SIGSTOP) never exits by itself and holds its launcher (torchrun waits 30 s before it

@@ -5,8 +5,9 @@ Plain generation gets that for free: every rank computes the same requests. A mu
 and environments run on the engine's first rank only (a tool must run once, not once per rank), and what
 comes next depends on their results. So the first rank leads: before each of its `generate` calls it sends
 the requests (token ids, completions wanted, token budget) to the other ranks, which only follow, and it ends
-the tick with "done". Messages travel on a gloo group of the engine's ranks, each wait bounded by the job's
-collective timeout (and ended sooner by the watchdog when the leader fails).
+the tick with "done". Messages travel on a gloo group of the engine's ranks (a generator rank's default world is
+its replica), each wait bounded by the job's collective timeout (and ended sooner by the watchdog when the leader
+fails). With several replicas each has its own leader, tools and environments.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ class Lockstep:
     def __init__(self, topology):
         import torch.distributed as dist
 
-        self.size = topology.num_generators  # one engine over every generator rank
-        self.leader = topology.local_rank == 0
+        self.size = getattr(topology, "replica_size", topology.num_generators)  # this engine's (replica's) ranks
+        self.leader = topology.local_rank == 0  # the first rank of the replica
         self.group = dist.new_group(backend="gloo", timeout=topology.timeout) if self.size > 1 else None
         self.calls = 0  # generate calls this tick (the leader's count, or the follower's)
 

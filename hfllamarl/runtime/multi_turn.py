@@ -120,9 +120,9 @@ class MultiTurn:
         length = spec.max_completion_length
         budget = min(spec.partial_rollout_tokens or length, length)
         carried = [r for flight in ex.in_flight for r in flight.unfinished()]
-        new, start = None, time.perf_counter()
-        if batch_index is not None:
-            indices, rows = ex.batch_prompts(batch_index)
+        new, positions, start = None, [], time.perf_counter()
+        if batch_index is not None:  # this replica's share of the batch
+            indices, rows, positions = ex.batch_prompts(batch_index)
             if self.rollout_funcs is not None:
                 new = self.rollout_funcs.batch(indices, rows, spec.num_generations)
             else:
@@ -132,7 +132,7 @@ class MultiTurn:
         tokens = self.run(work, budget)
         if new is not None:
             tokens += sum(r.num_sampled for group in new for r in group if r.episode is None)  # rollout_func's
-            ex.in_flight.append(InFlightBatch(batch_index, ex.version, new))
+            ex.in_flight.append(InFlightBatch(batch_index, ex.version, new, positions))
         return ex.close_tick(time.perf_counter() - start, tokens)
 
     def _evaluation(self) -> list[RolloutGroup]:

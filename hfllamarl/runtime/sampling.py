@@ -73,8 +73,9 @@ def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_
     Returns `in_prompt [B, 1, V]`, `in_output [B, T, V]` (bool) and `count [B, T, V]` (float).
     """
     B, T = completion_ids.shape
-    in_prompt = torch.zeros(B, vocab, dtype=torch.bool, device=prompt_ids.device)
-    in_prompt.scatter_(1, prompt_ids.clamp(0, vocab - 1), prompt_mask.bool())
+    # Summed, not written: a padding position must not clear a token the prompt holds (scatter_'s order is undefined).
+    in_prompt = torch.zeros(B, vocab, device=prompt_ids.device).scatter_add_(
+        1, prompt_ids.clamp(0, vocab - 1), prompt_mask.float()) > 0
     one_hot = torch.zeros(B, T, vocab, device=completion_ids.device)
     one_hot.scatter_(2, completion_ids.clamp(0, vocab - 1).unsqueeze(-1), 1.0)
     count = torch.cumsum(one_hot, dim=1) - one_hot  # tokens strictly before t

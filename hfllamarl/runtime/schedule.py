@@ -10,11 +10,46 @@ agree by construction. With `max_staleness = s`:
 A batch the generator starts at tick t was sampled with the weights of trainer step >= t - s, so no
 token is more than s versions stale. With partial rollouts a batch spans up to `generation_ticks`
 ticks (<= max(s, 1), checked by the config); the trainer keeps sending weights while any are carried.
+
+A batch of P prompts is split twice, by position (a prompt's place in the batch, `prompts.batch_rows`
+order), independently: trainer rank k of T trains positions `trainer_positions(P, T, k)` whichever replica
+generated them, and live replica r generates `replica_share(P, live, b)[r]`. So which prompts a trainer rank
+trains at each step depends only on (seed, batch index, T): not on the number of replicas, nor on which of
+them are still live.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+def even_runs(n: int, parts: int) -> list[range]:
+    """`range(n)` cut into `parts` contiguous runs whose sizes differ by at most one (the longer ones first)."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append(range(start, end))
+        start = end
+    return out
+
+
+def trainer_positions(prompts: int, trainers: int, rank: int) -> range:
+    """The positions of a batch of `prompts` prompts that trainer rank `rank` of `trainers` trains."""
+    return even_runs(prompts, trainers)[rank]
+
+
+def position_owner(position: int, prompts: int, trainers: int) -> int:
+    """The trainer rank that trains position `position` of a batch of `prompts` prompts."""
+    return next(k for k, run in enumerate(even_runs(prompts, trainers)) if position in run)
+
+
+def replica_share(prompts: int, live: list[int], batch_index: int) -> dict[int, list[int]]:
+    """Which positions of batch `batch_index` each live replica generates (whole prompts: a group never splits):
+    contiguous runs of sizes differing by at most one, the runs handed to the live replicas rotated by the
+    batch index, so that the longer runs go to each replica in turn."""
+    runs = even_runs(prompts, len(live))
+    return {live[(k + batch_index) % len(live)]: list(run) for k, run in enumerate(runs)}
 
 
 def ticks_per_batch(max_completion_length: int, partial_rollout_tokens: int | None) -> int:
@@ -28,6 +63,7 @@ class Schedule:
     num_batches: int
     max_staleness: int
     generation_ticks: int = 1  # ticks_per_batch(...)
+    prompts_per_batch: int = 0  # prompts in one batch (P: positions 0 .. P-1)
 
     @property
     def num_ticks(self) -> int:

@@ -58,10 +58,11 @@ def start_children(topo, spec_path: str) -> list[tuple[int, subprocess.Popen]]:
             ENV_WORLD: str(topo.world_size),
             ENV_PARENT: str(os.getpid()),
             ENV_JOB: str(topo.job_id),
-            # vLLM's external launcher reads these; they describe the generator world.
-            "RANK": str(rank - topo.num_trainers),
+            # vLLM's external launcher reads these: RANK/WORLD_SIZE describe the child's replica (its engine's
+            # world), LOCAL_RANK is the device index on this machine (each generator its own).
+            "RANK": str((rank - topo.num_trainers) % topo.replica_size),
             "LOCAL_RANK": str(rank - topo.num_trainers),
-            "WORLD_SIZE": str(topo.num_generators),
+            "WORLD_SIZE": str(topo.replica_size),
             "LOCAL_WORLD_SIZE": str(topo.num_generators),
         })
         if split:

@@ -1,11 +1,17 @@
 """Process layout: who trains, who generates, and the process groups that join them.
 
-A job has N processes. Ranks `0 .. T-1` train, ranks `T .. N-1` generate. Each executor gets a
-world of its own (the default process group of a trainer process holds only the trainer ranks,
-that of a generator process only the generator ranks), so Accelerate/FSDP and vLLM each see only
-their own ranks. All N ranks are also joined by a *bridge*: two process groups built on their own
-store prefixes, one for picklable objects (always gloo) and one for tensors (gloo on CPU, NCCL on
-GPU), which the channels and the weight sync use.
+A job has N processes. Ranks `0 .. T-1` train, ranks `T .. N-1` generate. The G generator ranks form
+R = G / m *replicas*, each an independent vLLM engine, tensor parallel over m consecutive ranks
+(replica r holds ranks `T + r*m .. T + (r+1)*m - 1`). Each executor gets a world of its own: the
+default process group of a trainer process holds only the trainer ranks, that of a generator process
+only the ranks of its replica (vLLM's external launcher takes the default world as the engine's), so
+Accelerate/FSDP and each engine see only their own ranks.
+
+The trainer ranks and each replica are joined by a *bridge*: two process groups on their own store
+prefixes, one for picklable objects (always gloo) and one for tensors (gloo on CPU, NCCL on GPU), which
+the channels and the weight sync use; with R replicas there are R bridges (trainers + replica r), so a
+lost replica takes only its own bridge down. Replicas that relay weights to each other are joined by a
+*relay* group (tensors only), built when a relay first needs it.
 
 Everything is set up from the launcher's rendezvous alone (`MASTER_ADDR:MASTER_PORT`, as torchrun
 and `accelerate launch` give it). Started as a single process (`python script.py`), the process
@@ -39,14 +45,19 @@ class Topology:
     use_cpu: bool
     store_addr: tuple[str, int] | None = None
     job_id: int = 0  # a single process may run train() several times (a notebook): one job each
+    tensor_parallel_size: int | None = None  # ranks per vLLM replica (None: one replica over every generator rank)
+    failure: str = "stop"  # generator_failure: "continue" survives the loss of a replica
     _store: object = field(default=None, repr=False)
-    _bridge: dict = field(default_factory=dict, repr=False)
+    _bridge: dict = field(default_factory=dict, repr=False)  # (kind, replica) or (kind, "relay", a, b) -> group
+    _members: dict = field(default_factory=dict, repr=False)  # id(group) -> its bridge ranks, in group-rank order
     _hosts_store: bool = field(default=False, repr=False)
     _children: list = field(default_factory=list, repr=False)  # single mode: (rank, Popen) of each generator
     core_lender: object = field(default=None, repr=False)  # single mode on a CPU: `core_lending.CoreLender`
 
     def __post_init__(self):
         self.liveness = Liveness(self)
+        self.lost: dict[int, str] = {}  # replica -> why it was lost (generator_failure="continue")
+        self.containing = False  # a lost replica is survived from now on (set once every rank is up)
 
     @property
     def num_trainers(self) -> int:
@@ -64,14 +75,66 @@ class Topology:
     def role(self) -> str:
         return "trainer" if self.rank < self.num_trainers else "generator"
 
+    # ---------------------------------------------------------------- replicas
+    @property
+    def replica_size(self) -> int:
+        """Ranks per vLLM replica (its tensor-parallel size)."""
+        return self.tensor_parallel_size or self.num_generators
+
+    @property
+    def num_replicas(self) -> int:
+        return self.num_generators // self.replica_size
+
+    def replica_of(self, rank: int) -> int | None:
+        """The replica bridge rank `rank` belongs to (None: a trainer rank)."""
+        return None if rank < self.num_trainers else (rank - self.num_trainers) // self.replica_size
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        first = self.num_trainers + replica * self.replica_size
+        return list(range(first, first + self.replica_size))
+
+    @property
+    def replica(self) -> int | None:
+        """This rank's replica (None on a trainer rank)."""
+        return self.replica_of(self.rank)
+
+    @property
+    def live_replicas(self) -> list[int]:
+        """Replicas not known to be lost, in order."""
+        return [r for r in range(self.num_replicas) if r not in self.lost]
+
+    def mark_lost(self, replica: int, cause: str) -> bool:
+        """Record that `replica` is lost (generator_failure="continue"); True the first time. Waits on its ranks
+        give up from now on (`channels`)."""
+        if replica in self.lost:
+            return False
+        self.lost[replica] = cause
+        return True
+
+    @property
+    def survivable(self) -> bool:
+        """Whether the job goes on when a replica is lost: generator_failure="continue", several replicas, and the
+        job has started (a replica that cannot start stops the job)."""
+        return self.failure == "continue" and self.containing and self.num_replicas > 1
+
+    def contained(self, rank: int) -> bool:
+        """Whether a failure of bridge rank `rank` is survived, as seen from this rank: with generator_failure=
+        "continue", once the job has started, the loss of another replica's generator rank."""
+        other = self.replica_of(rank)
+        return self.survivable and other is not None and other != self.replica
+
+    def local_rank_of(self, rank: int) -> int:
+        """Rank of bridge rank `rank` inside its executor's world (a generator rank: inside its replica)."""
+        return rank if rank < self.num_trainers else (rank - self.num_trainers) % self.replica_size
+
     @property
     def local_rank(self) -> int:
-        """Rank inside this executor's own world."""
-        return self.rank if self.role == "trainer" else self.rank - self.num_trainers
+        """Rank inside this executor's own world (a generator rank: inside its replica)."""
+        return self.local_rank_of(self.rank)
 
     @property
     def local_world_size(self) -> int:
-        return self.num_trainers if self.role == "trainer" else self.num_generators
+        return self.num_trainers if self.role == "trainer" else self.replica_size
 
     @property
     def device_type(self) -> str:
@@ -82,10 +145,17 @@ class Topology:
         return datetime.timedelta(seconds=self.timeout_s)
 
     def describe(self, rank: int) -> str:
-        """Human name of a bridge rank, e.g. 'rank 2 (generator 0)'."""
+        """Human name of a bridge rank, e.g. 'rank 2 (generator 0)', 'rank 3 (generator 1, replica 1)'."""
         if rank < self.num_trainers:
             return f"rank {rank} (trainer {rank})"
+        if self.num_replicas > 1:
+            return f"rank {rank} (generator {rank - self.num_trainers}, replica {self.replica_of(rank)})"
         return f"rank {rank} (generator {rank - self.num_trainers})"
+
+    def describe_replica(self, replica: int) -> str:
+        ranks = self.replica_ranks(replica)
+        where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+        return f"replica {replica} ({where})"
 
     # ---------------------------------------------------------------- store and worlds
     def store(self):
@@ -126,26 +196,67 @@ class Topology:
                 )
             return
         backend = "gloo" if self.use_cpu else "nccl"
+        world = "trainer" if self.role == "trainer" else f"generator/{self.replica}"  # a replica is a world
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"hfllamarl/world/{self.role}", self.store()),
+            store=dist.PrefixStore(f"hfllamarl/world/{self.job_id}/{world}", self.store()),
             rank=self.local_rank,
             world_size=self.local_world_size,
             timeout=self.timeout,
         )
 
-    def bridge(self, kind: str = "object"):
-        """The bridge process group across all ranks: kind "object" (gloo) or "tensor"."""
+    def bridge(self, kind: str = "object", replica: int | None = None):
+        """The bridge of `replica` (default: this generator's own; on a trainer rank, replica 0 when there is only
+        one): a process group over the trainer ranks and that replica's ranks, kind "object" (gloo) or "tensor".
+        Inside it the trainer ranks keep their numbers and the replica's ranks follow (`group_rank`)."""
+        if replica is None:
+            replica = self.replica if self.role == "generator" else 0
+            if self.role == "trainer" and self.num_replicas > 1:
+                raise ValueError("a trainer rank has one bridge per generator replica: name the replica")
+        members = self.trainer_ranks + self.replica_ranks(replica)
+        return self._group((kind, replica), f"bridge/{kind}/{replica}", members, kind)
+
+    def relay(self, a: int, b: int):
+        """The relay group of replicas a and b (tensors only; a replica passing weights on to another)."""
+        a, b = sorted((a, b))
+        members = self.replica_ranks(a) + self.replica_ranks(b)
+        return self._group(("tensor", "relay", a, b), f"relay/{a}-{b}", members, "tensor")
+
+    def _group(self, key, name: str, members: list[int], kind: str):
         import torch.distributed as dist
 
-        if kind not in self._bridge:
-            store = dist.PrefixStore(f"hfllamarl/{self.job_id}/bridge/{kind}", self.store())
+        if key not in self._bridge:
+            if self.rank not in members:
+                raise ValueError(f"{self.describe(self.rank)} is not in the group {name}")
+            store = dist.PrefixStore(f"hfllamarl/{self.job_id}/{name}", self.store())
+            rank, size = members.index(self.rank), len(members)
             if kind == "object" or self.use_cpu:
-                pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+                pg = dist.ProcessGroupGloo(store, rank, size, self.timeout)
             else:  # pragma: no cover - needs GPUs
-                pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, dist.ProcessGroupNCCL.Options())
-            self._bridge[kind] = pg
-        return self._bridge[kind]
+                pg = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+            self._bridge[key] = pg
+            self._members[id(pg)] = members
+        return self._bridge[key]
+
+    def link(self, peer: int, kind: str = "object"):
+        """(group, the peer's rank in it): the group this rank talks to bridge rank `peer` through."""
+        mine, theirs = self.replica, self.replica_of(peer)
+        if mine is None and theirs is None:  # trainer to trainer: through any bridge that still stands
+            pg = self.bridge(kind, (self.live_replicas or [0])[0])
+        elif mine is None or theirs is None or mine == theirs:
+            pg = self.bridge(kind, theirs if mine is None else mine)
+        elif kind != "tensor":
+            raise ValueError(f"replicas exchange only tensors (weights relayed): {self.describe(self.rank)} -> "
+                             f"{self.describe(peer)} ({kind})")
+        else:
+            pg = self.relay(mine, theirs)
+        return pg, self._members[id(pg)].index(peer)
+
+    def join_bridges(self) -> None:
+        """Build every bridge this rank belongs to (a trainer: one per replica, in order; a generator: its
+        replica's), both kinds: group creation is a rendezvous, so every rank does it up front."""
+        for replica in (range(self.num_replicas) if self.role == "trainer" else [self.replica]):
+            self.bridge("object", replica), self.bridge("tensor", replica)
 
     @property
     def hosts_store(self) -> bool:
@@ -182,6 +293,7 @@ class Topology:
         self.job_id += 1
         self.core_lender = None
         self._bridge.clear()
+        self.lost, self.containing = {}, False
         self.liveness.stop()
         self.liveness = Liveness(self)
 
@@ -200,9 +312,10 @@ class Topology:
                 out.append((rank, code))
         return out
 
-    def kill_children(self) -> None:
-        for _, proc in self._children:
-            if proc.poll() is None:
+    def kill_children(self, ranks=None) -> None:
+        """Kill the generator children (`ranks`: only those ranks')."""
+        for rank, proc in self._children:
+            if proc.poll() is None and (ranks is None or rank in ranks):
                 proc.kill()
 
     def stop_children(self, grace_s: float = 10.0) -> None:
@@ -221,23 +334,27 @@ class Topology:
 _TOPOLOGY: Topology | None = None
 
 
-def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool) -> Topology:
+def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool,
+                  tensor_parallel_size: int | None = None, failure: str = "stop") -> Topology:
     """Work out this process's place in the job and, under a launcher, split the worlds.
 
     Called by `AsyncAIPOConfig.__post_init__`, before transformers sets up its distributed state,
     so that Accelerate sees the trainer world only. Idempotent within a process.
+    `tensor_parallel_size`: ranks per vLLM replica (None: one replica over all generator ranks).
     """
     global _TOPOLOGY
+    tp = tensor_parallel_size or num_generator_processes
     if _TOPOLOGY is not None:
-        if _TOPOLOGY.num_generators != num_generator_processes and _TOPOLOGY.mode != "single":
+        same = (_TOPOLOGY.num_generators, _TOPOLOGY.replica_size) == (num_generator_processes, tp)
+        if not same and _TOPOLOGY.mode != "single":
             raise TopologyError(
-                f"This process already belongs to a job with {_TOPOLOGY.num_generators} generator processes; "
-                f"a second config asks for {num_generator_processes}."
-            )
-        _TOPOLOGY.num_generators = num_generator_processes
+                f"This process already belongs to a job with {_TOPOLOGY.num_generators} generator processes "
+                f"(tensor parallel {_TOPOLOGY.replica_size}); a second config asks for {num_generator_processes} "
+                f"(tensor parallel {tp}).")
+        _TOPOLOGY.num_generators, _TOPOLOGY.tensor_parallel_size = num_generator_processes, tp
         if _TOPOLOGY.mode == "single":
             _TOPOLOGY.world_size = 1 + num_generator_processes
-        _TOPOLOGY.timeout_s = timeout_s
+        _TOPOLOGY.timeout_s, _TOPOLOGY.failure = timeout_s, failure
         return _TOPOLOGY
 
     from .spawn import become_child, child_settings
@@ -246,10 +363,11 @@ def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool)
     if child is not None:  # a generator child of a single-process job
         topo = Topology(mode="child", rank=child["rank"], world_size=child["world_size"],
                         num_generators=num_generator_processes, timeout_s=timeout_s, use_cpu=use_cpu,
-                        store_addr=child["store_addr"], job_id=child["job_id"])
+                        store_addr=child["store_addr"], job_id=child["job_id"], tensor_parallel_size=tp,
+                        failure=failure)
         become_child(child)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        topo = _launcher_topology(num_generator_processes, timeout_s, use_cpu)
+        topo = _launcher_topology(num_generator_processes, timeout_s, use_cpu, tp, failure)
     else:
         _refuse_single_process_accelerate_launch()
         topo = Topology(
@@ -259,6 +377,8 @@ def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool)
             num_generators=num_generator_processes,
             timeout_s=timeout_s,
             use_cpu=use_cpu,
+            tensor_parallel_size=tp,
+            failure=failure,
         )
     _TOPOLOGY = topo
     if topo.mode != "single":
@@ -284,7 +404,7 @@ def _report_uncaught_exceptions(topo: Topology) -> None:
     sys.excepthook = hook
 
 
-def _launcher_topology(num_generators: int, timeout_s: float, use_cpu: bool) -> Topology:
+def _launcher_topology(num_generators: int, timeout_s: float, use_cpu: bool, tp: int, failure: str) -> Topology:
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     if num_generators >= world:
@@ -303,6 +423,8 @@ def _launcher_topology(num_generators: int, timeout_s: float, use_cpu: bool) -> 
         timeout_s=timeout_s,
         use_cpu=use_cpu,
         store_addr=(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+        tensor_parallel_size=tp,
+        failure=failure,
     )
     # From here on, RANK/WORLD_SIZE describe this executor's own world (Accelerate, vLLM's external
     # launcher and FSDP read them); LOCAL_RANK stays the device index on this node.

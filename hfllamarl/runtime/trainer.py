@@ -20,13 +20,14 @@ import torch.distributed as dist
 
 from hfllamarl.losses import StepShape
 
+from .batching import completion_logprobs, pack_batch, packing_agrees, pad_batch
 from .episodes import reward_arguments, tool_counts, tool_metrics
 from .executor import Executor, wait_for_startup
 from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from .generator import ROLLOUTS
 from .rewards import RewardRunner
 from .rollout import Rollout, RolloutGroup
-from .sampling import Sampling, sampled_logprobs, seen_tokens, within_support
+from .sampling import Sampling, within_support
 from .schedule import Schedule
 from .topology import Topology
 from .weight_sync import POLICY_WEIGHTS, WeightSyncBackend
@@ -61,51 +62,9 @@ class TrainerSpec:
     mask_truncated_completions: bool = False  # a completion cut at max_completion_length is not trained on
     on_samples: Callable[[dict | None], None] | None = None  # log_completions: gets the step's samples (rank 0)
     on_eval: Callable[[dict], None] = lambda metrics: None  # evaluation during training: logs the eval_* metrics
+    padding_free: bool = True  # pack micro-batches without padding (`hfllamarl.runtime.batching`) if the model allows
+    pad_to_multiple_of: int | None = None  # round the micro-batch's width up to a multiple of this
     tools: bool = False  # tool calling (tools / environment_factory): log TRL's tools/* metrics
-
-
-def pad_batch(rollouts: list[Rollout], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Left-pad prompts and right-pad completions so every completion starts at the same column.
-
-    Returns input_ids/attention_mask/position_ids `[B, P+T]`, completion_ids/mask/behavior `[B, T]`.
-    """
-    P = max(len(r.prompt_ids) for r in rollouts)
-    T = max(max(len(r.completion_ids) for r in rollouts), 1)
-    B = len(rollouts)
-    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P + T), dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.float32)
-    mu = torch.zeros((B, T), dtype=torch.float32)
-    for i, r in enumerate(rollouts):
-        p, c = len(r.prompt_ids), len(r.completion_ids)
-        input_ids[i, P - p:P] = torch.tensor(r.prompt_ids)
-        attn[i, P - p:P] = 1
-        if c:
-            input_ids[i, P:P + c] = torch.tensor(r.completion_ids)
-            attn[i, P:P + c] = 1
-            # the loss mask: every sampled token; tool/environment tokens (env_mask 0) are context only
-            mask[i, :c] = 1.0 if r.env_mask is None else torch.tensor(r.env_mask, dtype=torch.float32)
-            mu[i, :c] = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
-    position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
-    out = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-               completion_ids=input_ids[:, P:], mask=mask, behavior_logprobs=mu, prompt_width=P)
-    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in out.items()}
-
-
-def completion_logprobs(model, batch: dict, sampling: Sampling | float) -> torch.Tensor:
-    """log pi of every completion token, `[B, T]`, under the distribution vLLM samples from (`sampling`: its
-    transforms, or just a temperature)."""
-    if not isinstance(sampling, Sampling):
-        sampling = Sampling(temperature=float(sampling))
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], use_cache=False)
-    P = batch["prompt_width"]
-    tokens = batch["completion_ids"]
-    logits = out.logits[:, P - 1:P - 1 + tokens.shape[1], :]  # [B, T, V]
-    seen = None
-    if sampling.penalties:
-        seen = seen_tokens(batch["input_ids"][:, :P], batch["attention_mask"][:, :P], tokens, logits.shape[-1])
-    return sampled_logprobs(logits, tokens, sampling, seen)
 
 
 class TrainerExecutor(Executor):
@@ -119,10 +78,13 @@ class TrainerExecutor(Executor):
         self.eval_inbox: list[RolloutGroup] = []  # evaluations the generator sent (eval_dataset), logged at `step`
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.weights_channel = None  # set by the front-end; its `last_seconds` is logged
+        self.dispatch = None  # `run_job` sets it: who generates what (`hfllamarl.runtime.dispatch`)
         self.trained_rows: list[list[int]] = []  # dataset rows of each trained batch, in order
         self._save_due = False
         self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
         self.channel_seconds = 0.0  # this tick's time in the channels, before `step`
+        self.packed = False  # micro-batches packed without padding (decided by `init` on the real model)
+        self._tick_started = time.perf_counter()  # when this tick began (`set_step`): a step's wall time
 
     @property
     def weights(self):
@@ -133,6 +95,8 @@ class TrainerExecutor(Executor):
         self.backend = self.backend or self.spec.backend
         if self.topology.core_lender is not None:  # a single-process CPU job: borrow the generators' idle cores
             self.topology.core_lender.install(self.spec.model)
+        if self.spec.padding_free:
+            self.packed = packing_agrees(self.spec.model, self.spec.model.config.vocab_size, self.spec.device)
         wait_for_startup(self.topology, self.spec.startup_timeout_s)
         self.backend.setup_trainer(self.weights)
         self.sync_bytes = sum(t.numel() * self.backend.wire_dtype(t.dtype).itemsize
@@ -190,6 +154,8 @@ class TrainerExecutor(Executor):
         groups = self.inbox.pop(batch_index, None)
         if not groups:
             raise RuntimeError(f"trainer: batch {batch_index} never arrived from the generator")
+        if self.dispatch is not None:  # in position order, exactly this rank's positions
+            groups = self.dispatch.ordered(batch_index, groups)
         lender = self.topology.core_lender
         with lender.lending(self.tick) if lender is not None else contextlib.nullcontext():
             self.train_on(groups)
@@ -206,9 +172,9 @@ class TrainerExecutor(Executor):
         rewards_t0 = time.perf_counter()
         rewards, per_func = spec.rewards(**reward_arguments(rollouts), trainer_state=spec.trainer_state)
         reward_seconds = time.perf_counter() - rewards_t0
+        logged, extra = spec.rewards.drain(len(rollouts))  # TRL's log_metric / log_extra calls of this step
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
         advantages = spec.algorithm.advantages(rewards_t, spec.num_generations)  # [N]
-        extra, logged = spec.rewards.take_logs()  # what reward functions logged (TRL's log_extra / log_metric)
         if spec.on_samples is not None:  # log_completions: the step's samples, gathered to the first trainer rank
             spec.on_samples(gather_samples(rollouts, per_func, advantages, self.topology.rank == 0, extra))
         backward_t0 = time.perf_counter()
@@ -241,14 +207,17 @@ class TrainerExecutor(Executor):
         lender = self.topology.core_lender
         if lender is not None:  # the generators finished first and lent their cores for the rest of this step
             metrics["time/borrowed_cores"] = float(lender.borrowed)
+        metrics.update(_logged_means(logged))
         metrics.update(spec.rewards.counters())
-        metrics.update(reduce_metrics(logged))
+        if self.dispatch is not None:
+            metrics.update(self.dispatch.metrics())  # replicas/live, replicas/lost, replicas/regenerated_prompts
         metrics["grad_norm"] = grad_norm
         if spec.scheduler is not None:
             metrics["learning_rate"] = spec.scheduler.get_last_lr()[0]
         metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
         metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
         metrics["train_step_seconds"] = time.perf_counter() - start
+        metrics["step_time"] = time.perf_counter() - self._tick_started  # TRL's name: the step's wall time
         self.trained_rows.append([r.row_index for r in rollouts[:: spec.num_generations]])
         self._save_due = bool(spec.on_step(self.version, metrics))
         return metrics
@@ -271,13 +240,14 @@ class TrainerExecutor(Executor):
         loss_total = 0.0
         for k in range(steps):
             chunk = rollouts[k * mb:(k + 1) * mb]
-            batch = pad_batch(chunk, spec.pad_token_id, spec.device)
+            build = pack_batch if self.packed else pad_batch
+            batch = build(chunk, spec.pad_token_id, spec.device, spec.pad_to_multiple_of)
             if any(masked[k * mb:(k + 1) * mb]):  # TRL's mask_truncated_completions: no loss on them
                 keep = torch.tensor([not m for m in masked[k * mb:(k + 1) * mb]], device=spec.device)
                 batch["mask"] = batch["mask"] * keep[:, None]
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(k == steps - 1)  # reduce-scatter once per optimizer step
-            raw = completion_logprobs(model, batch, spec.sampling)
+            raw, entropy = completion_logprobs(model, batch, spec.sampling, entropy=True)
             logprobs, outside = within_support(raw, batch["mask"], spec.sampling)
             chunk_advantages = advantages[k * mb:(k + 1) * mb].to(spec.device)
             ref = None
@@ -290,6 +260,7 @@ class TrainerExecutor(Executor):
             loss, m = checked_loss(spec.algorithm, spec.algorithm.loss(logprobs, batch["behavior_logprobs"],
                                                                        chunk_advantages, batch["mask"], **kwargs))
             m["is_ratio/outside_support_frac"] = float(outside.sum()) / max(float(batch["mask"].sum()), 1.0)
+            m["entropy"] = float((entropy * batch["mask"]).sum()) / max(float(batch["mask"].sum()), 1.0)
             # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
             agree(self._nonfinite(batch, raw.masked_fill(outside, 0.0), chunk_advantages, loss, chunk, k * mb),
                   step=self.version + 1, rank_name=self.topology.describe(self.topology.rank))
@@ -326,15 +297,16 @@ class TrainerExecutor(Executor):
         local = {"count": 0.0, "reward_sum": 0.0, "reward_sq": 0.0, "len_sum": 0.0, "truncated": 0.0}
         for name in spec.rewards.names:
             local[f"{name}/sum"] = local[f"{name}/n"] = 0.0
+        logged: dict[str, tuple[float, int]] = {}
         if rollouts:
             rewards, per_func = spec.rewards(**reward_arguments(rollouts), trainer_state=spec.trainer_state)
+            logged = spec.rewards.drain(len(rollouts))[0]
             local.update(count=len(rewards), reward_sum=sum(rewards), reward_sq=sum(x * x for x in rewards),
                          len_sum=sum(r.num_sampled for r in rollouts),
                          truncated=sum(r.finish_reason == "length" for r in rollouts))
             for name, scores in per_func.items():
                 scored = [x for x in scores if x is not None]
                 local[f"{name}/sum"], local[f"{name}/n"] = sum(scored), len(scored)
-        _, logged = spec.rewards.take_logs()
         total = _all_sum(local)
         n = max(total["count"], 1.0)
         mean = total["reward_sum"] / n
@@ -345,7 +317,7 @@ class TrainerExecutor(Executor):
                         "eval_completions/truncated_frac": total["truncated"] / n, "eval_samples": total["count"],
                         "eval_policy_version": float(groups[0].eval_version),
                         "eval_generation_seconds": groups[0].generation_seconds})
-        metrics.update({f"eval_{name}": value for name, value in reduce_metrics(logged).items()})
+        metrics.update({f"eval_{name}": value for name, value in _logged_means(logged).items()})
         return metrics
 
     def _step_metrics(self, groups: list[RolloutGroup], rollouts: list[Rollout], rewards: list[float], per_func: dict,
@@ -355,6 +327,9 @@ class TrainerExecutor(Executor):
         n = len(rollouts)
         oldest = [max(s) for s in staleness if s]  # a completion is as stale as its first token
         lengths = [r.num_sampled for r in rollouts]  # as TRL: the tokens the policy sampled, not the tools'
+        G = self.spec.num_generations
+        flat = [all(math.isclose(x, rewards[i]) for x in rewards[i:i + G]) for i in range(0, n, G)]
+        ended = [length for length, r in zip(lengths, rollouts) if r.finish_reason != "length"]
         partial = [len(r.completion_ids) for r in rollouts if r.segments > 1]
         local = {
             "reward_sum": sum(rewards), "reward_sq": sum(x * x for x in rewards), "count": n,
@@ -362,20 +337,31 @@ class TrainerExecutor(Executor):
             "token_staleness_sum": sum(map(sum, staleness)), "partial": len(partial), "partial_len": sum(partial),
             "len_sum": sum(lengths), "truncated": sum(r.finish_reason == "length" for r in rollouts),
             "empty": sum(length == 0 for length in lengths),
+            "groups": len(flat), "flat_groups": sum(flat), "ended": len(ended), "ended_len": sum(ended),
+            "tokens": sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts),
         }
         for name, scores in per_func.items():
             vals = [s for s in scores if s is not None]
             local[f"rf_sum/{name}"] = sum(vals)
+            local[f"rf_sq/{name}"] = sum(x * x for x in vals)
             local[f"rf_n/{name}"] = len(vals)
         if self.spec.tools:
             local.update(tool_counts(rollouts))
         summed = _all_sum(local)
+        extremes = _all_max([max(lengths), -min(lengths), max(ended, default=-1), -min(ended, default=1 << 30)])
         count = summed["count"]
         mean = summed["reward_sum"] / count
         metrics: dict[str, float] = {"reward": mean,
                                      "reward_std": math.sqrt(max(summed["reward_sq"] / count - mean * mean, 0.0))}
         for name in per_func:
-            metrics[f"rewards/{name}/mean"] = summed[f"rf_sum/{name}"] / max(summed[f"rf_n/{name}"], 1)
+            k = max(summed[f"rf_n/{name}"], 1)
+            metrics[f"rewards/{name}/mean"] = f_mean = summed[f"rf_sum/{name}"] / k
+            metrics[f"rewards/{name}/std"] = math.sqrt(max(summed[f"rf_sq/{name}"] / k - f_mean * f_mean, 0.0))
+        metrics["frac_reward_zero_std"] = summed["flat_groups"] / max(summed["groups"], 1)  # TRL's: no signal
+        state = self.spec.trainer_state
+        if state is not None and hasattr(state, "num_input_tokens_seen"):  # prompt + completion tokens trained, as TRL
+            state.num_input_tokens_seen = int(state.num_input_tokens_seen or 0) + int(summed["tokens"])
+            metrics["num_tokens"] = float(state.num_input_tokens_seen)
         # The loss and the algorithm's own metrics (is_ratio/*, clipped_frac, behavior_kl, kl, ...), plus the share of
         # sampled tokens the current policy's top-k/top-p/min-p no longer allow (weight 0; only off-policy).
         metrics.update(reduce_metrics({"loss": [loss_total], "staleness/max": [max(oldest, default=0)], **stats}))
@@ -388,9 +374,20 @@ class TrainerExecutor(Executor):
         metrics["completions/empty_frac"] = summed["empty"] / count  # they get a reward, but no token to train
         if self.spec.tools:
             metrics.update(tool_metrics(summed, count))
-        gen_seconds = max(g.generation_seconds for g in groups)
+        # TRL's names: min/max length, truncated share, lengths of the completions that ended (0 when none did)
+        metrics["completions/max_length"], metrics["completions/min_length"] = extremes[0], -extremes[1]
+        metrics["completions/clipped_ratio"] = metrics["completions/truncated_frac"]
+        any_ended = summed["ended"] > 0
+        metrics["completions/mean_terminated_length"] = summed["ended_len"] / summed["ended"] if any_ended else 0.0
+        metrics["completions/max_terminated_length"] = extremes[2] if any_ended else 0.0
+        metrics["completions/min_terminated_length"] = -extremes[3] if any_ended else 0.0
+        # Each replica sampled its share of the batch at once: tokens add up, the slowest replica is the time.
+        per_replica = reduce_metrics({f"{g.replica}/{what}/max": [value] for g in groups for what, value in
+                                      (("tokens", g.batch_tokens), ("seconds", g.generation_seconds))})
+        gen_seconds = max(v for k, v in per_replica.items() if k.endswith("/seconds/max"))
         metrics["generation/seconds"] = gen_seconds
-        metrics["generation/tokens_per_s"] = groups[0].batch_tokens / gen_seconds if gen_seconds > 0 else 0.0
+        tokens = sum(v for k, v in per_replica.items() if k.endswith("/tokens/max"))
+        metrics["generation/tokens_per_s"] = tokens / gen_seconds if gen_seconds > 0 else 0.0
         return metrics
 
     def close(self) -> None:
@@ -419,24 +416,50 @@ def _all_sum(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def _all_max(values: list[float]) -> list[float]:
+    """Element-wise maximum over the trainer world (identity with one trainer rank)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _logged_means(logged: dict[str, tuple[float, int]]) -> dict[str, float]:
+    """Metrics reward functions logged with `log_metric` (name -> this rank's sum and count), averaged over every
+    call on every trainer rank, as TRL does. Every trainer rank calls it (a name only some ranks logged counts
+    theirs)."""
+    parts = [logged]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, logged)
+    totals: dict[str, list[float]] = {}
+    for part in parts:
+        for name, (total, count) in part.items():
+            acc = totals.setdefault(name, [0.0, 0])
+            acc[0] += total
+            acc[1] += count
+    return {name: total / count for name, (total, count) in sorted(totals.items()) if count}
+
+
 def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool,
-                   extra: dict | None = None) -> dict | None:
+                   extra: dict[str, list] | None = None) -> dict | None:
     """The step's samples over every trainer rank as TRL's completion-log columns (prompt, completion, one column
-    per reward function, advantage, and the columns reward functions added with `log_extra`); on the first trainer
-    rank, None on the others."""
+    per reward function, advantage, and under "extra" the columns reward functions added with `log_extra`); on
+    the first trainer rank, None on the others."""
     local = {"prompt": [r.prompt for r in rollouts], "completion": [r.completion_text for r in rollouts],
              **{name: [math.nan if v is None else v for v in scores] for name, scores in per_func.items()},
              "advantage": advantages.tolist()}
-    for column, values in (extra or {}).items():
-        local.setdefault(column, (list(values) + [None] * len(rollouts))[:len(rollouts)])
-    parts = [local]
+    parts = [(local, extra or {})]
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
+        dist.all_gather_object(parts, (local, extra or {}))
     if not first:
         return None
-    keys = list(local) + sorted({key for part in parts for key in part} - set(local))
-    return {key: [v for part in parts for v in part.get(key, [None] * len(part["prompt"]))] for key in keys}
+    out = {key: [v for part, _ in parts for v in part[key]] for key in local}
+    columns = sorted({c for _, more in parts for c in more})  # a column only some ranks logged: None elsewhere
+    out["extra"] = {c: [v for part, more in parts for v in more.get(c, [None] * len(part["prompt"]))]
+                    for c in columns}
+    return out
 
 
 def takes_shape(algorithm) -> bool:

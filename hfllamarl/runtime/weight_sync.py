@@ -1,8 +1,9 @@
 """The policy-weights channel, and helpers of weight-sync backends (their contract: `hfllamarl.contracts`).
 
 A backend (entry point group `hfllamarl.weight_sync`) moves the trainer's policy weights to the
-generator ranks. The channel decides *when* (a one-object header from trainer rank 0 says which
-policy version follows, or that none does), the backend decides *how*.
+generator ranks. The channel decides *when* and *where*: a one-object header from trainer rank 0 to every
+rank of every live replica says which policy version follows (or that none does) and which replicas are
+live this tick; the backend decides *how*.
 """
 
 from __future__ import annotations
@@ -14,10 +15,24 @@ import torch
 from hfllamarl.contracts import Box, WeightSyncBackend
 from hfllamarl.registry import load_plugin
 
-from .channels import Channel, ChannelKind
+from .channels import recv_object, start_send_object
+from .liveness import ReplicaLostError
 from .topology import Topology
 
 POLICY_WEIGHTS = "policy_weights"
+REPLICAS = "replicas"  # what the generator executor is told each tick: the live replicas (`put_input`)
+
+
+def settle(waits) -> set[int]:
+    """Call every wait of `waits`; a replica found lost (generator_failure="continue") is left out and the
+    others are finished. Returns the replicas lost on the way."""
+    lost = set()
+    for wait in waits:
+        try:
+            wait()
+        except ReplicaLostError as exc:
+            lost.add(exc.replica)
+    return lost
 
 def verify_dir(output_dir: str, version: int) -> str:
     """Where the trainer writes policy `version` for `verify_weight_sync` (a directory both sides see)."""
@@ -57,35 +72,53 @@ def build_backend(name: str, topology: Topology, **options) -> WeightSyncBackend
 
 
 class WeightsChannel:
-    """The `policy_weights` channel: trainer -> generator, through a weight-sync backend.
+    """The `policy_weights` channel: trainer -> generator replicas, through a weight-sync backend.
 
     The trainer executor's `get_output("policy_weights")` returns `(model, version)` when it has
     weights the generator has not seen, else None; the generator executor's
-    `put_input("policy_weights", (version, weights_iterator))` loads them.
+    `put_input("policy_weights", (version, weights_iterator))` loads them. With a `dispatch`
+    (`hfllamarl.runtime.dispatch.Dispatch`), the trainer ranks first agree on the live replicas and the
+    generator executor is told them (`put_input("replicas", live)`).
     """
 
     name = POLICY_WEIGHTS
 
-    def __init__(self, backend: WeightSyncBackend, topology: Topology):
-        self.backend, self.topology = backend, topology
-        self.header = Channel(f"{POLICY_WEIGHTS}/header", ChannelKind.BROADCAST, [0], topology.generator_ranks, topology)
+    def __init__(self, backend: WeightSyncBackend, topology: Topology, dispatch=None):
+        self.backend, self.topology, self.dispatch = backend, topology, dispatch
         self.last_seconds = 0.0  # the transfer itself
         self.last_wait_seconds = 0.0  # waiting for the other side to reach the channel
 
     def communicate_with(self, executor) -> None:
         start = time.perf_counter()
-        if self.topology.role == "trainer":
+        topo = self.topology
+        if topo.role == "trainer":
             out = executor.get_output(POLICY_WEIGHTS)
-            version = None if out is None else out[1]
-            if self.topology.rank == 0:
-                self.header.communicate(version)
+            live = self.dispatch.begin_tick(executor) if self.dispatch is not None else topo.live_replicas
+            if topo.rank == 0:
+                header = {"version": None if out is None else out[1], "live": live}
+                settle([w for r in live for g in topo.replica_ranks(r)
+                        for w in start_send_object(topo, header, g, f"channel '{POLICY_WEIGHTS}/header'")])
             ready = time.perf_counter()
             if out is not None:
+                self.backend.targets = [r for r in live if r not in topo.lost]
                 self.backend.send(out[0])
         else:
-            version = self.header.communicate(None)
+            header = recv_object(topo, 0, f"channel '{POLICY_WEIGHTS}/header'")
+            if self.dispatch is not None:
+                executor.put_input(REPLICAS, header["live"])
             ready = time.perf_counter()
-            if version is not None:
-                executor.put_input(POLICY_WEIGHTS, (version, self.backend.receive()))
+            if header["version"] is not None:
+                self.backend.targets = header["live"]
+                self.receive(executor, header["version"])
         self.last_wait_seconds = ready - start
         self.last_seconds = time.perf_counter() - ready
+
+    def receive(self, executor, version: int) -> None:
+        """Generator side: load `version` through the backend. A replica this one relays weights from may be lost
+        mid-way (generator_failure="continue"): the engine then holds a partial load, said in
+        `executor.weights_broken`, and the trainer ranks send the whole version again before it samples."""
+        try:
+            executor.put_input(POLICY_WEIGHTS, (version, self.backend.receive()))
+            executor.weights_broken = bool(getattr(self.backend, "incomplete", False))
+        except ReplicaLostError:
+            executor.weights_broken = True

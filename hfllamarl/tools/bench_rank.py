@@ -65,8 +65,88 @@ def _dummy_engine(opts: dict, topo):
     directory = tempfile.mkdtemp(prefix="hfllamarl-bench-model-")
     llama_config_for(opts["params"]).save_pretrained(directory)
     return build_engine(directory, directory, dtype="float32", seed=0, max_model_len=256,
-                        tensor_parallel_size=topo.num_generators, distributed=topo.num_generators > 1,
-                        use_cpu=True, kv_cache_bytes=32 << 20, load_format="dummy", skip_tokenizer_init=True)
+                        tensor_parallel_size=topo.replica_size, distributed=topo.replica_size > 1,
+                        use_cpu=True, kv_cache_bytes=32 << 20, load_format="dummy", skip_tokenizer_init=True,
+                        engine_id=f"bench-{topo.store_addr[1]}-{topo.replica}")
+
+
+def emulate_links(gbps: float) -> None:
+    """Give this rank a network link of `gbps` gigabits per second each way, as a NIC would: a transfer it posts
+    (sent or received) is handed to the transport no earlier than its link has carried the ones posted before it.
+    Each direction is a queue served by a thread of its own, so a rank sends and receives at once, as over a real
+    link. On one machine the transfers otherwise share its CPU cores, and the time measures the cores rather than
+    how the bytes are routed (bench only: the runtime never paces)."""
+    import queue
+    import threading
+
+    from hfllamarl.runtime import channels
+
+    post, rate = channels._start, gbps * 1e9 / 8
+    queues = {"send": queue.Queue(), "recv": queue.Queue()}
+
+    def serve(q):
+        free = 0.0
+        while True:
+            nbytes, start, box = q.get()
+            begin = max(time.perf_counter(), free)
+            time.sleep(max(0.0, begin - time.perf_counter()))
+            free = begin + nbytes / rate
+            try:
+                box["wait"] = start()
+            except BaseException as exc:  # handed to whoever waits
+                box["error"] = exc
+            box["posted"].set()
+
+    for q in queues.values():
+        threading.Thread(target=serve, args=(q,), daemon=True).start()
+
+    def paced(topo, tensor, peer, what, kind, op):
+        box = {"posted": threading.Event()}
+        start = lambda: post(topo, tensor, peer, what, kind, op)  # noqa: E731
+        queues[op].put((tensor.numel() * tensor.element_size(), start, box))
+
+        def wait(_keep_alive=tensor):
+            box["posted"].wait()
+            if "error" in box:
+                raise box["error"]
+            box["wait"]()
+
+        return wait
+
+    channels._start = paced
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def time_replicas(opts: dict, topo, backend, model, results: dict) -> None:
+    """nccl_ddma to the first R replicas, for each R of `opts["replicas"]`, interleaved repeat by repeat (so that
+    every R meets the same load on a shared machine): this rank's time from a common barrier to the end of its part
+    (a replica beyond R idles), its CPU seconds, and on the first repeat the digest of what it received."""
+    from hfllamarl.runtime.channels import bridge_barrier
+    from hfllamarl.runtime.weight_sync import crop, tensor_digest
+
+    for rep in range(opts["repeats"]):
+        for count in opts["replicas"]:
+            bridge_barrier(topo, "bench")
+            backend.targets = list(range(count))
+            cpu, start = _cpu_seconds(), time.perf_counter()
+            got = None
+            if topo.role == "trainer":
+                backend.send(model)
+            elif topo.replica < count:
+                got = list(backend.receive())
+            entry = results.setdefault(f"replicas/{count}", {"seconds": [], "cpu": [], "digest": None})
+            if topo.role == "trainer" or topo.replica < count:
+                entry["seconds"].append(time.perf_counter() - start)
+            entry["cpu"].append(_cpu_seconds() - cpu)
+            if got is not None and rep == 0:
+                entry["digest"] = tensor_digest((n, crop(t, backend.region(n, topo.rank))) for n, t in got)
+            del got
 
 
 def main(argv: list[str]) -> int:
@@ -77,9 +157,10 @@ def main(argv: list[str]) -> int:
     from hfllamarl.runtime.weight_sync import build_backend, crop, tensor_digest
 
     torch.set_num_threads(1)
-    topo = init_topology(opts["generators"], timeout_s=600, use_cpu=True)
-    topo.bridge("object"), topo.bridge("tensor")
-    barrier = topo.bridge("object")
+    if opts.get("link_gbps"):
+        emulate_links(opts["link_gbps"])
+    topo = init_topology(opts["generators"], timeout_s=600, use_cpu=True, tensor_parallel_size=opts.get("tp"))
+    topo.join_bridges()
     results: dict = {"rank": topo.rank, "role": topo.role}
 
     model = llm = None
@@ -98,7 +179,7 @@ def main(argv: list[str]) -> int:
     # Plans are made once, before any timing; then the full copy used for checking is dropped.
     backends = {}
     for name in opts["backends"]:
-        options = {"bucket_bytes": opts["bucket_mb"] << 20} if name == "nccl_ddma" else {}
+        options = {"bucket_bytes": opts["bucket_mb"] << 20, "fan_out": opts.get("fan_out")} if name == "nccl_ddma" else {}
         backend = backends[name] = build_backend(name, topo, **options)
         if topo.role == "trainer":
             backend.setup_trainer(model)
@@ -118,29 +199,33 @@ def main(argv: list[str]) -> int:
     sizes = Channel("sizes", ChannelKind.BROADCAST, [0], topo.generator_ranks, topo)
     received = sizes.communicate(results.get("bytes"))
     total_bytes = received if topo.role == "generator" else results["bytes"]
+    from hfllamarl.runtime.channels import bridge_barrier
 
     # The transport's bound: the model's bytes as one message from trainer rank 0 to each generator
     # rank (all at once), no copies: what any backend that moves the full model over one link costs.
     times = []
+    bound_ranks = topo.replica_ranks(0)  # one replica: what one link per generator rank costs
     for _ in range(opts["repeats"]):
         buf = torch.empty(total_bytes, dtype=torch.uint8)
-        barrier.barrier().wait()
+        bridge_barrier(topo, "bench")
         start = time.perf_counter()
-        if topo.rank == 0:  # to every generator at once
-            for wait in [send_tensor(topo, buf, dst, "bound") for dst in topo.generator_ranks]:
+        if topo.rank == 0:  # to every generator rank of one replica at once
+            for wait in [send_tensor(topo, buf, dst, "bound") for dst in bound_ranks]:
                 wait()
-        elif topo.role == "generator":
+        elif topo.rank in bound_ranks:
             recv_tensor(topo, buf, 0, "bound")
         times.append(time.perf_counter() - start)
         del buf
     results["bound_s"] = sorted(times)[len(times) // 2]
 
-    for name in opts["backends"]:
+    if opts.get("replicas"):
+        time_replicas(opts, topo, backends["nccl_ddma"], model, results)
+    for name in opts["backends"] if not opts.get("replicas") else []:
         backend = backends[name]
         times, digest = [], None
         with RssPeak() as mem:
             for rep in range(opts["repeats"]):
-                barrier.barrier().wait()
+                bridge_barrier(topo, "bench")
                 start = time.perf_counter()
                 if topo.role == "trainer":
                     backend.send(model)

@@ -1,6 +1,12 @@
 """`hfllamarl bench weight-sync`: the weight-sync backends timed side by side in one run.
 
     hfllamarl bench weight-sync [--params 1.1e8] [--trainers 2] [--generators 1] [--repeats 3]
+    hfllamarl bench weight-sync --replicas 1,2 [--generators M] [--repeats 9]
+
+With `--replicas`, `--generators` is the size of one vLLM replica (its tensor parallelism) and the job holds
+max(replicas) of them: `nccl_ddma` is timed to the first R replicas for each R, the R interleaved repeat by repeat
+(a shared machine's load falls alike on each), with the CPU seconds every rank spent, beside the bound (the
+model as one message from one trainer rank to each rank of one replica).
 
 Starts `trainers + generators` processes on this machine (gloo on loopback; NCCL is the same code
 on GPUs), builds a Llama of about `--params` parameters on the trainer ranks, shards it with FSDP2,
@@ -28,6 +34,13 @@ def add_weight_sync_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs per backend (the median is kept)")
     parser.add_argument("--bucket-mb", type=int, default=32, help="nccl_ddma bucket size in MiB")
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--replicas", default=None, help="comma-separated replica counts, e.g. 1,2: nccl_ddma to each "
+                        "(--generators is then the ranks of one replica)")
+    parser.add_argument("--fan-out", type=int, default=None, help="with --replicas: nccl_ddma's fan_out (replicas the "
+                        "trainer ranks feed directly; default max(1, trainers // --generators); --fan-out R: all)")
+    parser.add_argument("--link-gbps", type=float, default=None, help="give every rank a link of this many Gbit/s each "
+                        "way (paced transfers), so that the time shows how the bytes are routed instead of how busy "
+                        "this machine's cores are")
 
 
 def launch(opts: dict, world: int, timeout: float) -> dict:
@@ -84,11 +97,61 @@ def summarize(ranks: list[dict], opts: dict) -> dict:
     return summary
 
 
+def summarize_replicas(ranks: list[dict], opts: dict) -> dict:
+    """Per replica count R: the median over repeats of the slowest participating rank, the CPU seconds of every rank
+    added up, and whether every generator rank received exactly its part."""
+    trainer0, tp = ranks[0], opts["tp"]
+    gens = [r for r in ranks if r["role"] == "generator"]
+    out = {"params": trainer0["params"], "bytes": trainer0["bytes"], "trainer_ranks": opts["trainers"],
+           "replica_ranks": tp, "bound_s": round(max(g["bound_s"] for g in gens[:tp]), 4), "replicas": {}}
+    for count in opts["replicas"]:
+        key = f"replicas/{count}"
+        taking_part = [r for r in ranks if r["role"] == "trainer" or ranks.index(r) < opts["trainers"] + count * tp]
+        per_repeat = [max(r[key]["seconds"][i] for r in taking_part) for i in range(opts["repeats"])]
+        cpu = [sum(r[key]["cpu"][i] for r in ranks) for i in range(opts["repeats"])]
+        receivers = [r for r in gens if ranks.index(r) < opts["trainers"] + count * tp]
+        bitwise = all(g[key]["digest"] == trainer0["expected/nccl_ddma"][gens.index(g)] for g in receivers)
+        out["replicas"][str(count)] = {"seconds": round(sorted(per_repeat)[len(per_repeat) // 2], 4),
+                                       "cpu_seconds": round(sorted(cpu)[len(cpu) // 2], 4), "bitwise_equal": bitwise}
+    first = out["replicas"][str(opts["replicas"][0])]["seconds"]
+    for count, entry in out["replicas"].items():
+        entry["over_first"] = round(entry["seconds"] / first, 3)
+        entry["over_bound"] = round(entry["seconds"] / out["bound_s"], 3)
+    return out
+
+
+def run_replicas(args) -> int:
+    counts = sorted({int(c) for c in args.replicas.split(",")})
+    if not counts or counts[0] < 1:
+        raise SystemExit("--replicas takes replica counts >= 1, e.g. 1,2")
+    opts = {"params": args.params, "trainers": args.trainers, "generators": counts[-1] * args.generators,
+            "tp": args.generators, "replicas": counts, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
+            "backends": ["nccl_ddma"], "fan_out": args.fan_out, "link_gbps": args.link_gbps}
+    summary = summarize_replicas(launch(opts, args.trainers + opts["generators"], args.timeout), opts)
+    summary["fan_out"] = args.fan_out or max(1, args.trainers // args.generators)
+    summary["link_gbps"] = args.link_gbps
+    link = f", links of {args.link_gbps:g} Gbit/s" if args.link_gbps else ", loopback"
+    print(f"nccl_ddma weight sync of {summary['params'] / 1e6:.1f}M parameters ({summary['bytes'] / 2**20:.0f} MiB "
+          f"fp32), {args.trainers} trainer rank(s) -> R replicas of {args.generators} rank(s), fan_out "
+          f"{summary['fan_out']}{link}, median of {args.repeats} (the R interleaved)")
+    print(f"{'replicas':<10}{'seconds':>9}{'x R=' + str(counts[0]):>9}{'x bound':>9}{'CPU s (all ranks)':>19}"
+          f"{'bitwise':>9}")
+    for count, entry in summary["replicas"].items():
+        print(f"{count:<10}{entry['seconds']:>9.3f}{entry['over_first']:>9.2f}{entry['over_bound']:>9.2f}"
+              f"{entry['cpu_seconds']:>19.3f}{str(entry['bitwise_equal']):>9}")
+    print(f"bound: {summary['bound_s']:.3f} s (the model as one message from one trainer rank to each rank of one "
+          "replica)")
+    print(json.dumps(summary))
+    return 0
+
+
 def run_weight_sync(args) -> int:
     opts = {"params": args.params, "trainers": args.trainers, "generators": args.generators,
             "repeats": args.repeats, "bucket_mb": args.bucket_mb, "backends": list(BACKENDS)}
     if args.trainers < 1 or args.generators < 1:
         raise SystemExit("--trainers and --generators must be >= 1")
+    if args.replicas:
+        return run_replicas(args)
     summary = summarize(launch(opts, args.trainers + args.generators, args.timeout), opts)
     model_mb = summary["bytes"] / 2**20
     print(f"weight sync of {summary['params'] / 1e6:.1f}M parameters ({model_mb:.0f} MiB fp32), "

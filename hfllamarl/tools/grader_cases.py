@@ -53,6 +53,30 @@ CASES: list[tuple[str, str, bool]] = [
     ("y = 2x + 3", r"The line is $2x - y - 3 = 0$.", False),
     ("x = 3", r"\boxed{3}", True),
     ("3", r"\boxed{x = 3}", True),
+    # an answer stated after the last box
+    ("10455", r"So \boxed{255} is the interest, and she has $10,200 + $255 = $10,455. "
+              r"Final Answer: The final answer is $10,455$.", True),
+    ("10455", r"So \boxed{255} is the interest, and she has $10,200 + $255 = $10,455. "
+              r"Final Answer: The final answer is $10,454$.", False),
+    ("12", r"Hence \boxed{12}. The answer is correct, as checked.", True),
+    # the last math span or the last number, whichever comes later
+    ("12", r"Each divisor $n$ gives $d = \frac{90}{n}$. Therefore, there are 12 such sequences.", True),
+    ("12", r"Each divisor $n$ gives $d = \frac{90}{n}$. Therefore, there are 13 such sequences.", False),
+    # numbers in prose: a decimal comma, a unit glued on
+    ("2.74", "Le prix : 2,74 € en tout.", True),
+    ("1000.99", "So it is 1,000.99m² in all.", True),
+    ("1000.99", "So it is 1,000.98m² in all.", False),
+    # exact values compare exactly; a decimal may round a value that has no finite decimal form
+    (r"\frac{1}{3}", r"The probability is \boxed{0.3333}.", True),
+    (r"\frac{1}{3}", r"The probability is \boxed{0.33}.", False),
+    (r"-\frac{2010012}{2010013}", r"So $p = \boxed{-\frac{2010012}{2010014}}$.", False),
+    ("16386.17", r"She has \boxed{\$16,386.18}.", False),
+    # numbers in a base
+    ("204_5", r"The quotient is $\boxed{204_5}$.", True),
+    ("204_5", r"The quotient is $\boxed{204_6}$.", False),
+    # a whole completion that is one matrix
+    ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\begin{bmatrix}\n 1 & 2 \\\\\n 3 & 4\n\\end{bmatrix}", True),
+    ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\begin{bmatrix}\n 1 & 2 \\\\\n 3 & 5\n\\end{bmatrix}", False),
     # truncated or no answer
     ("12", r"So the answer is \boxed{1", False),
     ("12", "I could not solve it.", False),

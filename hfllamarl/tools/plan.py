@@ -212,7 +212,69 @@ def plan(model: Model, wl: Workload, hw: Hardware, n: int, prof: Profile | None 
         out["sync_decode_tokens_per_gpu_s"] = tokens_per_gpu(model, wl, hw, prof, out["sync_mp"],
                                                              out["sync_decode_concurrency"], 2)
     out["speedup"] = out["sync_step_s"] / out["async_step_s"] if out["sync_step_s"] else None
+    out["launch"] = launch_settings(out, n, hw, train_time(model, wl, hw, prof, out["trainer_gpus"],
+                                                            out["trainer_gpus"], 1))
     return out
+
+
+def launch_settings(o: dict, n: int, hw: Hardware, runtime_train) -> dict:
+    """What to launch for the recommended split, as the runtime runs it: the launcher's processes per node (ranks
+    fill node 0 first; the last `num_generator_processes` generate), `num_generator_processes` and
+    `generator_tensor_parallel_size` (their ratio is the number of vLLM replicas), where each replica lands, and the
+    trainer the runtime runs: FSDP2 over every trainer rank, without tensor parallelism (`runtime_train`: that
+    layout's (seconds, micro-batch, accumulation), or None if it does not fit)."""
+    nt, ng, m, per = o["trainer_gpus"], o["generator_gpus"], o["generator_mp"], min(n, hw.gpus_per_node)
+    nodes = -(-n // per)
+    per_node = []
+    for node in range(nodes):
+        ranks = range(node * per, min((node + 1) * per, n))
+        gens = [r for r in ranks if r >= nt]
+        per_node.append({"node": node, "trainer_processes": len(ranks) - len(gens), "generator_processes": len(gens),
+                         "replicas": sorted({(r - nt) // m for r in gens})})
+    runs_plan = o["trainer_mp"] == 1 and o["trainer_fsdp"] == nt
+    return {"nodes": nodes, "nproc_per_node": per, "num_processes": n, "uneven_nodes": n % per != 0,
+            "num_generator_processes": ng, "generator_tensor_parallel_size": m, "replicas": ng // m,
+            "replicas_across_nodes": [r for r in range(ng // m) if len({(nt + r * m + i) // per for i in range(m)}) > 1],
+            "per_node": per_node,
+            "trainer": f"FSDP2 over the {nt} trainer rank{'s' if nt > 1 else ''}, no tensor parallelism",
+            "trainer_layout_as_planned": runs_plan,
+            "runtime_train_s": None if runtime_train is None else round(runtime_train[0], 3),
+            "runtime_micro_batch": None if runtime_train is None else runtime_train[1]}
+
+
+def render_launch(launch: dict, o: dict) -> list[str]:
+    """The launch block of `hfllamarl plan`'s output."""
+    l = launch
+    lines = [f"launch: {l['nodes']} node(s) x {l['nproc_per_node']} processes = {l['num_processes']}; "
+             f"num_generator_processes={l['num_generator_processes']} generator_tensor_parallel_size="
+             f"{l['generator_tensor_parallel_size']} ({l['replicas']} vLLM replica(s)); trainer: {l['trainer']}"]
+    groups: list[list] = []  # consecutive nodes that hold the same processes
+    for node in l["per_node"]:
+        what = (node["trainer_processes"], node["generator_processes"], len(node["replicas"]))
+        if groups and groups[-1][1] == what and groups[-1][0][-1] == node["node"] - 1:
+            groups[-1][0].append(node["node"])
+        else:
+            groups.append([[node["node"]], what])
+    for ids, (t, g, r) in groups:
+        where = f"node {ids[0]}" if len(ids) == 1 else f"nodes {ids[0]}-{ids[-1]}"
+        parts = ([f"{t} trainer"] if t else []) + ([f"{g} generator ({r} replica{'s' if r > 1 else ''})"] if g else [])
+        lines.append(f"  {where}: {' + '.join(parts)} processes" + (" each" if len(ids) > 1 else ""))
+    nodes = f"--nnodes {l['nodes']} --node_rank $NODE " if l["nodes"] > 1 else ""
+    lines.append(f"  torchrun {nodes}--nproc_per_node {l['nproc_per_node']} examples/train_math.py --config RECIPE "
+                 f"--num_generator_processes {l['num_generator_processes']} --generator_tensor_parallel_size "
+                 f"{l['generator_tensor_parallel_size']}")
+    if l["uneven_nodes"]:
+        lines.append(f"  note: {l['num_processes']} processes do not fill nodes of {l['nproc_per_node']} evenly, and "
+                     "torchrun and accelerate start the same number on every node")
+    if l["replicas_across_nodes"]:
+        lines.append(f"  note: replica(s) {l['replicas_across_nodes']} span two nodes (tensor parallelism across the "
+                     "network); a split on node boundaries avoids it")
+    if not l["trainer_layout_as_planned"]:
+        runtime = (f"{l['runtime_train_s']:.1f} s a step (micro-batch {l['runtime_micro_batch']})"
+                   if l["runtime_train_s"] is not None else "does not fit in memory")
+        lines.append(f"  note: the trainer layout above (tensor parallel {o['trainer_mp']} x FSDP {o['trainer_fsdp']}) "
+                     f"is the model's; the runtime trains with FSDP2 over all {o['trainer_gpus']} ranks: {runtime}")
+    return lines
 
 
 def sync_plan(model, wl, hw, prof, n, mps) -> dict:
@@ -356,4 +418,4 @@ def render(o: dict, model: Model, wl: Workload, hw: Hardware) -> str:
     lines = [head] + [f"{a.ljust(w0)}  {b.ljust(w1)}  {c}" for a, b, c in rows]
     sp = o["speedup"]
     lines.append(f"predicted speed-up (sync / async): {sp:.2f}x" if sp else "predicted speed-up: sync does not fit")
-    return "\n".join(lines)
+    return "\n".join(lines + render_launch(o["launch"], o))

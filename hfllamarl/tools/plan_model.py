@@ -18,7 +18,7 @@ Trainer memory per GPU (must fit in (1 - headroom) x GPU memory; headroom 0.1: C
                          one layer recomputed; Korthikanti et al. 2022 with flash attention), 34 L without,
                          + logits mb V (2 S + 12 C): bf16 logits of the sequence, and over the completion the fp32
                          copy, the log-softmax kept for backward and its gradient
-                         (hfllamarl.runtime.trainer.completion_logprobs).
+                         (hfllamarl.runtime.batching.completion_logprobs).
 Trainer time: each TP group trains ceil(B tp / N_t) samples as micro-batches of mb (the last one shorter),
 T = mb S tokens each:
   T_train = sum of t_mb + HSDP gradient all-reduce across N_t / m_t replicas (fp32 over the network, once)

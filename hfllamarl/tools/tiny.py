@@ -47,12 +47,21 @@ FAMILIES = {
                   tie_word_embeddings=True),
     # Qwen3 style: q/k RMS norms, an explicit head_dim, 1 KV head
     "qwen3": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32, intermediate_size=256),
+    # Mistral style: a sliding attention window (4) shorter than the tests' prompt + completion, 2 KV heads
+    "mistral": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
+                    sliding_window=4),
+    # Llama-3.2 style: tied embeddings, llama3 RoPE scaling, 1 KV head
+    "llama32": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, intermediate_size=256,
+                    tie_word_embeddings=True,
+                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 32}),
     # Qwen3-MoE style: 4 experts, 2 per token, q/k norms; transformers keeps the experts fused ([E, 2I, H])
     "qwen3_moe": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                       intermediate_size=256, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
                       decoder_sparse_step=1, norm_topk_prob=True),
 }
-_CLASSES = {"llama": "Llama", "llama_gqa": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
+_CLASSES = {"llama": "Llama", "llama_gqa": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
+            "mistral": "Mistral", "llama32": "Llama"}
 
 
 def build_tiny_model(

@@ -6,17 +6,25 @@ The gold answer is the dataset's ``answer`` column, a LaTeX-ish string as in MAT
 Grading, per completion:
 
 1. Extract the answer the completion commits to (``_answer.extract_answer``): the content
-   of the last ``\\boxed{...}`` / ``\\fbox{...}`` (boxes side by side read as one set/tuple
-   answer); with no box at all, the text after the last "answer is" / "answer:", else the last
-   ``$...$`` (``$1,000`` is an amount), else a completion that is only an answer, else the last
-   number of its end. An unclosed last box (truncated generation) is no answer; chat tokens are
-   stripped first.
+   of the last ``\\boxed{...}`` / ``\\fbox{...}`` (boxes side by side, or with a few words ending
+   in "and"/"or" between them, read as one set/tuple answer), unless an answer statement
+   ("The final answer is $10,455$") comes after it; with no box, the text after the last
+   "answer is" / "answer:" (a sentence in words: its one number); else a completion that is only
+   an answer (one short line, or one LaTeX environment); else the last ``$...$`` or the last
+   number of its end (``1,000.99m²``, ``2,74 €``), whichever comes later. An unclosed last box
+   (truncated generation) is no answer; chat tokens are stripped first. The gold is read
+   likewise when it is a worked solution (:func:`gold_text`).
 2. Normalise both sides (:func:`normalize_answer`): ``\\dfrac``, ``\\left``, spacing, units in
-   ``\\text{}`` or as words after an amount, ``\\$``, ``%``, degrees, thousands separators, ``x = 3``, choice letters ...
-3. Decide cheaply in this process when possible: equal strings; two plain numbers (exact
-   rationals, relative tolerance 1e-6); a choice letter or a word as gold.
+   ``\\text{}`` or as words after an amount, ``\\$``, ``%``, degrees, thousands separators, ``x = 3``,
+   ``x = 1, x = -2`` (one left side, several values), "and"/"or" lists, choice letters ...
+3. Decide cheaply in this process when possible: equal strings; two plain numbers
+   (:mod:`._numbers`: exact values exactly, a decimal within 1e-6 or rounded to its own digits
+   when the other side has no finite decimal form); numbers in a base; a choice letter or a word
+   as gold.
 4. Otherwise ask math-verify (LaTeX parser only) and sympy in a sandboxed worker process
-   (:mod:`._sandbox`): symbolic equality, tuples, intervals, unordered sets, matrices.
+   (:mod:`._sandbox`): numbers by value under the same rules, then symbolic equality, tuples,
+   intervals, unordered sets, matrices (elementwise, in order, for decimals). An interval or set
+   as gold is not matched by an inequality (math-verify's rule); the other way round it is.
 
 Security: model text is never evaluated as Python. It goes only through
 ``math_verify.parse`` with ``LatexExtractionConfig`` (the ANTLR LaTeX grammar of
@@ -52,6 +60,8 @@ from ._answer import (
     gold_answers,
     is_missing,
 )
+from ._numbers import as_number, base_number_verdict, numbers_close, rounded_to_own_digits
+from ._normalize import CHOICE_RE, WORDS_RE, normalize_answer, unescape_commands
 from ._sandbox import SandboxError, SandboxTimeout, SandboxWorker
 
 __all__ = [
@@ -61,128 +71,9 @@ __all__ = [
 
 SAMPLE_BUDGET_S = 1.0
 CALL_BUDGET_S = 2.0
-REL_TOL = Fraction(1, 10**6)
-WORKED_SOLUTION_CHARS = 200  # a longer gold with a box is a worked solution: its final box is the answer
-
-# ------------------------------------------------------------------------ normalisation
-
-_SPACING_RE = re.compile(r"\\\\|\\[!,;: ]|\\q?quad(?![A-Za-z])|~")
-_SIZING_RE = re.compile(r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])")
-_UNIT_TAIL_RE = re.compile(
-    r"(?<=[\d})])\s*\\(?:text|textrm|mbox|mathrm)\s*\{\s*[A-Za-z][A-Za-z .]*\}"
-    r"(?:\s*\^\s*\{?\s*[23]\s*\}?)?\s*$"
-)
-_TEXT_WRAP_RE = re.compile(
-    r"\\(?:text|textrm|textbf|textit|textnormal|mbox|mathrm|mathbf|mathit)\s*\{([^{}]*)\}"
-)
-_WHITESPACE_RE = re.compile(r"(\\[A-Za-z]+)\s+(?=[A-Za-z])|\s+")
-_SHORT_FRAC_RE = re.compile(r"\\frac(\d)(\d)|\\frac(\d)\{|\\frac\{([^{}]*)\}(\d)")
-_SHORT_SQRT_RE = re.compile(r"\\sqrt(\d)")
-_ASSIGNMENT_RE = re.compile(r"^[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?(?:=|\\in(?![A-Za-z]))")
-_THOUSANDS_RE = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-_DECIMAL_COMMA_RE = re.compile(r"-?(?:0,\d+|\d{4,},\d{1,2})")  # "1,2" stays a pair
-_CHOICE_RE = re.compile(r"\(?([A-H])\)?")
-_INT_RATIO_RE = re.compile(r"(-?\d+)/(\d+)")
-_WORDS_RE = re.compile(r"[A-Za-z]{2,}(?: [A-Za-z]+)*")
-# a plain amount followed by unit or count words: "28 percent", "12 apples", "5 square feet"
-_AMOUNT_WORDS_RE = re.compile(
-    r"([-+]?\d[\d,]*(?:\.\d+)?%?|[-+]?\d+/\d+|\\frac\{\d+\}\{\d+\})\s*((?:[A-Za-z]{2,}\.?\s*){1,4})"
-)
-_MATH_WORDS = frozenset(
-    "pi sqrt and or times plus minus over divided squared cubed root ln log sin cos tan cot sec csc "
-    "exp mod infty inf to".split()
-)
-_REPLACEMENTS = (
-    ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\displaystyle", ""), ("**", "^"),
-    ("\\$", ""), ("\\textdollar", ""), ("$", ""), ("\\%", ""), ("%", ""), ("{,}", ","),
-    ("^{\\circ}", ""), ("^\\circ", ""), ("\\circ", ""), ("\\degree", ""), ("°", ""),
-)
-
-
-def _fix_short_frac(m: re.Match) -> str:
-    if m.group(1):
-        return "\\frac{%s}{%s}" % (m.group(1), m.group(2))
-    if m.group(3):
-        return "\\frac{%s}{" % m.group(3)
-    return "\\frac{%s}{%s}" % (m.group(4), m.group(5))
-
-
-def normalize_answer(answer: str) -> str:
-    """Canonical string form of an answer, for cheap equality and for parsing.
-
-    Examples: ``\\dfrac{1}{2}`` -> ``\\frac{1}{2}``; ``1,234`` -> ``1234``; ``90^\\circ`` -> ``90``;
-    ``x = 3`` -> ``3``; ``\\text{(C)}`` -> ``C``; ``15\\mbox{ cm}^2`` -> ``15``; ``3/4`` ->
-    ``\\frac{3}{4}``; ``\\left( 3, \\frac{\\pi}{2} \\right)`` -> ``(3,\\frac{\\pi}{2})``.
-    """
-    s = answer.strip()
-    for old, new in _REPLACEMENTS:
-        s = s.replace(old, new)
-    s = _SIZING_RE.sub("", s)
-    s = _SPACING_RE.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", s)
-    for _ in range(3):  # units after a number: "5 \text{ cm}^2", "\$18 \text{ dollars}"
-        s, n = _UNIT_TAIL_RE.subn("", s)
-        if not n:
-            break
-    for _ in range(3):  # remaining \text{...}: keep the words
-        s, n = _TEXT_WRAP_RE.subn(lambda m: m.group(1), s)
-        if not n:
-            break
-    s = s.strip().rstrip(".").strip()
-    if s.endswith("\\") and not s.endswith("\\\\"):  # a stray trailing backslash ("185\\")
-        s = s[:-1].rstrip()
-    amount = _AMOUNT_WORDS_RE.fullmatch(s)
-    if amount and not _MATH_WORDS.intersection(w.rstrip(".").lower() for w in amount.group(2).split()):
-        s = amount.group(1)
-    if _WORDS_RE.fullmatch(s):  # a word answer ("Evelyn", "odd"): case-insensitive
-        return s.lower()
-    spaced_comma = ", " in answer  # "32, 349" is a pair, "32,349" a thousands separator
-    decimal_comma = _DECIMAL_COMMA_RE.fullmatch(s)  # "1000,99", "0,111": a decimal comma
-    if decimal_comma:
-        s = s.replace(",", ".")
-    s = _WHITESPACE_RE.sub(lambda m: m.group(1) + " " if m.group(1) else "", s)
-    s = _SHORT_FRAC_RE.sub(_fix_short_frac, s)
-    s = _SHORT_SQRT_RE.sub(r"\\sqrt{\1}", s)
-    assignment = _ASSIGNMENT_RE.match(s)
-    if assignment and "=" not in s[assignment.end() :]:  # not "a=1,b=2"
-        s = s[assignment.end() :]
-    if not spaced_comma and _THOUSANDS_RE.fullmatch(s):
-        s = s.replace(",", "")
-    s = s.lstrip("+")
-    choice = _CHOICE_RE.fullmatch(s)
-    if choice:
-        return choice.group(1)
-    ratio = _INT_RATIO_RE.fullmatch(s)
-    if ratio:
-        return "\\frac{%s}{%s}" % ratio.groups()
-    return s
-
+WORKED_SOLUTION_CHARS = 200  # a longer gold is a worked solution: the answer it commits to is the gold
 
 # ------------------------------------------------------------------------- equivalence
-
-_DECIMAL_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
-_FRACTION_RE = re.compile(r"(-?)\\frac\{([-+]?\d+)\}\{([-+]?\d+)\}")
-
-
-def _as_number(s: str) -> Fraction | None:
-    """Exact value of a plain decimal or integer fraction (no exponents: no huge powers)."""
-    if len(s) > 200:
-        return None
-    if _DECIMAL_RE.fullmatch(s):
-        return Fraction(s)
-    m = _FRACTION_RE.fullmatch(s)
-    if m and int(m.group(3)) != 0:
-        value = Fraction(int(m.group(2)), int(m.group(3)))
-        return -value if m.group(1) else value
-    return None
-
-
-def numbers_close(a: Fraction, b: Fraction) -> bool:
-    """Equal: exactly when both are integers (1048575 is not 2^20), else within a relative
-    tolerance of ``REL_TOL`` (0.333333 is 1/3)."""
-    if a == b or (a.denominator == 1 and b.denominator == 1):
-        return a == b
-    return abs(a - b) <= REL_TOL * max(abs(a), abs(b))
-
 
 def _cheap_verdict(gold: str, pred: str) -> bool | None:
     """Verdict from string/number checks alone, or None when sympy is needed."""
@@ -190,10 +81,13 @@ def _cheap_verdict(gold: str, pred: str) -> bool | None:
         return True
     if not pred:
         return False
-    g, p = _as_number(gold), _as_number(pred)
+    base = base_number_verdict(gold, pred)
+    if base is not None:
+        return base
+    g, p = as_number(gold), as_number(pred)
     if g is not None and p is not None:
-        return numbers_close(g, p)
-    if _CHOICE_RE.fullmatch(gold) or _WORDS_RE.fullmatch(gold):
+        return numbers_close(g[0], p[0], g[1], p[1]) or (p[1] and rounded_to_own_digits(g[0], pred))
+    if CHOICE_RE.fullmatch(gold) or WORDS_RE.fullmatch(gold):
         return False  # a choice letter or a word: only an equal string matches
     return None
 
@@ -207,21 +101,73 @@ def _parse_latex(text: str) -> tuple:
     return tuple(parse("\\boxed{" + text + "}", extraction_config=config, parsing_timeout=None))
 
 
-def _numeric_close(gold: Any, pred: Any) -> bool:
-    """Real constant expressions compared by value, as :func:`numbers_close` does."""
+def _numeric_value(x: Any) -> tuple[Fraction, bool]:
+    """(value, written as a decimal) of a real sympy number: exact for a rational, the digits it
+    was written with for a decimal, 30 digits for anything else."""
     import sympy
 
-    if not (isinstance(gold, sympy.Expr) and isinstance(pred, sympy.Expr)):
-        return False
-    if not (gold.is_number and pred.is_number):
-        return False
-    g, p = gold.evalf(30), pred.evalf(30)
-    if not (g.is_Float and p.is_Float):  # complex, infinite or not evaluable
-        return False
+    if x.is_Rational:
+        return Fraction(int(x.p), int(x.q)), False
+    if isinstance(x, sympy.Float):
+        return Fraction(_decimal_text(x)), True
+    return Fraction(str(x.evalf(30))), x.has(sympy.Float)
+
+
+def _numeric_close(gold: Any, pred: Any) -> bool | None:
+    """Two real numbers compared by :mod:`._numbers`' rules (exact values exactly, a decimal
+    within a tolerance or rounded to its own digits), or None when either is not a real number."""
+    import sympy
+
+    if not (isinstance(gold, sympy.Expr) and isinstance(pred, sympy.Expr) and gold.is_number and pred.is_number):
+        return None
+    g_approx, p_approx = gold.evalf(30), pred.evalf(30)
+    if not (g_approx.is_Float and p_approx.is_Float):  # complex, infinite or not evaluable
+        return None
+    if gold.is_Rational and pred.is_Rational:
+        return bool(gold == pred)
     try:
-        return numbers_close(Fraction(str(g)), Fraction(str(p)))
-    except (ValueError, ZeroDivisionError):
+        (g, g_decimal), (p, p_decimal) = _numeric_value(gold), _numeric_value(pred)
+    except (ValueError, ZeroDivisionError, OverflowError):  # a value with no decimal digits to read
+        return None
+    if not g_decimal and not p_decimal:  # exact values, one irrational: equal to 25 digits
+        return abs(g - p) <= Fraction(1, 10**25) * max(abs(g), abs(p))
+    irrational = not (gold.is_Rational or g_decimal) or not (pred.is_Rational or p_decimal)
+    if numbers_close(g, p, g_decimal, p_decimal, irrational):
+        return True
+    return p_decimal and isinstance(pred, sympy.Float) and rounded_to_own_digits(
+        g, _decimal_text(pred), irrational=not gold.is_Rational)
+
+
+def _ordered_parts(value: Any) -> tuple[tuple, list] | None:
+    """(kind, elements) of an interval, a tuple or a matrix, whose elements compare in order."""
+    import sympy
+
+    if isinstance(value, sympy.Interval):
+        return ("interval", value.left_open, value.right_open), [value.start, value.end]
+    if isinstance(value, sympy.Tuple):
+        return ("tuple", len(value)), list(value)
+    if isinstance(value, sympy.MatrixBase):
+        return ("matrix", value.shape), list(value)
+    return None
+
+
+def _decimal_text(value: Any) -> str:
+    """The digits a parsed decimal was written with, as far as its value shows (``2.6667``)."""
+    import sympy
+
+    text = str(value)
+    if isinstance(value, sympy.Float) and "." in text and "e" not in text.lower():
+        return text.rstrip("0")
+    return text
+
+
+def _elementwise_close(gold: Any, pred: Any) -> bool:
+    """Intervals, tuples and matrices of the same kind whose elements are close in order, each as
+    :func:`_numeric_close` says (``(0.6, 2.6667]`` for ``(\\frac{3}{5}, \\frac{8}{3}]``)."""
+    g, p = _ordered_parts(gold), _ordered_parts(pred)
+    if g is None or p is None or g[0] != p[0] or len(g[1]) != len(p[1]):
         return False
+    return all(a == b or bool(_numeric_close(a, b)) for a, b in zip(g[1], p[1]))
 
 
 def _worker_equivalent(gold: str, pred: str, gold_raw: str, pred_raw: str) -> bool:
@@ -232,15 +178,37 @@ def _worker_equivalent(gold: str, pred: str, gold_raw: str, pred_raw: str) -> bo
     preds = _parse_latex(pred) or _parse_latex(pred_raw)
     if not golds or not preds:
         return False
-    if verify(list(golds), list(preds), timeout_seconds=None, allow_set_relation_comp=True):
+    numeric = _numeric_close(golds[0], preds[0])
+    if numeric is not None:  # two numbers: by value (math-verify rounds 1/2004! and 1/2005! to 0)
+        return numeric
+    if verify(list(golds), list(preds), timeout_seconds=None, allow_set_relation_comp=False):
         return True
-    if _numeric_close(golds[0], preds[0]):
+    if _elementwise_close(golds[0], preds[0]):
         return True
     if "=" in gold_raw + pred_raw and (gold, pred) != (gold_raw, pred_raw):
         # an equation in another form ("y=2x+3" vs "2x-y+3=0"): normalising dropped "y="
         golds, preds = _parse_latex(gold_raw), _parse_latex(pred_raw)
         return bool(golds and preds) and verify(list(golds), list(preds), timeout_seconds=None)
     return False
+
+
+def gold_text(gold: Any) -> str:
+    """The gold answer to compare with: the ``answer`` column's text; of a worked solution
+    (longer than ``WORKED_SOLUTION_CHARS``), the answer it commits to, as for a completion; of a
+    gold with boxes (``\\boxed{1} papers and \\boxed{2} bins``), its final boxed answer (boxes
+    side by side as one). A short gold's open box (``\\boxed{W(n) = 1``) runs to the end: gold
+    answers are not truncated generations."""
+    text = unescape_commands(str(gold).strip())
+    if len(text) > WORKED_SOLUTION_CHARS:
+        return (extract_answer(text, gold=True) or text).strip()
+    if "\\boxed" not in text and "\\fbox" not in text:
+        return text
+    boxed = final_boxes(text, gold=True)
+    if boxed is not None:
+        return boxed.strip()
+    if text.startswith(("\\boxed{", "\\fbox{")):
+        return text[text.index("{") + 1 :].strip()
+    return text
 
 
 def _worker_warmup() -> None:
@@ -325,10 +293,7 @@ def math_sympy(
         pred_raw = extract_answer(completion_text(completion))
         if pred_raw is None or not pred_raw.strip() or len(pred_raw) > MAX_ANSWER_CHARS:
             continue
-        gold_raw = str(gold).strip()
-        if len(gold_raw) > WORKED_SOLUTION_CHARS and ("\\boxed" in gold_raw or "\\fbox" in gold_raw):
-            # a worked solution as gold: its boxed answer
-            gold_raw = (final_boxes(gold_raw) or gold_raw).strip()
+        gold_raw = gold_text(gold)
         gold_norm, pred_norm = normalize_answer(gold_raw), normalize_answer(pred_raw)
         verdict = _cheap_verdict(gold_norm, pred_norm)
         if verdict is None:

@@ -13,6 +13,7 @@ import torch
 
 from hfllamarl.runtime.channels import recv_object, recv_tensor, send_objects, send_tensor
 from hfllamarl.contracts import WeightSyncBackend
+from hfllamarl.runtime.weight_sync import settle
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -41,9 +42,8 @@ class BroadcastWeightSync(WeightSyncBackend):
             if topo.rank != 0:
                 continue
             full = full.to(self.device, self.wire_dtype(full.dtype))
-            waits = [send_tensor(topo, full.contiguous(), dst, f"weight sync ({name})") for dst in topo.generator_ranks]
-            for wait in waits:
-                wait()
+            settle([send_tensor(topo, full.contiguous(), dst, f"weight sync ({name})") for dst in self.target_ranks
+                    if topo.replica_of(dst) not in topo.lost])
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         topo = self.topology

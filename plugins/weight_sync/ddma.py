@@ -17,13 +17,26 @@ reads is refused at start-up (vLLM does not know it, so it would never be update
 
 The plan (which rows of which parameter live on which trainer rank, which box each generator rank
 needs, how parameters are grouped into buckets) is computed once at start-up and reused every
-sync. Parameters at least `bucket_bytes` large travel alone, with no copy where the piece is a row
-range; smaller ones are packed into buckets of up to `bucket_bytes` so that a layer's norms and
-biases do not cost a message each. The received part lands in a full-size tensor that vLLM's
+sync. Parameters at least `bucket_bytes` large form a bucket of their own; smaller ones are grouped into buckets
+of up to `bucket_bytes`, the unit of the in-flight window. Within a bucket, a piece that is a range of whole rows
+and at least `alone_bytes` large travels as a message of its own, with no copy on either side; the others (a
+layer's norms and biases, column slices) are packed into one message, so that they do not cost a message each. The received part lands in a full-size tensor that vLLM's
 loader narrows to exactly that part (on the CPU vLLM repacks its weights, so they cannot be
 written in place).
 
-The transport is the bridge's tensor group: NCCL on GPU, gloo on CPU, one code path.
+With R generator replicas every replica needs the whole weight set. The trainer ranks send to the first F
+replicas (`fan_out`) and each replica passes every piece on, as it arrives, to the replica F places after it
+(its rank i to that replica's rank i: the replicas' engines read the same boxes), so the weights flow down F
+chains at once and the time grows with the chains' depth only by one piece per hop, not with R. F defaults to
+max(1, trainer ranks // tensor-parallel size): a trainer rank sends its shard, 1/T of the model, to each rank of a
+replica in the time that rank takes to receive its 1/m of it, so it can feed T/m replicas without becoming
+the bottleneck. With generator_failure="continue" a replica whose relay source is lost mid-sync receives the
+rest of the sync as zeros, passes them on likewise (so every transfer still completes), and says so
+(`incomplete`): the channel has it, and the replicas downstream of it (`downstream`), sent the version again
+before they sample.
+
+The transport is the bridge's tensor group (and a relay group between two replicas): NCCL on GPU, gloo on CPU,
+one code path.
 """
 
 from __future__ import annotations
@@ -36,7 +49,8 @@ import torch
 from hfllamarl.runtime.channels import recv_object, send_objects, send_tensor, start_recv_tensor
 from hfllamarl.contracts import Box, WeightSyncBackend
 from hfllamarl.runtime.fsdp import local_shard
-from hfllamarl.runtime.weight_sync import whole
+from hfllamarl.runtime.liveness import ReplicaLostError
+from hfllamarl.runtime.weight_sync import settle, whole
 
 
 @dataclass(frozen=True)
@@ -105,13 +119,39 @@ def plan_buckets(names: list[str], sizes: dict[str, int], dtypes: dict[str, torc
     return buckets
 
 
-class DDMAWeightSync(WeightSyncBackend):
-    """Sharded direct transfer. Options: `bucket_bytes` (default 32 MiB), `max_inflight` buckets (default 4)."""
+def relay_layout(replicas: list[int], fan_out: int) -> dict[int, int | None]:
+    """For each replica of a sync (in order), the replica it receives the weights from (None: the trainer ranks):
+    the first `fan_out` from the trainers, each later one from the replica `fan_out` places before it."""
+    return {r: (None if k < fan_out else replicas[k - fan_out]) for k, r in enumerate(replicas)}
 
-    def __init__(self, topology, bucket_bytes: int = 32 << 20, max_inflight: int = 4, **options):
+
+class DDMAWeightSync(WeightSyncBackend):
+    """Sharded direct transfer. Options: `bucket_bytes` (default 32 MiB), `max_inflight` buckets (default 4),
+    `fan_out` (replicas the trainer ranks send to directly; default max(1, trainer ranks // tensor-parallel size)),
+    `alone_bytes` (a row-range piece this large travels as a message of its own, copied nowhere; default 1 MiB)."""
+
+    def __init__(self, topology, bucket_bytes: int = 32 << 20, max_inflight: int = 4, fan_out: int | None = None,
+                 alone_bytes: int = 1 << 20, **options):
         super().__init__(topology, **options)
         self.bucket_bytes = int(bucket_bytes)
+        self.alone_bytes = int(alone_bytes)
         self.max_inflight = max(1, int(max_inflight))
+        self.fan_out = int(fan_out) if fan_out else max(1, topology.num_trainers // topology.replica_size)
+        self.incomplete = False  # the last receive() lost its relay source part-way (see the module docstring)
+
+    def layout(self) -> dict[int, int | None]:
+        """replica -> where it receives the next sync from (None: the trainer ranks), over `targets`."""
+        topo = self.topology
+        return relay_layout(list(self.targets if self.targets is not None else range(topo.num_replicas)),
+                            self.fan_out)
+
+    def downstream(self, replica: int) -> list[int]:
+        """The replicas the last sync reached through `replica` (they hold what it passed on)."""
+        layout, out, frontier = self.layout(), [], {replica}
+        while frontier:
+            frontier = {r for r, src in layout.items() if src in frontier}
+            out += sorted(frontier)
+        return out
 
     # ------------------------------------------------------------------ plan (once)
     def setup_trainer(self, model: torch.nn.Module) -> None:
@@ -123,6 +163,11 @@ class DDMAWeightSync(WeightSyncBackend):
                                    local.shape[0] if local.dim() else 1))
         send_objects(topo, infos, topo.generator_ranks, "nccl_ddma plan")
         self.boxes = {g: recv_object(topo, g, "nccl_ddma boxes") for g in topo.generator_ranks}
+        for g in topo.generator_ranks:  # every replica's engine must read what replica 0's does (relays rely on it)
+            first = topo.replica_ranks(0)[topo.local_rank_of(g)]
+            if self.boxes[g] != self.boxes[first]:
+                raise ValueError(f"nccl_ddma: {topo.describe(g)} reads other parts of the weights than "
+                                 f"{topo.describe(first)}; every replica must run the same engine layout.")
         self._set_plan({topo.rank: infos})
         unread = [n for n in self.names if all(self.boxes[g].get(n) is None for g in topo.generator_ranks)]
         if unread:
@@ -144,6 +189,10 @@ class DDMAWeightSync(WeightSyncBackend):
         self.boxes = {topo.rank: mine}
         self._set_plan(per_rank)
         self._check_tiling()
+        layout, me = relay_layout(list(range(topo.num_replicas)), self.fan_out), topo.replica
+        for up, down in [(layout[me], me)] + [(me, r) for r, src in layout.items() if src == me]:
+            if up is not None:  # the relay groups of the first layout, built now (a rendezvous of both replicas)
+                topo.relay(up, down)
 
     def region(self, name: str, generator_rank: int) -> Box | None:
         """The box of weight `name` generator rank `generator_rank` receives."""
@@ -195,30 +244,56 @@ class DDMAWeightSync(WeightSyncBackend):
         for name in self.names:
             local, offset = local_shard(state[name], topo.rank)
             locals_[name] = (local.detach().to(self.device, self.info[name].dtype), offset)
+        entries = [r for r, src in self.layout().items() if src is None]
+        ranks = [g for r in entries for g in topo.replica_ranks(r)]
         waits = []
         for bucket in self.buckets:
-            for g in topo.generator_ranks:
-                link = self.pieces[(topo.rank, g)]
-                parts = []
-                for name in bucket:
-                    if name in link:
-                        local, offset = locals_[name]
-                        parts.append(local.reshape((local.shape[0],) + self.info[name].shape[1:])[
-                            _index(link[name].box, offset)])
-                if not parts:
+            payloads: dict[tuple, torch.Tensor] = {}  # the same pieces (another replica's rank) are packed once
+            for g in ranks:
+                if topo.replica_of(g) in topo.lost:
                     continue
-                payload = parts[0].contiguous() if len(parts) == 1 else torch.cat([x.reshape(-1) for x in parts])
-                waits.append(send_tensor(topo, payload, g, f"nccl_ddma bucket {bucket[0]}"))
+                for message in self.messages(self.pieces[(topo.rank, g)], bucket):
+                    key = tuple((p.name, p.box) for p in message)
+                    if key not in payloads:
+                        parts = []
+                        for p in message:
+                            local, offset = locals_[p.name]
+                            parts.append(local.reshape((local.shape[0],) + self.info[p.name].shape[1:])[
+                                _index(p.box, offset)])
+                        payloads[key] = (parts[0].contiguous() if len(parts) == 1
+                                         else torch.cat([x.reshape(-1) for x in parts]))
+                    waits.append(send_tensor(topo, payloads[key], g, f"nccl_ddma bucket {bucket[0]}"))
             # Bound the bytes in flight: wait for the oldest buckets once the window is full.
-            while len(waits) > self.max_inflight * len(topo.generator_ranks):
-                waits.pop(0)()
-        for wait in waits:
-            wait()
+            while len(waits) > self.max_inflight * max(len(ranks), 1) * 4:
+                settle([waits.pop(0)])
+        settle(waits)
+
+    def messages(self, link: dict[str, Piece], bucket: list[str]) -> list[list[Piece]]:
+        """How one bucket's pieces travel on one link: a piece of at least `alone_bytes` that is a range of whole rows
+        of its weight is a message of its own (it leaves the sender's shard and lands in the receiver's full tensor
+        with no copy); the others follow, packed into one message."""
+        alone, packed = [], []
+        for name in bucket:
+            if name not in link:
+                continue
+            piece, info = link[name], self.info[name]
+            rows = all(b == (0, size) for b, size in zip(piece.box[1:], info.shape[1:]))
+            count = 1
+            for start, end in piece.box:
+                count *= end - start
+            (alone if rows and count * info.dtype.itemsize >= self.alone_bytes else packed).append(piece)
+        return [[p] for p in alone] + ([packed] if packed else [])
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         topo, me = self.topology, self.topology.rank
         device = self.device
+        layout = self.layout()
+        up = layout[topo.replica]  # None: the trainer ranks send to this replica themselves
+        source = (lambda t: t) if up is None else (lambda t: topo.replica_ranks(up)[topo.local_rank])
+        down = [topo.replica_ranks(r)[topo.local_rank] for r, src in layout.items() if src == topo.replica]
         pending: list[tuple[list[str], dict[str, torch.Tensor], list]] = []
+        forwards: list = []
+        self.incomplete = False
 
         def dest(full: torch.Tensor, p: Piece) -> torch.Tensor:
             return full.view(self.info[p.name].shape)[_index(p.box)]
@@ -226,19 +301,18 @@ class DDMAWeightSync(WeightSyncBackend):
         def post(bucket: list[str]):
             fulls = {n: torch.empty(self.info[n].shape, dtype=self.info[n].dtype, device=device)
                      for n in bucket if n in self.wanted}
-            works = []  # (wait, parts to unpack or None)
+            works = []  # (wait or None: zeros, the buffer received into, parts to unpack or None)
             for t in topo.trainer_ranks:
-                link = self.pieces[(t, me)]
-                parts = [link[n] for n in bucket if n in link]
-                if not parts:
-                    continue
-                if len(parts) == 1 and dest(fulls[parts[0].name], parts[0]).is_contiguous():
-                    # A single piece that is a row range: it lands straight in the full tensor.
-                    works.append((self._irecv(dest(fulls[parts[0].name], parts[0]), t, parts[0].name), None))
-                    continue
-                total = sum(dest(fulls[p.name], p).numel() for p in parts)
-                flat = torch.empty(total, dtype=self.info[parts[0].name].dtype, device=device)
-                works.append((self._irecv(flat, t, bucket[0]), (flat, parts)))
+                for parts in self.messages(self.pieces[(t, me)], bucket):
+                    if len(parts) == 1 and dest(fulls[parts[0].name], parts[0]).is_contiguous():
+                        # A piece that is a row range: it lands straight in the full tensor.
+                        buf, unpack = dest(fulls[parts[0].name], parts[0]), None
+                    else:
+                        total = sum(dest(fulls[p.name], p).numel() for p in parts)
+                        buf = torch.empty(total, dtype=self.info[parts[0].name].dtype, device=device)
+                        unpack = parts
+                    wait = None if self.incomplete else self._irecv(buf, source(t), parts[0].name)
+                    works.append((wait, buf, unpack))
             pending.append((bucket, fulls, works))
 
         queue = list(self.buckets)
@@ -246,20 +320,34 @@ class DDMAWeightSync(WeightSyncBackend):
             post(queue.pop(0))
         while pending:
             bucket, fulls, works = pending.pop(0)
-            for wait, unpack in works:
-                wait()
+            for wait, buf, unpack in works:
+                self._arrive(wait, buf)
+                for g in down:  # pass it on to the replica after this one, as it is (the same boxes)
+                    forwards.append(send_tensor(topo, buf, g, f"nccl_ddma relay ({bucket[0]})"))
                 if unpack is not None:
-                    flat, parts = unpack
                     pos = 0
-                    for p in parts:
+                    for p in unpack:
                         d = dest(fulls[p.name], p)
-                        d.copy_(flat[pos:pos + d.numel()].view(d.shape))
+                        d.copy_(buf[pos:pos + d.numel()].view(d.shape))
                         pos += d.numel()
+            while len(forwards) > self.max_inflight * len(self.topology.trainer_ranks) * max(len(down), 1) * 4:
+                settle([forwards.pop(0)])
             if queue:
                 post(queue.pop(0))
             for n in bucket:
                 if n in fulls:
                     yield n, fulls[n]
+        settle(forwards)  # a lost downstream replica is left out
+
+    def _arrive(self, wait, buf: torch.Tensor) -> None:
+        """Wait for one piece; once the relay source is lost (`incomplete`), the rest of the sync is zeros."""
+        if wait is not None and not self.incomplete:
+            try:
+                wait()
+                return
+            except ReplicaLostError:
+                self.incomplete = True
+        buf.zero_()
 
     def _irecv(self, buf: torch.Tensor, src: int, what: str):
         """Post a receive into `buf` (contiguous: a row range of a full tensor, or a bucket); return its wait."""

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 
 import torch
 
-from hfllamarl.runtime.channels import recv_object, send_objects
+from hfllamarl.runtime.channels import recv_object, start_send_object
 from hfllamarl.contracts import WeightSyncBackend
+from hfllamarl.runtime.weight_sync import settle
 
 from .broadcast import full_tensor
 
@@ -43,7 +44,8 @@ class DiskWeightSync(WeightSyncBackend):
         path = os.path.join(self.directory, f"policy-{self.version}.safetensors")
         save_file(tensors, path + ".tmp")
         os.replace(path + ".tmp", path)  # a reader never sees a half-written file
-        send_objects(topo, path, topo.generator_ranks, "disk weight sync")
+        settle([w for dst in self.target_ranks if topo.replica_of(dst) not in topo.lost
+                for w in start_send_object(topo, path, dst, "disk weight sync")])
         previous = os.path.join(self.directory, f"policy-{self.version - 1}.safetensors")
         if os.path.exists(previous):
             os.remove(previous)

@@ -96,7 +96,8 @@ def generator(path: str, rows: list, agent, engine=None, length: int = LENGTH, *
     spec = GeneratorSpec(model_path=path, tokenizer_path=path, dataset=Dataset.from_list(rows), max_model_len=512,
                          dtype="float32", chat_template_kwargs=kwargs, sampling=Sampling(temperature=TEMPERATURE),
                          max_completion_length=length, agent=agent, **spec_kw)
-    topology = SimpleNamespace(num_generators=1, use_cpu=True, local_rank=0, rank=0, timeout=None)
+    topology = SimpleNamespace(num_generators=1, replica_size=1, replica=0, use_cpu=True, local_rank=0, rank=0,
+                               timeout=None)
     gen = GeneratorExecutor(spec, topology)
     gen.dataset, gen.llm = spec.dataset, engine or gen._build_engine()
     gen.encoder = PromptEncoder(AutoTokenizer.from_pretrained(path), kwargs)
@@ -135,7 +136,7 @@ def check_rows(path: str) -> tuple[dict, object]:
     from transformers import AutoModelForCausalLM
 
     from hfllamarl.runtime.multi_turn import AgentSpec
-    from hfllamarl.runtime.trainer import completion_logprobs, pad_batch
+    from hfllamarl.runtime.batching import completion_logprobs, pad_batch
     from hfllamarl.tools.tiny_chat import calculator_rows
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

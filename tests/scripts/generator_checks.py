@@ -50,7 +50,8 @@ def local_generator(path: str, **spec_kw):
 
     spec = GeneratorSpec(model_path=path, tokenizer_path=path, dataset=Dataset.from_list(ROWS), max_model_len=64,
                          dtype="float32", **spec_kw)
-    gen = GeneratorExecutor(spec, SimpleNamespace(num_generators=1, use_cpu=True, local_rank=0, rank=0))
+    gen = GeneratorExecutor(spec, SimpleNamespace(num_generators=1, use_cpu=True, local_rank=0, rank=0, replica=0,
+                                                  num_replicas=1, replica_size=1, num_trainers=0))
     gen.dataset, gen.llm = spec.dataset, gen._build_engine()
     gen.encoder = PromptEncoder(AutoTokenizer.from_pretrained(path))
     return gen
@@ -61,7 +62,7 @@ def partial(workdir: str) -> dict:
 
     from hfllamarl.runtime.sampling import Sampling
     from hfllamarl.tools.tiny import build_tiny_model
-    from hfllamarl.runtime.trainer import completion_logprobs, pad_batch
+    from hfllamarl.runtime.batching import completion_logprobs, pad_batch
     from hfllamarl.runtime.weight_sync import POLICY_WEIGHTS
 
     path = build_tiny_model(os.path.join(workdir, "model"), seed=3)
@@ -165,6 +166,47 @@ def lora_greedy(workdir: str) -> dict:
     return result
 
 
+def interrupted(workdir: str) -> dict:
+    """A weight load whose stream breaks half-way (a relay source lost mid-sync), then the whole version again: the
+    engine must hold exactly what vLLM's own loader makes of those weights, and its greedy output follow them."""
+    from transformers import LlamaForCausalLM
+
+    from hfllamarl.runtime.engine import verify_against_disk
+    from hfllamarl.runtime.hf_export import export_weights
+    from hfllamarl.runtime.weight_sync import POLICY_WEIGHTS
+    from hfllamarl.tools.tiny import build_tiny_model
+
+    path = build_tiny_model(os.path.join(workdir, "model"), seed=5)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    new = weight_versions({k: v.clone() for k, v in model.state_dict().items()}, 1)[1]
+    model.load_state_dict(new)
+    export_weights(model, os.path.join(workdir, "new"), write=True)
+    gen = local_generator(path, schedule=Schedule(0, 1), prompts_per_batch=1, num_generations=1, max_completion_length=8)
+
+    def broken():
+        for i, item in enumerate(new.items()):
+            if i == len(new) // 2:
+                raise ConnectionError("the relay source is gone")
+            yield item
+
+    try:
+        gen.put_input(POLICY_WEIGHTS, (1, broken()))
+        raised = False
+    except ConnectionError:
+        raised = True
+    gen.put_input(POLICY_WEIGHTS, (1, iter(list(new.items()))))
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompt = gen.encoder.encode(ROWS[0]["prompt"])
+    out = gen.llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                                   ignore_eos=True), use_tqdm=False)
+    hf = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(prompt):].tolist()
+    return {"raised": raised, "mismatches": verify_against_disk(gen.llm, os.path.join(workdir, "new")),
+            "greedy_matches_hf": list(out[0].outputs[0].token_ids) == hf}
+
+
 if __name__ == "__main__":
-    check = {"partial": partial, "lora-greedy": lora_greedy}[sys.argv[1]]
+    check = {"partial": partial, "lora-greedy": lora_greedy, "interrupted": interrupted}[sys.argv[1]]
     print("RESULT " + json.dumps(check(sys.argv[2])), flush=True)

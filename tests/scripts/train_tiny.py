@@ -67,6 +67,21 @@ def kill_inside_checkpoint(step):
     checkpoint.commit = commit_or_die
 
 
+def generator_raises(spec: str):
+    """`TICK:REPLICA`: the generator ranks of that replica raise at that tick (a replica that fails on its own)."""
+    tick, replica = map(int, spec.split(":"))
+    from hfllamarl.runtime.generator import GeneratorExecutor
+
+    step = GeneratorExecutor.step
+
+    def failing(self):
+        if self.tick == tick and self.topology.replica == replica:
+            raise RuntimeError(f"replica {replica} fails at tick {tick}")
+        return step(self)
+
+    GeneratorExecutor.step = failing
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -89,6 +104,7 @@ def main():
     p.add_argument("--algorithm", default="aipo", help="algorithm plugin name")
     p.add_argument("--partial-rollout-tokens", type=int, default=None, help="per-tick token budget of a completion")
     p.add_argument("--kill-in-checkpoint", type=int, default=0, help="SIGKILL while this step's checkpoint is written")
+    p.add_argument("--generator-raises", default=None, help="TICK:REPLICA: that replica's ranks raise at that tick")
     p.add_argument("--verify-weight-sync", action="store_true", help="check every sync against vLLM's own loader")
     p.add_argument("--timeout", type=float, default=60, help="collective_timeout_s")
     p.add_argument("--startup-timeout", type=float, default=240, help="vllm_server_timeout (start-up budget)")
@@ -101,6 +117,8 @@ def main():
     a = p.parse_args()
     if a.kill_in_checkpoint:
         kill_inside_checkpoint(a.kill_in_checkpoint)
+    if a.generator_raises:
+        generator_raises(a.generator_raises)
     rewards = [digits if a.reward == "digits" else a.reward] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
     if a.reward_model:
         rewards.insert(0, a.reward_model)

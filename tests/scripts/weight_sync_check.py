@@ -133,7 +133,8 @@ def main():
         from vllm.inputs import TokensPrompt
 
         llm = build_engine(model_dir, model_dir, dtype=wire or "float32", seed=0, max_model_len=128,
-                           tensor_parallel_size=generators, distributed=generators > 1, use_cpu=True)
+                           tensor_parallel_size=generators, distributed=generators > 1, use_cpu=True,
+                           engine_id=os.environ["MASTER_PORT"])
         boxes = lambda weights: loader_boxes(llm, weights)  # noqa: E731
         if os.environ.get("SABOTAGE") == "kv_split":
             boxes = lambda weights: kv_split(loader_boxes(llm, weights), topo.local_rank, generators)  # noqa: E731

@@ -1,0 +1,49 @@
+"""A TRL user script run unchanged by both trainers: `--trainer trl` runs TRL's GRPOTrainer, `--trainer hfllamarl`
+AsyncAIPOTrainer (only the class names differ). Its reward function uses TRL's `log_metric` and `log_extra`.
+
+    python tests/scripts/trl_user_script.py MODEL_DIR OUTPUT_DIR --trainer trl|hfllamarl
+"""
+
+import argparse
+import json
+
+from datasets import Dataset
+
+
+def digits(completions, log_metric=None, log_extra=None, **kwargs):
+    scores = [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+    log_metric("digits/any", sum(s > 0 for s in scores) / len(scores))
+    log_extra("digit_count", [sum(c.isdigit() for c in text) for text in completions])
+    return scores
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--trainer", default="hfllamarl")
+    p.add_argument("--push", action="store_true", help="also push_to_hub (HF_HUB_OFFLINE=1 makes the upload fail)")
+    a = p.parse_args()
+    rows = [{"prompt": f"{i % 10}{(i + 3) % 10}?"} for i in range(40)]
+    common = dict(output_dir=a.out, max_steps=2, per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=6, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none",
+                  bf16=False, use_cpu=True, log_completions=True, num_completions_to_print=1, seed=0)
+    if a.trainer == "trl":
+        from trl import GRPOConfig as Config, GRPOTrainer as Trainer
+    else:
+        from hfllamarl import AsyncAIPOConfig as Config, AsyncAIPOTrainer as Trainer
+    trainer = Trainer(model=a.model, reward_funcs=digits, args=Config(**common), train_dataset=Dataset.from_list(rows))
+    trainer.train()
+    trainer.accelerator.print("TRAINING DONE")
+    trainer.save_model(a.out)
+    if a.push:
+        try:
+            trainer.push_to_hub()
+        except Exception as exc:  # no Hub here
+            print(f"PUSH_FAILED {type(exc).__name__} repo={trainer.hub_model_id}")
+    print("LOG_HISTORY " + json.dumps(trainer.state.log_history))
+    trainer.end()
+
+
+if __name__ == "__main__":
+    main()
