@@ -96,8 +96,8 @@ def generator(path: str, rows: list, agent, engine=None, length: int = LENGTH, *
     spec = GeneratorSpec(model_path=path, tokenizer_path=path, dataset=Dataset.from_list(rows), max_model_len=512,
                          dtype="float32", chat_template_kwargs=kwargs, sampling=Sampling(temperature=TEMPERATURE),
                          max_completion_length=length, agent=agent, **spec_kw)
-    topology = SimpleNamespace(num_generators=1, replica_size=1, replica=0, use_cpu=True, local_rank=0, rank=0,
-                               timeout=None)
+    topology = SimpleNamespace(num_generators=1, replica_size=1, num_replicas=1, replica=0, use_cpu=True,
+                               local_rank=0, rank=0, timeout=None)
     gen = GeneratorExecutor(spec, topology)
     gen.dataset, gen.llm = spec.dataset, engine or gen._build_engine()
     gen.encoder = PromptEncoder(AutoTokenizer.from_pretrained(path), kwargs)

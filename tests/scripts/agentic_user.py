@@ -2,7 +2,8 @@
 the class names swapped and nothing else.
 
     python tests/scripts/agentic_user.py tools|env|rollout_func MODEL_DIR OUTPUT_DIR [--trl] [--steps 3]
-        [--max-staleness 1] [--partial N] [--batch 4] [--hang] [--timeout S] [--summary FILE] [--calls FILE]
+        [--max-staleness 1] [--partial N] [--batch 4] [--generators 1] [--tp N] [--hang] [--timeout S] [--summary FILE]
+        [--calls FILE]
 
 - `tools`: `tools=[calculator]`, a reward reading the last assistant message and `answer`;
 - `env`: `environment_factory=CalculatorEnv` (state per rollout, `reset` adds to the prompt, `get_reward`), and a
@@ -114,7 +115,8 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--partial", type=int, default=None, help="partial_rollout_tokens")
-    p.add_argument("--generators", type=int, default=1, help="num_generator_processes (tensor parallel)")
+    p.add_argument("--generators", type=int, default=1, help="num_generator_processes")
+    p.add_argument("--tp", type=int, default=None, help="generator_tensor_parallel_size (default: all generators)")
     p.add_argument("--batch", type=int, default=4, help="per_device_train_batch_size")
     p.add_argument("--hang", action="store_true")
     p.add_argument("--timeout", type=float, default=60.0, help="tool_call_timeout_s")
@@ -130,7 +132,8 @@ def main():
         from hfllamarl import AsyncAIPOConfig as Config, AsyncAIPOTrainer as Trainer
 
         extra = dict(max_staleness=args.max_staleness, tool_call_timeout_s=args.timeout,
-                     partial_rollout_tokens=args.partial, num_generator_processes=args.generators)
+                     partial_rollout_tokens=args.partial, num_generator_processes=args.generators,
+                     generator_tensor_parallel_size=args.tp)
     if args.mode != "rollout_func":
         extra["max_tool_calling_iterations"] = 2
     config = Config(output_dir=args.output_dir, per_device_train_batch_size=args.batch, num_generations=2,
