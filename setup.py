@@ -34,6 +34,7 @@ setup(
         "hfllamarl.plugins.algorithms",
         "hfllamarl.plugins.rewards",
         "hfllamarl.plugins.weight_sync",
+        "hfllamarl.plugins.environments",
         "hfllamarl.trainers",
     ],
     package_dir={
@@ -65,6 +66,10 @@ setup(
             "broadcast = hfllamarl.plugins.weight_sync.broadcast:BroadcastWeightSync",
             "nccl_ddma = hfllamarl.plugins.weight_sync.ddma:DDMAWeightSync",
             "disk = hfllamarl.plugins.weight_sync.disk:DiskWeightSync",
+        ],
+        "hfllamarl.environments": [
+            "calculator = hfllamarl.plugins.environments.calculator:Calculator",
+            "python_sandbox = hfllamarl.plugins.environments.python_sandbox:PythonSandbox",
         ],
     },
 )

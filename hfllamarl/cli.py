@@ -8,6 +8,7 @@
     hfllamarl bench load ...          each trainer rank's memory while loading the policy, sharded vs whole (hfllamarl.tools.bench_load)
     hfllamarl bench vs-trl ...        TRL's GRPOTrainer and AsyncAIPOTrainer on the same job, timed (hfllamarl.tools.bench_vs_trl)
     hfllamarl bench grader ...        math_sympy against graders' test suites, Math-Verify side by side (hfllamarl.tools.bench_grader)
+    hfllamarl bench multi-turn ...    multi-turn tool calling, synchronous vs asynchronous throughput (hfllamarl.tools.bench_multi_turn)
     hfllamarl plan ...          recommend a trainer/generator GPU split from the memory and step-time model (hfllamarl.tools.plan)
     hfllamarl version
 """
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="action", required=True)
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
     # light modules: heavy imports happen inside their run()
-    from .tools import bench_grader, bench_learning, bench_load, bench_profile, bench_vs_trl, bench_weight_sync as bench, evaluate, plan
+    from .tools import bench_grader, bench_learning, bench_load, bench_multi_turn, bench_profile, bench_vs_trl, bench_weight_sync as bench, evaluate, plan
 
     _command(sub, "eval", "generate on a JSONL data set and score it", evaluate)
     bench_parser = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     _command(bench_parser, "load", "each trainer rank's memory while loading the policy, sharded vs whole", bench_load)
     _command(bench_parser, "vs-trl", "TRL's GRPOTrainer and AsyncAIPOTrainer on the same job, timed", bench_vs_trl)
     _command(bench_parser, "grader", "math_sympy against graders' test suites, Math-Verify side by side", bench_grader)
+    _command(bench_parser, "multi-turn", "multi-turn tool calling: synchronous vs asynchronous throughput",
+             bench_multi_turn)
     _command(sub, "plan", "recommend a trainer/generator GPU split (LlamaRL section 6 model)", plan)
     sub.add_parser("version", help="print the version").set_defaults(
         func=lambda a: print(__import__("hfllamarl").__version__) or 0)

@@ -5,6 +5,7 @@
 | `hfllamarl.algorithms`    | a class                                      | `Algorithm`            |
 | `hfllamarl.rewards`       | a function (or callable object)              | `RewardFunction`       |
 | `hfllamarl.weight_sync`   | a subclass of `WeightSyncBackend`            | `WeightSyncBackend`    |
+| `hfllamarl.environments`  | a class (or factory) returning an environment | `Environment`         |
 
 A plugin imports the core (this module, `hfllamarl.losses`), never the reverse. The README's "Plugins" section
 documents each method below; a test keeps the two in step.
@@ -115,6 +116,29 @@ class RewardFunction(Protocol):
 
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float | None]:
         ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """An environment with TRL's `environment_factory` contract (group `hfllamarl.environments`; built-ins:
+    calculator, python_sandbox). The entry point names a class (or any factory): `environment_factory="name"`
+    builds one instance per rollout, on the generator's first rank only, and reuses instances across batches.
+
+    Tools: every public method other than `reset` and `get_reward`, sync or `async def`, with type hints and a
+    Google-style docstring (the schema the model reads); called with the arguments the model wrote, each call
+    bounded by `tool_call_timeout_s`; what it returns (or the error it raises) is the tool message the model reads.
+    Model output only chooses the method and its arguments: a tool that runs them as code must sandbox them.
+    """
+
+    def reset(self, **row: Any) -> str | None:
+        """Called before each rollout with the dataset row's columns (TRL passes the `prompt` too); a string is
+        appended to the content of the prompt's last message."""
+        ...
+
+    # Optional, so not part of the runtime check:
+    #     def get_reward(self) -> float
+    # called once when the rollout finishes, next to the live environment; the score is a reward named after the
+    # class (weight 1), logged as `rewards/<class name>/mean`.
 
 
 class WeightSyncBackend:

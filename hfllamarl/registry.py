@@ -15,6 +15,7 @@ GROUPS = {
     "rewards": "hfllamarl.rewards",
     "algorithms": "hfllamarl.algorithms",
     "weight_sync": "hfllamarl.weight_sync",
+    "environments": "hfllamarl.environments",
 }
 
 
@@ -29,7 +30,7 @@ def _group(group: str) -> str:
 
 
 def installed(group: str) -> dict[str, EntryPoint]:
-    """Entry points installed in `group` ("rewards", "algorithms", "weight_sync"), by name."""
+    """Entry points installed in `group` ("rewards", "algorithms", "weight_sync", "environments"), by name."""
     return {ep.name: ep for ep in entry_points(group=_group(group))}
 
 
@@ -57,7 +58,7 @@ def load_plugin(group: str, name: str):
     """Return the object the entry point `name` in group `hfllamarl.<group>` names.
 
     Args:
-        group: "rewards", "algorithms" or "weight_sync".
+        group: "rewards", "algorithms", "weight_sync" or "environments".
         name: the entry-point name, e.g. "math_sympy" or "aipo".
 
     Raises:

@@ -30,6 +30,20 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tool_model(tmp_path_factory) -> str:
+    """The tiny model with Qwen3's chat template (tool-call markers as tokens), warmed up on the calculator task's
+    two answer formats: a tool call (about a fifth of its answers), or a boxed guess; half the warm-up questions end
+    with an environment's text, as test environments add it."""
+    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.tools.tiny_chat import warm_start_tool_calls
+
+    path = str(tmp_path_factory.mktemp("tool") / "model")
+    build_tiny_model(path, chat_template="qwen3", max_position_embeddings=512, seed=0)
+    warm_start_tool_calls(path, steps=120, call_share=0.5, seed=0, hint_share=0.5)
+    return path
+
+
+@pytest.fixture(scope="session")
 def family_model(tmp_path_factory):
     """`family_model(name)`: a random-init model of one of `hfllamarl.tools.tiny.FAMILIES`, built once per session."""
     from hfllamarl.tools.tiny import build_tiny_model

@@ -35,11 +35,16 @@ def test_bench_weight_sync_small():
     assert "broadcast / ddma" in proc.stdout
 
 
-def test_bench_learning_and_vs_trl_smoke(tmp_path):
-    """Both commands run end to end, side by side (each is mostly process start-up): `bench learning` with one
+def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
+    """The commands run end to end, side by side (each is mostly process start-up): `bench learning` with one
     variant for a few steps writes its plot and reports the final reward; `bench vs-trl` on a tiny model runs TRL's
-    GRPOTrainer and ours for the same steps and reports both times, their ratio and the profile (the training runs
-    themselves are tested in test_train_e2e.py)."""
+    GRPOTrainer and ours for the same steps and reports both times, their ratio and the profile; `bench multi-turn`
+    runs the synchronous and the asynchronous tool-calling job and reports their throughput ratio (the training runs
+    themselves are tested in test_train_e2e.py and test_agentic.py)."""
+    multi_turn = subprocess.Popen([sys.executable, "-m", "hfllamarl.cli", "bench", "multi-turn", "--steps", "3",
+                                   "--variants", "sync,async", "--tool-latency", "0.05", "--model", tool_model,
+                                   "--output-dir", str(tmp_path / "multi_turn")], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
     learning = subprocess.Popen([sys.executable, "-m", "hfllamarl.cli", "bench", "learning", "--steps", "3",
                                  "--variants", "aipo_staleness_4", "--seeds", "0", "--output-dir",
                                  str(tmp_path / "learning")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -70,3 +75,12 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path):
     for name in ("trl", "hfllamarl"):
         result = json.load(open(tmp_path / "vs" / f"{name}.json"))
         assert result["steps"] == 2 and len(result["rewards"]) == 2
+
+    out, err = multi_turn.communicate(timeout=600)
+    assert multi_turn.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and summary["ratio_async"] == round(
+        summary["async"]["completions_per_s"] / summary["sync"]["completions_per_s"], 3)
+    for variant in ("sync", "async"):
+        assert summary[variant]["step_s"] > 0 and 0.0 <= summary[variant]["final_reward"] <= 1.0
+        assert len(json.load(open(tmp_path / "multi_turn" / f"{variant}.json"))["history"]) == 3

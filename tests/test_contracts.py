@@ -13,7 +13,7 @@ from hfllamarl import contracts, load_plugin
 from hfllamarl.registry import GROUPS
 
 CONTRACTS = {"rewards": contracts.RewardFunction, "algorithms": contracts.Algorithm,
-             "weight_sync": contracts.WeightSyncBackend}
+             "weight_sync": contracts.WeightSyncBackend, "environments": contracts.Environment}
 
 
 def plugins_section() -> str:
@@ -72,5 +72,8 @@ def test_every_built_in_plugin_is_documented_and_follows_its_contract(group):
                 f"{name} swallows options it does not use"
         elif group == "weight_sync":
             assert issubclass(plugin, contracts.WeightSyncBackend), name
+        elif group == "environments":
+            assert isinstance(plugin(), contracts.Environment), name
+            assert "get_reward" in section
         else:
             assert isinstance(plugin, contracts.RewardFunction), name

@@ -35,6 +35,29 @@ def test_example_declares_its_entry_point_without_dependencies():
     assert project["entry-points"]["hfllamarl.rewards"] == {"last_digit": "hfllamarl_plugin_example:last_digit"}
     assert project["entry-points"]["hfllamarl.algorithms"] == {
         "aipo_seq_mean": "hfllamarl_plugin_example.algorithm:SequenceMeanAIPO"}
+    assert project["entry-points"]["hfllamarl.environments"] == {
+        "guess_number": "hfllamarl_plugin_example.environment:GuessNumber"}
+
+
+def test_example_environment_keeps_state_and_scores_itself():
+    """TRL's environment contract, with hand values: reset takes the row, the tool answers, get_reward pays."""
+    from hfllamarl.contracts import Environment
+    from hfllamarl.runtime.environments import probe
+
+    spec = importlib.util.spec_from_file_location("example_environment", EXAMPLE / "hfllamarl_plugin_example" /
+                                                  "environment.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    env = module.GuessNumber()
+    assert isinstance(env, Environment)
+    assert env.reset(prompt=[{"role": "user", "content": "go"}], secret=42).startswith(" Find the number")
+    assert [env.guess(50), env.guess(25), env.guess(42), env.guess(1)] == ["lower", "higher", "correct",
+                                                                           "already found"]
+    assert env.get_reward() == pytest.approx(0.8)
+    env.reset(prompt="x")
+    assert env.get_reward() == 0.0 and 1 <= env.secret <= 100
+    kinds, _ = probe({None: module.GuessNumber})
+    assert kinds[None].tool_names == ["guess"] and kinds[None].has_reward
 
 
 def test_example_last_digit_scores_strings_chat_and_none():
@@ -106,14 +129,20 @@ def test_pip_installed_plugin_is_listed_loaded_and_trains_by_name(tiny_model, tm
         assert ["rewards", "last_digit", DIST, "0.1.0", "hfllamarl_plugin_example:last_digit"] in rows, listed.stdout
         assert ["algorithms", "aipo_seq_mean", DIST, "0.1.0", "hfllamarl_plugin_example.algorithm:SequenceMeanAIPO"] \
             in rows, listed.stdout
+        assert ["environments", "guess_number", DIST, "0.1.0", "hfllamarl_plugin_example.environment:GuessNumber"] \
+            in rows, listed.stdout
 
         load = subprocess.run([sys.executable, "-c", (
             "from hfllamarl import load_plugin\n"
             "f = load_plugin('rewards', 'last_digit')\n"
-            "print(f.__module__, f.__name__, f(['p'], ['\\\\boxed{4}'], answer=['4']))")],
+            "print(f.__module__, f.__name__, f(['p'], ['\\\\boxed{4}'], answer=['4']))\n"
+            "env = load_plugin('environments', 'guess_number')()\n"
+            "env.reset(secret=3)\n"
+            "print(type(env).__name__, env.guess(3), env.get_reward())")],
             capture_output=True, text=True, timeout=120)
         assert load.returncode == 0, tail(load)
         assert "hfllamarl_plugin_example last_digit [1.0]" in load.stdout.splitlines(), tail(load)
+        assert "GuessNumber correct 1.0" in load.stdout.splitlines(), tail(load)
 
         proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, str(tmp_path / "run"), "--steps", "2",
                            "--reward", "last_digit", "--algorithm", "aipo_seq_mean", "--report-to", "none"],

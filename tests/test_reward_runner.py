@@ -30,6 +30,31 @@ def test_kwargs_columns_and_weights():
     assert seen == {"prompts": ["p1", "p2"], "ids": [[1, 2], [1, 2]], "state": "STATE", "level": [1, 2]}
 
 
+def test_log_metric_and_log_extra_as_trl_passes_them():
+    """TRL 1.16 gives every reward function `log_metric(name, value)` and `log_extra(column, values)`; what they log
+    is drained once per step (then forgotten): each metric's sum and count, each column fitted to the completions."""
+    def scored(completions, log_metric, log_extra, **kw):
+        log_metric("judge/calls", 2.0)
+        log_extra("verdict", ["yes", "no"])
+        return [1.0, 0.0]
+
+    runner = RewardRunner([scored])
+    call(runner, ["p1", "p2"], ["a", "b"])
+    call(runner, ["p1", "p2"], ["a", "b"])
+    assert runner.drain(4) == ({"judge/calls": (4.0, 2)}, {"verdict": ["yes", "no", "yes", "no"]})
+    assert runner.drain(2) == ({}, {})
+
+
+def test_multi_turn_completions_stay_message_lists():
+    seen = []
+    runner = RewardRunner([lambda completions, **kw: seen.extend(completions) or [0.0] * len(completions)])
+    chat = [{"role": "user", "content": "q"}]
+    turns = [{"role": "assistant", "content": "", "tool_calls": []}, {"role": "tool", "name": "t", "content": "1"},
+             {"role": "assistant", "content": "done"}]
+    call(runner, [chat, chat], [turns, "plain"])
+    assert seen == [turns, [{"role": "assistant", "content": "plain"}]]
+
+
 def test_none_skips_a_function_for_a_sample_and_nan_is_none():
     def sparse(completions, **kw):
         return [None, 1.0, float("nan")]

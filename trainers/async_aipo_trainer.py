@@ -31,6 +31,7 @@ from hfllamarl.runtime.rewards import RewardRunner, resolve_reward_funcs
 from hfllamarl.runtime.schedule import Schedule
 from hfllamarl.runtime.weight_sync import build_backend
 
+from .agent_setup import build_agent, check_dataset, placeholder_dataset, prepare_tokenizer, reward_weights
 from .config import AsyncAIPOConfig
 from .model_io import load_policy, resolve_model, save_for_generator
 from .trainer_ranks import eval_every, save_every
@@ -51,11 +52,19 @@ class AsyncAIPOTrainer:
         processing_class: the tokenizer (default: loaded from the model directory).
         reward_processing_classes: the reward models' tokenizers, one (or None) per reward function, as in TRL.
         callbacks: `transformers.TrainerCallback`s, fired on the trainer ranks.
+        tools: functions (sync or async, type-hinted, Google-style docstring) the model may call, as in TRL; they
+            run on the generator, each call bounded by `tool_call_timeout_s`.
+        environment_factory: TRL's: a callable returning an environment (its public methods are tools, `reset()`
+            may add to the prompt, an optional `get_reward()` scores the rollout), an installed environment plugin's
+            name, or a dict of either by name (rows name theirs in an `environment` column). One per rollout.
+        rollout_func: TRL's `rollout_func(prompts, trainer) -> dict`: a batch's whole generation loop, run on the
+            generator with a trainer view that generates with the job's engine.
     """
 
     def __init__(self, model, reward_funcs=None, args: AsyncAIPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
-                 optimizers=(None, None), quantization_config=None, peft_config=None):
+                 optimizers=(None, None), quantization_config=None, peft_config=None, tools=None,
+                 rollout_func=None, environment_factory=None):
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = AsyncAIPOConfig(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-AIPO")
@@ -71,13 +80,14 @@ class AsyncAIPOTrainer:
             raise ValueError("quantization_config (a 4/8-bit bitsandbytes base model, QLoRA) is not supported: the "
                              "trainer ranks shard the policy with FSDP2 and send its weights to vLLM at every step. "
                              "Train LoRA adapters on a bf16 base (peft_config) instead.")
-        if train_dataset is None:
-            raise ValueError("train_dataset is required: a datasets.Dataset with a `prompt` column.")
         self.args, self.topology = args, args.topology
-        self.reward_funcs = resolve_reward_funcs(
+        self.agent = agent = build_agent(args, tools, environment_factory, rollout_func)
+        user_funcs = [] if reward_funcs is None and agent.env_rewards else resolve_reward_funcs(
             reward_funcs, reward_processing_classes, trust_remote_code=args.trust_remote_code,
             model_dtype=(args.model_init_kwargs or {}).get("dtype", "auto"))
-        self.rewards = RewardRunner(self.reward_funcs, args.reward_weights, on_error=args.reward_errors)
+        self.reward_funcs = user_funcs + agent.env_rewards  # an environment's get_reward: a reward named after it
+        self.rewards = RewardRunner(self.reward_funcs, reward_weights(args, len(user_funcs), agent),
+                                    on_error=args.reward_errors)
         self.algorithm = args.build_algorithm()
         self.model_path, model_obj, model_config = resolve_model(model, args)
         self.model_config = model_config
@@ -91,11 +101,15 @@ class AsyncAIPOTrainer:
         if processing_class.pad_token_id is None:
             processing_class.pad_token = processing_class.eos_token
         self.processing_class = processing_class
+        prepare_tokenizer(agent, processing_class, args)  # tools: a template that renders and parses tool calls
+        if train_dataset is None:  # an environment's reset() writes the prompts (TRL)
+            train_dataset = placeholder_dataset(agent, args, args.prompts_per_step)
         self.train_dataset = train_dataset
         self.max_model_len = args.vllm_max_model_length or getattr(model_config, "max_position_embeddings", None)
         if not self.max_model_len:
             raise ValueError("Cannot tell the model's context length; set vllm_max_model_length in AsyncAIPOConfig.")
-        encoder = PromptEncoder(processing_class, args.chat_template_kwargs)
+        encoder = PromptEncoder(processing_class, args.chat_template_kwargs, agent.tools, agent.chat_template)
+        check_dataset(agent, train_dataset)
         validate_dataset(train_dataset, encoder, args.max_completion_length, self.max_model_len)
         self.eval_dataset = _eval_dataset(eval_dataset, args)
         if self.eval_dataset is not None:
@@ -257,6 +271,7 @@ class AsyncAIPOTrainer:
             eval_every=eval_every(a, self.num_batches, self.batches_per_epoch) if self.eval_dataset is not None else 0,
             eval_on_start=bool(a.eval_on_start),
             num_generations_eval=a.num_generations_eval or a.num_generations,
+            agent=self.agent.spec,
         )
 
     def _generator_dtype(self) -> str:

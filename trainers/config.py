@@ -40,7 +40,6 @@ _UNSUPPORTED = {
     "deepspeed": "trainer ranks shard the policy with torch FSDP2; DeepSpeed is not supported",
     "fp16": "use bf16 (GPU) or fp32 (CPU)",
     "vllm_structured_outputs_regex": "not supported",
-    "max_tool_calling_iterations": "tool calling is not supported",
     "push_to_hub": "checkpoints are not pushed during training; after train(), call trainer.push_to_hub() (it saves "
                    "the model to output_dir and uploads that folder)",
     "cast_lm_head_to_fp32": "the lm head runs in the trainer's compute dtype (bf16 under FSDP2 mixed precision, with "
@@ -186,6 +185,11 @@ class AsyncAIPOConfig(GRPOConfig):
         metadata={"help": "Advantage scaling, as in GRPOConfig, but defaulting to 'none': AIPO's advantage is "
                   "r - mean(r of the group) (paper, section 5). 'group' or 'batch' divide by the std."},
     )
+    tool_call_timeout_s: float = field(
+        default=60.0,
+        metadata={"help": "The longest one tool call (or an environment's get_reward) may run, in seconds. A call "
+                  "still running then is abandoned and the model reads an error as its result; the rollout goes on."},
+    )
     reward_errors: str = field(
         default="raise",
         metadata={"help": "What a reward function that raises does: 'raise' stops the job with an error naming "
@@ -257,6 +261,9 @@ class AsyncAIPOConfig(GRPOConfig):
             raise ValueError(f"AsyncAIPOConfig: reward_errors must be 'raise' or 'zero', not {self.reward_errors!r}.")
         if self.collective_timeout_s <= 0:
             raise ValueError("AsyncAIPOConfig: collective_timeout_s must be > 0.")
+        if not (isinstance(self.tool_call_timeout_s, (int, float)) and self.tool_call_timeout_s > 0):
+            raise ValueError(f"AsyncAIPOConfig: tool_call_timeout_s={self.tool_call_timeout_s!r}; it must be > 0 "
+                             "(seconds one tool call may run).")
         if self.vllm_server_timeout <= 0:
             raise ValueError("AsyncAIPOConfig: vllm_server_timeout (how long the ranks wait for each other's "
                              "start-up: the policy loaded, the vLLM engine up) must be > 0.")

@@ -194,6 +194,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         on_eval=reporter.evaluate,
         padding_free=args.padding_free,
         pad_to_multiple_of=args.pad_to_multiple_of,
+        tools=trainer.agent.uses_tools,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)

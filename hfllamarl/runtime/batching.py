@@ -54,7 +54,8 @@ def _loss_side(rollouts: list[Rollout], pad_id: int) -> dict[str, torch.Tensor]:
         prompt_mask[i, :p] = 1
         if c:
             completion_ids[i, :c] = torch.tensor(r.completion_ids)
-            mask[i, :c] = 1.0
+            # the loss mask: every sampled token; tool/environment tokens (env_mask 0) are context only
+            mask[i, :c] = 1.0 if r.env_mask is None else torch.tensor(r.env_mask, dtype=torch.float32)
             mu[i, :c] = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
     return dict(completion_ids=completion_ids, mask=mask, behavior_logprobs=mu, prompt_ids=prompt_ids,
                 prompt_mask=prompt_mask)

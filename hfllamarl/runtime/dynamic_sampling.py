@@ -44,7 +44,7 @@ class ScoredGroup:
 
     def staleness(self, version: int) -> int:
         """How many policy versions before `version` its oldest sampled token was sampled."""
-        return max((version - v for r in self.group.rollouts for v in r.versions), default=0)
+        return max((version - v for r in self.group.rollouts for v in r.sampled_versions()), default=0)
 
 
 def split_scored(groups: list[RolloutGroup], rewards: list[float], per_func: dict[str, list]) -> list[ScoredGroup]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from . import checkpoint
 from .checkpoint import load_generator_side
+from .episodes import completion
 from .engine import WeightSyncMismatch, build_engine, load_weights, loader_boxes, verify_against_disk
 from .core_lending import open_board
 from .executor import Executor, wait_for_startup
@@ -73,6 +74,7 @@ class GeneratorSpec:
     eval_every: int = 0  # evaluate every policy version that is a multiple of this (0: never)
     eval_on_start: bool = False  # also the starting policy (version 0)
     num_generations_eval: int = 1
+    agent: Any = None  # tools / environments / rollout_func: `hfllamarl.runtime.multi_turn.AgentSpec`
 
 
 class GeneratorExecutor(Executor):
@@ -89,6 +91,7 @@ class GeneratorExecutor(Executor):
         self.evaluated = spec.initial_version if spec.initial_version or not spec.eval_on_start else -1
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.core_board = None  # single-process CPU job: where this child says it has finished a tick
+        self.agent = None  # `MultiTurn`, when the job has tools, environments or a rollout_func
         self.live = list(range(getattr(topology, "num_replicas", 1)))  # live replicas, told by the trainer each tick
         self.weights_broken = False  # the last weight sync lost its relay source part-way (re-sent before sampling)
 
@@ -111,6 +114,10 @@ class GeneratorExecutor(Executor):
         if self.topology.local_rank == 0:  # the rank that sends the rollouts scores them
             for model in spec.reward_models:
                 model.load(self.topology.device_type)
+        if spec.agent is not None:  # multi-turn ticks (tools run on the engine's first rank; every rank builds this)
+            from .multi_turn import MultiTurn
+
+            self.agent = MultiTurn(spec.agent, self)
 
     def _build_engine(self):
         spec, topo = self.spec, self.topology
@@ -172,10 +179,13 @@ class GeneratorExecutor(Executor):
     # ------------------------------------------------------------------ work
     def step(self) -> None:
         batch = self.spec.schedule.generator_batch(self.tick)
-        if batch is not None or self.in_flight:
-            self.pending = self.generate_tick(batch)
-        if self.eval_due():
-            self.pending += self.evaluate()
+        if self.agent is not None:  # multi-turn: its tick generates, calls tools, evaluates when due
+            self.pending = self.agent.tick(batch)
+        else:
+            if batch is not None or self.in_flight:
+                self.pending = self.generate_tick(batch)
+            if self.eval_due():
+                self.pending += self.evaluate()
         if self.core_board is not None:  # idle until the next tick's channels: the trainer may use these cores
             self.core_board.finished(self.slot, self.tick)
 
@@ -196,10 +206,7 @@ class GeneratorExecutor(Executor):
         requests = [(r.prompt_ids + r.completion_ids, self._sampling_params(1, n)) for r, n in zip(carried, asked)]
         new = None
         if batch_index is not None:  # this replica's share of the batch's prompts (`schedule.replica_share`)
-            indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
-            positions = replica_share(spec.prompts_per_batch, self.live, batch_index).get(self.topology.replica, [])
-            indices = [indices[p] for p in positions]
-            rows = [self.dataset[i] for i in indices]
+            indices, rows, positions = self.batch_prompts(batch_index)
             new = (indices, rows, [self.encoder.encode(row["prompt"]) for row in rows])
             requests += [(ids, self._sampling_params(spec.num_generations, budget)) for ids in new[2]]
         start = time.perf_counter()
@@ -222,6 +229,20 @@ class GeneratorExecutor(Executor):
                     group.append(r)
                 groups.append(group)
             self.in_flight.append(InFlightBatch(batch_index, self.version, groups, positions))
+        return self.close_tick(seconds, tokens)
+
+    def batch_prompts(self, batch_index: int) -> tuple[list[int], list[dict], list[int]]:
+        """This replica's share of generation batch `batch_index` (`schedule.replica_share`): the dataset indices,
+        the rows, and their positions in the batch."""
+        spec = self.spec
+        indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
+        positions = replica_share(spec.prompts_per_batch, self.live, batch_index).get(self.topology.replica, [])
+        indices = [indices[p] for p in positions]
+        return indices, [self.dataset[i] for i in indices], positions
+
+    def close_tick(self, seconds: float, tokens: int) -> list[RolloutGroup]:
+        """The groups of the batches whose rollouts all finished (oldest first), scored by the reward models; the
+        others stay in flight. `seconds`, `tokens`: this tick's generation time and sampled tokens."""
         finished = [f for f in self.in_flight if not f.unfinished()]
         self.in_flight = [f for f in self.in_flight if f.unfinished()]
         groups = [RolloutGroup(group, f.batch_index, f.policy_version, seconds, tokens, position=position,
@@ -307,8 +328,9 @@ class GeneratorExecutor(Executor):
         rollouts = [r for g in groups for r in g.rollouts]
         prompts = [r.prompt for r in rollouts]
         chat = bool(prompts) and not isinstance(prompts[0], str)
-        completions = [[{"role": "assistant", "content": r.completion_text}] if chat else r.completion_text
-                       for r in rollouts]
+        completions = [completion(r) for r in rollouts]  # a multi-turn rollout's messages, else its text
+        if chat:
+            completions = [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]
         for model in self.spec.reward_models:
             for r, score in zip(rollouts, model(prompts=prompts, completions=completions)):
                 r.model_rewards[model.__name__] = score

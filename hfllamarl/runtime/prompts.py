@@ -39,11 +39,19 @@ def is_conversational(prompt: Any) -> bool:
 
 
 class PromptEncoder:
-    """Turns a dataset row's `prompt` (text or chat messages) into token ids, as TRL does."""
+    """Turns a dataset row's `prompt` (text or chat messages) into token ids, as TRL does.
 
-    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
+    `tools` (callables) are rendered into chat prompts as the template writes tool schemas; `chat_template`
+    replaces the tokenizer's (TRL's training variant of it, for tool calling)."""
+
+    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None, tools: list | None = None,
+                 chat_template: str | None = None):
         self.tokenizer = tokenizer
-        self.chat_template_kwargs = chat_template_kwargs or {}
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        if tools:  # `or None` in TRL's call: some templates (Llama) write tool boilerplate for an empty list
+            self.chat_template_kwargs["tools"] = tools
+        if chat_template is not None:
+            self.chat_template_kwargs["chat_template"] = chat_template
 
     def render(self, prompt: Any) -> str:
         """The text the model reads for `prompt` (the chat template applied to chat messages)."""

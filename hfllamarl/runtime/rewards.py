@@ -9,8 +9,9 @@ and returns one `float | None` per completion (`None`: this function does not sc
 As in TRL, `log_metric(name, value)` logs a scalar (averaged over the step's calls on every trainer rank)
 and `log_extra(column, values)` adds a column to the completions table (`log_completions`).
 Completions are strings, or `[{"role": "assistant", "content": ...}]` when the prompts are chat
-messages. `async def` functions run concurrently. Rewards are summed with `reward_weights`,
-ignoring `None`s.
+messages (a multi-turn rollout's: its assistant and tool messages); with environments, `environments` holds
+each rollout's environment, as TRL passes it. `async def` functions run concurrently. Rewards are summed with
+`reward_weights`, ignoring `None`s.
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ class RewardRunner:
         """Return (combined reward per completion, each function's scores by name). `scored`: scores already
         computed elsewhere (reward models, on the generator), by function name; those functions are not called."""
         n = len(completions)
-        if prompts and is_conversational(prompts[0]):
-            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        if prompts and is_conversational(prompts[0]):  # a multi-turn rollout's messages are already a list
+            completions = [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
                       trainer_state=trainer_state, log_metric=self.log_metric, log_extra=self.log_extra, **columns)
         results = self._call_all(kwargs, n, scored or {})

@@ -17,6 +17,10 @@ class Rollout:
     `versions[t]` that sampled it (a partial rollout resumed under new weights spans versions).
     `segments` counts the ticks it was generated in (1 unless it was a partial rollout); while the
     generator still carries it, `finish_reason` is `UNFINISHED`.
+
+    `env_mask[t]` (TRL's name) is 1 for a token the policy sampled and 0 for a token the environment wrote
+    into the completion (tool results and the turn openings around them): those are context, never trained,
+    and their log-prob (0.0) and version are placeholders. None: every token was sampled.
     """
 
     prompt: Any  # the dataset row's `prompt`: a string or a list of chat messages
@@ -30,10 +34,31 @@ class Rollout:
     row_index: int = -1  # index of the prompt's row in the training dataset
     segments: int = 1  # ticks (generation calls) the completion was sampled in
     model_rewards: dict[str, float] = field(default_factory=dict)  # reward models' scores, from the generator
+    env_mask: list[int] | None = None  # 1: sampled by the policy (trained), 0: written by a tool (context only)
+    episode: Any = None  # multi-turn rollouts: `hfllamarl.runtime.multi_turn.Episode` (messages, tool counts, ...)
 
     def __post_init__(self):
         if not (len(self.completion_ids) == len(self.behavior_logprobs) == len(self.versions)):
             raise ValueError("a rollout needs one behaviour log-prob and one version per completion token")
+        if self.env_mask is not None and len(self.env_mask) != len(self.completion_ids):
+            raise ValueError("a rollout's env_mask needs one 0/1 per completion token")
+
+    @property
+    def sampled(self) -> list[int]:
+        """Positions of the completion tokens the policy sampled (all but the tool/environment tokens)."""
+        if self.env_mask is None:
+            return list(range(len(self.completion_ids)))
+        return [t for t, m in enumerate(self.env_mask) if m]
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.completion_ids) if self.env_mask is None else sum(1 for m in self.env_mask if m)
+
+    def sampled_versions(self) -> list[int]:
+        """The policy version of every sampled token (staleness is a property of sampled tokens only)."""
+        if self.env_mask is None:
+            return self.versions
+        return [v for v, m in zip(self.versions, self.env_mask) if m]
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hfllamarl.losses import StepShape
 
 from .batching import completion_logprobs, pack_batch, packing_agrees, pad_batch
+from .episodes import reward_arguments, tool_counts, tool_metrics
 from .executor import Executor, wait_for_startup
 from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from .generator import ROLLOUTS
@@ -65,6 +66,7 @@ class TrainerSpec:
     dynamic_sampling_groups: int = 0  # drop_zero_variance_groups: this rank's groups per step (0: off)
     padding_free: bool = True  # pack micro-batches without padding (`hfllamarl.runtime.batching`) if the model allows
     pad_to_multiple_of: int | None = None  # round the micro-batch's width up to a multiple of this
+    tools: bool = False  # tool calling (tools / environment_factory): log TRL's tools/* metrics
 
 
 class TrainerExecutor(Executor):
@@ -197,7 +199,7 @@ class TrainerExecutor(Executor):
             spec.scheduler.step()
         self.version += 1
 
-        staleness = [[self.version - 1 - v for v in r.versions] for r in train_rollouts]  # per token, at this step
+        staleness = [[self.version - 1 - v for v in r.sampled_versions()] for r in train_rollouts]  # per sampled token
         metrics = self._step_metrics(groups, rollouts, rewards, per_func, staleness, loss_total, stats)
         if sampling:
             metrics.update(_all_sum(sampling))
@@ -227,18 +229,14 @@ class TrainerExecutor(Executor):
 
     def _check_staleness(self, groups: list[RolloutGroup]) -> None:
         """A token staler than max_staleness means a broken schedule: stop before anything is scored."""
-        worst = max((self.version - v for g in groups for r in g.rollouts for v in r.versions), default=0)
+        worst = max((self.version - v for g in groups for r in g.rollouts for v in r.sampled_versions()), default=0)
         if worst > self.spec.schedule.max_staleness:
             raise RuntimeError(f"trainer: a token of batch {groups[0].batch_index} was sampled {worst} policy versions "
                                f"ago, past max_staleness={self.spec.schedule.max_staleness}; the schedule is broken")
 
     def _score(self, rollouts: list[Rollout]) -> tuple[list[float], dict]:
         """Every rollout's combined reward and each reward function's scores (TRL's call)."""
-        spec = self.spec
-        return spec.rewards(prompts=[r.prompt for r in rollouts], completions=[r.completion_text for r in rollouts],
-                            completion_ids=[r.completion_ids for r in rollouts],
-                            columns={k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns},
-                            trainer_state=spec.trainer_state, scored=_model_rewards(rollouts))
+        return self.spec.rewards(**reward_arguments(rollouts), trainer_state=self.spec.trainer_state)
 
     def _checked_grad_norm(self) -> float:
         """The gradients' norm (clipped to max_grad_norm); a NaN/inf one stops the step before the optimizer."""
@@ -263,7 +261,7 @@ class TrainerExecutor(Executor):
         mb = spec.micro_batch_size
         steps = math.ceil(len(rollouts) / mb)
         masked = [spec.mask_truncated_completions and r.finish_reason == "length" for r in rollouts]
-        tokens = _all_sum({"tokens": sum(len(r.completion_ids) for r, m in zip(rollouts, masked) if not m)})["tokens"]
+        tokens = _all_sum({"tokens": sum(r.num_sampled for r, m in zip(rollouts, masked) if not m)})["tokens"]
         shape = StepShape(tokens=tokens, trainer_ranks=dist.get_world_size() if dist.is_initialized() else 1,
                           micro_batches=steps, max_completion_length=spec.max_completion_length)
         extra = {"shape": shape} if takes_shape(spec.algorithm) else {}
@@ -330,14 +328,10 @@ class TrainerExecutor(Executor):
             local[f"{name}/sum"] = local[f"{name}/n"] = 0.0
         logged: dict[str, tuple[float, int]] = {}
         if rollouts:
-            rewards, per_func = spec.rewards(
-                prompts=[r.prompt for r in rollouts], completions=[r.completion_text for r in rollouts],
-                completion_ids=[r.completion_ids for r in rollouts],
-                columns={k: [r.columns.get(k) for r in rollouts] for k in rollouts[0].columns},
-                trainer_state=spec.trainer_state, scored=_model_rewards(rollouts))
+            rewards, per_func = spec.rewards(**reward_arguments(rollouts), trainer_state=spec.trainer_state)
             logged = spec.rewards.drain(len(rollouts))[0]
             local.update(count=len(rewards), reward_sum=sum(rewards), reward_sq=sum(x * x for x in rewards),
-                         len_sum=sum(len(r.completion_ids) for r in rollouts),
+                         len_sum=sum(r.num_sampled for r in rollouts),
                          truncated=sum(r.finish_reason == "length" for r in rollouts))
             for name, scores in per_func.items():
                 scored = [x for x in scores if x is not None]
@@ -361,7 +355,7 @@ class TrainerExecutor(Executor):
         `stats`: the algorithm's metrics, one value per micro-batch, logged under their own names)."""
         n = len(rollouts)
         oldest = [max(s) for s in staleness if s]  # a completion is as stale as its first token
-        lengths = [len(r.completion_ids) for r in rollouts]
+        lengths = [r.num_sampled for r in rollouts]  # as TRL: the tokens the policy sampled, not the tools'
         G = self.spec.num_generations
         flat = [all(math.isclose(x, rewards[i]) for x in rewards[i:i + G]) for i in range(0, n, G)]
         ended = [length for length, r in zip(lengths, rollouts) if r.finish_reason != "length"]
@@ -380,6 +374,8 @@ class TrainerExecutor(Executor):
             local[f"rf_sum/{name}"] = sum(vals)
             local[f"rf_sq/{name}"] = sum(x * x for x in vals)
             local[f"rf_n/{name}"] = len(vals)
+        if self.spec.tools:
+            local.update(tool_counts(rollouts))
         summed = _all_sum(local)
         extremes = _all_max([max(lengths), -min(lengths), max(ended, default=-1), -min(ended, default=1 << 30)])
         count = summed["count"]
@@ -405,6 +401,8 @@ class TrainerExecutor(Executor):
         metrics["completions/mean_length"] = summed["len_sum"] / count
         metrics["completions/truncated_frac"] = summed["truncated"] / count
         metrics["completions/empty_frac"] = summed["empty"] / count  # they get a reward, but no token to train
+        if self.spec.tools:
+            metrics.update(tool_metrics(summed, count))
         # TRL's names: min/max length, truncated share, lengths of the completions that ended (0 when none did)
         metrics["completions/max_length"], metrics["completions/min_length"] = extremes[0], -extremes[1]
         metrics["completions/clipped_ratio"] = metrics["completions/truncated_frac"]
@@ -470,14 +468,6 @@ def _logged_means(logged: dict[str, tuple[float, int]]) -> dict[str, float]:
             acc[0] += total
             acc[1] += count
     return {name: total / count for name, (total, count) in sorted(totals.items()) if count}
-
-
-def _model_rewards(rollouts: list[Rollout]) -> dict[str, list[float]]:
-    """Reward models' scores computed on the generator, by model name (only names every rollout has)."""
-    names = set(getattr(rollouts[0], "model_rewards", {})) if rollouts else set()
-    for r in rollouts[1:]:
-        names &= set(getattr(r, "model_rewards", {}))
-    return {name: [r.model_rewards[name] for r in rollouts] for name in names}
 
 
 def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool,

@@ -73,14 +73,25 @@ def build_tiny_model(
     max_position_embeddings: int = 128,
     seed: int = 0,
     family: str = "llama",
+    chat_template: str | None = None,
 ):
-    """Write a random-init causal LM of `family` (see `FAMILIES`) and its tokenizer to `path`; return `path`."""
+    """Write a random-init causal LM of `family` (see `FAMILIES`) and its tokenizer to `path`; return `path`.
+
+    `chat_template="qwen3"` (or another name of TRL's `chat_templates/`) gives it the chat tokenizer of
+    `hfllamarl.tools.tiny_chat` instead of the character one: that template, its special tokens, end of turn
+    as end of sequence, so that it can call tools the way TRL parses them.
+    """
     import torch
     import transformers
 
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {sorted(FAMILIES)}")
-    tokenizer = build_tokenizer()
+    if chat_template is not None:
+        from .tiny_chat import build_chat_tokenizer
+
+        tokenizer = build_chat_tokenizer(chat_template)
+    else:
+        tokenizer = build_tokenizer()
     shape = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, tie_word_embeddings=False)
     shape.update(FAMILIES[family])
     if num_heads is not None:
@@ -90,7 +101,7 @@ def build_tiny_model(
         vocab_size=len(tokenizer),
         num_hidden_layers=num_layers,
         max_position_embeddings=max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
+        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",

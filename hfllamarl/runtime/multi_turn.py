@@ -1,0 +1,319 @@
+"""Multi-turn rollouts on the generator: tools, environments and custom rollout functions (TRL's contract).
+
+Each tick, every rollout of the tick (carried from earlier ticks, or new: one per completion of each prompt,
+with its own environment) goes through rounds on the engine's first rank:
+
+1. one `generate` call for every active rollout, each for at most its allowance: the tick's per-completion
+   budget (`partial_rollout_tokens`, else `max_completion_length`) less what it already sampled this tick, and
+   never past `max_completion_length` or the context;
+2. a turn that ended (end-of-turn or stop) is parsed with TRL's response template; if it calls tools (and
+   `max_tool_calling_iterations` allows another round) the calls run, bounded in time
+   (`hfllamarl.runtime.tool_calls`), and the tool results are appended as tokens (`tool_chat.ToolChat.suffix_ids`)
+   with env_mask 0; otherwise the rollout is finished;
+3. a rollout whose allowance is spent stops for this tick and is carried, as a partial rollout, to the next
+   one, where it continues under the newer weights.
+
+Every sampled token keeps its behaviour log-prob and the version that sampled it; tool tokens are context
+(log-prob 0, this tick's version, env_mask 0). A tool result that would not fit ends the rollout with the turn
+that called it, as TRL does. Tools, environments, get_reward and rollout_func run on the engine's first rank
+only; with tensor parallelism the other ranks follow its generate calls (`hfllamarl.runtime.lockstep`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .episodes import Episode, snapshot, unpickled
+from .environments import EnvironmentPool, probe, reward_kinds, tool_methods
+from .lockstep import Lockstep
+from .rollout import UNFINISHED, InFlightBatch, Rollout, RolloutGroup
+from .tool_calls import ToolRunner, tool_name
+
+
+@dataclass
+class AgentSpec:
+    """The multi-turn settings of a job, built by the front-end; picklable (user callables by value)."""
+
+    tools: list = field(default_factory=list)  # standalone tools (callables)
+    factories: dict | None = None  # {environment name (None: the only one): factory}
+    max_iterations: int | None = None  # max_tool_calling_iterations (None: no bound)
+    tool_call_timeout_s: float = 60.0
+    reward_errors: str = "raise"
+    rollout_func: Callable | None = None
+    rollout_view: dict = field(default_factory=dict)  # what a rollout_func's `trainer` offers (see rollout_funcs)
+    chat_template: str | None = None  # the processing_class's, which the generator's tokenizer (from disk) takes
+    response_template: Any = None  # the processing_class's response template (or legacy schema), likewise
+    response_schema: Any = None
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools or self.factories)
+
+    def __getstate__(self):
+        from .episodes import pickled
+
+        try:
+            return {"blob": pickled(dict(self.__dict__))}
+        except Exception as exc:
+            raise TypeError(
+                f"the tools, environment_factory or rollout_func cannot be sent to the generator process "
+                f"({type(exc).__name__}: {exc}): under plain `python script.py` the generator runs in a child process "
+                "and receives them pickled (with cloudpickle, so functions and classes of the script travel by value, "
+                "with the globals they use). "
+                "Create what cannot be pickled (connections, locks, clients) inside the tool or the environment, or "
+                "launch with torchrun / accelerate launch, where every process imports the script.") from exc
+
+    def __setstate__(self, state):
+        self.__dict__.update(unpickled(state["blob"]))
+
+
+class MultiTurn:
+    """The generator's tick when the job has tools, environments or a rollout_func (`GeneratorExecutor.step`)."""
+
+    def __init__(self, spec: AgentSpec, executor):
+        self.spec, self.ex = spec, executor
+        self.lockstep = Lockstep(executor.topology)
+        self.leader = self.lockstep.leader
+        self.chat = None
+        if spec.uses_tools:
+            from .tool_chat import ToolChat
+
+            tokenizer = executor.encoder.tokenizer  # loaded from disk: give it what the trainer's tokenizer had
+            for name in ("chat_template", "response_template", "response_schema"):
+                if getattr(spec, name) is not None:
+                    setattr(tokenizer, name, getattr(spec, name))
+            self.chat = ToolChat(tokenizer, executor.spec.chat_template_kwargs)
+        self.runner = ToolRunner(spec.tool_call_timeout_s) if self.leader else None
+        self.pool, self.reward_classes = None, []
+        if spec.factories and self.leader:  # environments live next to the tools, on the first rank only
+            kinds, instances = probe(spec.factories)
+            self.pool = EnvironmentPool(kinds)
+            self.pool.seed(instances)
+            self.reward_classes = reward_kinds(kinds)
+        self.rollout_funcs = None
+        if spec.rollout_func is not None and self.leader:
+            from .rollout_funcs import RolloutFuncRunner
+
+            self.rollout_funcs = RolloutFuncRunner(spec, executor, self)
+        self.reward_errors = 0  # get_reward calls that raised or timed out, scored 0 (reward_errors="zero")
+
+    # ------------------------------------------------------------------ the tick
+    def tick(self, batch_index: int | None) -> list[RolloutGroup]:
+        """One tick on this rank: the leader generates (and evaluates when due), the followers follow."""
+        if not self.leader:
+            self.lockstep.follow(self.generate_local)
+            return []
+        ex = self.ex
+        groups = []
+        if batch_index is not None or ex.in_flight:
+            groups = self._training_tick(batch_index)
+        if ex.eval_due():
+            groups += self._evaluation()
+        self.lockstep.done()
+        return groups
+
+    def _training_tick(self, batch_index: int | None) -> list[RolloutGroup]:
+        ex, spec = self.ex, self.ex.spec
+        length = spec.max_completion_length
+        budget = min(spec.partial_rollout_tokens or length, length)
+        carried = [r for flight in ex.in_flight for r in flight.unfinished()]
+        new, positions, start = None, [], time.perf_counter()
+        if batch_index is not None:  # this replica's share of the batch
+            indices, rows, positions = ex.batch_prompts(batch_index)
+            if self.rollout_funcs is not None:
+                new = self.rollout_funcs.batch(indices, rows, spec.num_generations)
+            else:
+                new = [[self.start(row, index) for _ in range(spec.num_generations)]
+                       for index, row in zip(indices, rows)]
+        work = carried + ([r for group in new for r in group if r.finish_reason == UNFINISHED] if new else [])
+        tokens = self.run(work, budget)
+        if new is not None:
+            tokens += sum(r.num_sampled for group in new for r in group if r.episode is None)  # rollout_func's
+            ex.in_flight.append(InFlightBatch(batch_index, ex.version, new, positions))
+        return ex.close_tick(time.perf_counter() - start, tokens)
+
+    def _evaluation(self) -> list[RolloutGroup]:
+        """The eval prompts, `num_generations_eval` rollouts each, run to the end in this tick."""
+        ex, spec = self.ex, self.ex.spec
+        ex.evaluated = ex.version
+        rows = [ex.eval_dataset[i] for i in range(len(ex.eval_dataset))]
+        start = time.perf_counter()
+        if self.rollout_funcs is not None:
+            groups = self.rollout_funcs.batch(list(range(len(rows))), rows, spec.num_generations_eval)
+            tokens = sum(r.num_sampled for group in groups for r in group)
+        else:
+            groups = [[self.start(row, index) for _ in range(spec.num_generations_eval)]
+                      for index, row in enumerate(rows)]
+            tokens = self.run([r for group in groups for r in group], spec.max_completion_length)
+        seconds = time.perf_counter() - start
+        evaluation = [RolloutGroup(g, -1 - ex.version, ex.version, seconds, tokens, eval_version=ex.version)
+                      for g in groups]
+        ex._score_with_models(evaluation)
+        return evaluation
+
+    # ------------------------------------------------------------------ one rollout
+    def start(self, row: dict, index: int) -> Rollout:
+        """A new rollout of a dataset row: its environment (reset with the row; the text it returns appended to the
+        prompt's last message, as TRL) and its prompt rendered with its tools."""
+        prompt = row["prompt"]
+        name = row.get("environment") if self.pool is not None and None not in self.pool.kinds else None
+        episode = Episode(environment_name=name)
+        if self.pool is not None:
+            episode.environment = self.pool.take(name)
+            reset_row = {k: v for k, v in row.items() if k != "environment"} if name is not None else dict(row)
+            observation = episode.environment.reset(**reset_row)
+            if observation is not None:
+                prompt = _append_observation(prompt, observation)
+        prompt_ids = self.chat.encode_prompt(prompt, self.tools(episode))
+        if len(prompt_ids) >= self.ex.spec.max_model_len:
+            raise ValueError(f"dataset row {index}: its prompt is {len(prompt_ids)} tokens once rendered with its "
+                             "tools (and its environment's reset text), which leaves no room in the model's context of "
+                             f"{self.ex.spec.max_model_len} tokens.")
+        columns = {k: v for k, v in row.items() if k != "prompt"}
+        return Rollout(prompt=prompt, prompt_ids=prompt_ids, completion_ids=[], behavior_logprobs=[], versions=[],
+                       finish_reason=UNFINISHED, completion_text="", columns=columns, row_index=int(index), segments=0,
+                       env_mask=[], episode=episode)
+
+    def tools(self, episode: Episode) -> list:
+        """The tools a rollout may call: the standalone ones, then its environment's methods (TRL's order)."""
+        env = self._live(episode)
+        return list(self.spec.tools) + (tool_methods(env) if env is not None else [])
+
+    @staticmethod
+    def _live(episode: Episode):
+        """The rollout's live environment (one restored from a checkpoint is unpickled on first use)."""
+        if isinstance(episode.environment, bytes):
+            episode.environment = unpickled(episode.environment)
+        return episode.environment
+
+    # ------------------------------------------------------------------ rounds
+    def run(self, work: list[Rollout], budget: int) -> int:
+        """Generate, parse and call tools in rounds until every rollout of `work` finished or spent `budget` sampled
+        tokens this tick (those are carried). Returns the tokens sampled."""
+        allowance = {id(r): budget for r in work}
+        for r in work:
+            r.segments += 1  # one more tick this rollout was generated in
+        active, tokens = [r for r in work if self._room(r, allowance)], 0
+        while active:
+            requests = [(r.prompt_ids + r.completion_ids, 1, self._room(r, allowance)) for r in active]
+            outputs = self.lockstep.generate(self.generate_local, requests)
+            calling = []
+            for r, (_, _, asked), out in zip(active, requests, outputs):
+                comp = out.outputs[0]
+                n = self._append_sampled(r, comp)
+                tokens, allowance[id(r)] = tokens + n, allowance[id(r)] - n
+                reason = str(comp.finish_reason or "length")
+                if reason == "length":
+                    if n < asked or not self._room(r, {id(r): 1}):  # the completion or the context is full
+                        self.finish(r, "length")
+                    continue  # else its allowance is spent mid-turn: carried to the next tick
+                message = self.chat.parse(r.completion_ids[r.episode.turn_start:],
+                                          r.prompt_ids + r.completion_ids[:r.episode.turn_start], self.tools(r.episode))
+                r.episode.messages.append(message)
+                bound = self.spec.max_iterations
+                if message.get("tool_calls") and (bound is None or r.episode.iterations < bound):
+                    calling.append((r, message["tool_calls"]))
+                else:
+                    self.finish(r, reason)
+            active = self._call_tools(calling, allowance)
+        return tokens
+
+    def _room(self, r: Rollout, allowance: dict) -> int:
+        """How many tokens `r` may still sample this tick: its allowance, the completion length, the context."""
+        spec = self.ex.spec
+        used = len(r.completion_ids)
+        return max(0, min(allowance[id(r)], spec.max_completion_length - used,
+                          spec.max_model_len - len(r.prompt_ids) - used))
+
+    def _append_sampled(self, r: Rollout, comp) -> int:
+        ids = list(comp.token_ids)
+        logprobs = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], ids)]
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(logprobs)} log-probs for a completion")
+        r.completion_ids += ids
+        r.behavior_logprobs += logprobs
+        r.versions += [self.ex.version] * len(ids)
+        r.env_mask += [1] * len(ids)
+        return len(ids)
+
+    def _call_tools(self, calling: list[tuple[Rollout, list]], allowance: dict) -> list[Rollout]:
+        """Run the tool calls of the rollouts in `calling` and append their results; returns the rollouts that go on
+        generating in this tick."""
+        if not calling:
+            return []
+        jobs = [(calls, {tool_name(t): t for t in self.tools(r.episode)}) for r, calls in calling]
+        go_on = []
+        for (r, _), results in zip(calling, self.runner.run(jobs)):
+            episode = r.episode
+            episode.tool_calls += len(results)
+            episode.tool_failures += sum(res.failed for res in results)
+            episode.tool_timeouts += sum(res.timed_out for res in results)
+            messages = [res.message() for res in results]
+            suffix = self.chat.suffix_ids(messages)
+            if len(suffix) >= self._room(r, {id(r): len(suffix) + 1}):  # no room for the results and an answer
+                self.finish(r, "stop")
+                continue
+            r.completion_ids += suffix
+            r.behavior_logprobs += [0.0] * len(suffix)
+            r.versions += [self.ex.version] * len(suffix)
+            r.env_mask += [0] * len(suffix)
+            episode.messages += messages
+            episode.iterations += 1
+            episode.turn_start = len(r.completion_ids)
+            if self._room(r, allowance):
+                go_on.append(r)
+        return go_on
+
+    def finish(self, r: Rollout, reason: str) -> None:
+        """The rollout is complete: its text, its environment's reward (scored here, next to the live environment),
+        and the environment's pickled copy for the trainer ranks; the live instance goes back to the pool."""
+        r.finish_reason = reason
+        r.completion_text = self.ex.encoder.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
+        episode = r.episode
+        env = self._live(episode) if episode is not None else None
+        if env is None:
+            return
+        kind = self.pool.kinds[episode.environment_name]
+        for name in self.reward_classes:
+            r.model_rewards[name] = None
+        if kind.has_reward:
+            r.model_rewards[kind.class_name] = self._environment_reward(env, kind.class_name, r.row_index)
+        episode.environment = snapshot(env)
+        self.pool.give_back(episode.environment_name, env)
+
+    def _environment_reward(self, env, class_name: str, row: int) -> float | None:
+        result = self.runner.call("get_reward", env.get_reward, {})
+        if not result.failed:
+            try:
+                return float(result.content)
+            except (TypeError, ValueError):
+                result.content = {"error": f"get_reward returned {result.content!r}, not a number"}
+        if self.spec.reward_errors == "zero":
+            self.reward_errors += 1
+            return 0.0
+        raise RuntimeError(f"{class_name}.get_reward() failed for a rollout of dataset row {row}: "
+                           f"{result.content['error']} Set reward_errors='zero' to score such rollouts 0 and go on.")
+
+    # ------------------------------------------------------------------ the engine
+    def generate_local(self, requests: list) -> list:
+        """This rank's engine call for `requests` [(prompt ids, n, max tokens)] (every rank of the engine makes it)."""
+        from vllm.inputs import TokensPrompt
+
+        ex = self.ex
+        return ex.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _, _ in requests],
+                               [ex._sampling_params(n, max_tokens) for _, n, max_tokens in requests], use_tqdm=False)
+
+
+def _append_observation(prompt, observation: Any):
+    """TRL: the text `reset()` returns is appended to the content of the prompt's last message."""
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError("environments need chat prompts (a list of messages) to append reset()'s text to.")
+    content = prompt[-1]["content"]
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return prompt[:-1] + [{**prompt[-1], "content": content + observation}]

@@ -1,0 +1,283 @@
+"""Checks of multi-turn rollouts on a real vLLM generator in one process, without a trainer.
+
+    python tests/scripts/agentic_checks.py MODEL_DIR WORKDIR     (prints one line: RESULT {json})
+
+MODEL_DIR is the tiny Qwen3-template model warmed up on the calculator format. One engine serves every check:
+
+`rows`: 2 batches of calculator prompts with `tools=[calculator]`, 80 tokens per completion at 16 per tick, so a
+rollout spans up to 5 ticks; the weights change between ticks (versions 1..4: the base weights plus noise).
+Every token the policy sampled is scored again with transformers under the weights of the version it says sampled
+it (pi must equal mu), every tool token must be what Qwen3's template writes for a tool result (hand-written
+below), and the trainer's loss mask must be 1 exactly on the sampled tokens.
+
+`checkpoint`: an environment per rollout (it records its calls); after two ticks the generator's state is
+saved as a checkpoint saves it, loaded into a fresh executor, and continued: each environment must come back with
+its calls, and its reward must count the calls of the whole rollout.
+
+`hang`: a tool that never returns and one that raises, with a 1 s bound: every rollout finishes, the model reads
+the errors, the tick takes seconds.
+
+`evaluation`: evaluation during training with tools (6 prompts x 3): multi-turn, finished within the tick even with
+a per-tick budget.
+"""
+
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+from hfllamarl.runtime.sampling import Sampling
+from hfllamarl.runtime.schedule import Schedule
+
+LENGTH, BUDGET, TEMPERATURE = 80, 16, 1.0
+CALLS = {"n": 0}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: The expression, e.g. "12+30".
+    """
+    from hfllamarl.plugins.environments.calculator import evaluate
+
+    return evaluate(expression)
+
+
+def stuck_calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: The expression, e.g. "12+30".
+    """
+    CALLS["n"] += 1
+    if CALLS["n"] % 2:
+        time.sleep(3600)
+    raise RuntimeError("out of order")
+
+
+stuck_calculator.__name__ = "calculator"  # the name the model calls
+
+
+class Recorder:
+    """An environment that records the expressions it evaluated."""
+
+    def __init__(self):
+        self.expressions = []
+
+    def reset(self, **row):
+        self.expressions = []
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: The expression, e.g. "12+30".
+        """
+        self.expressions.append(expression)
+        return calculator(expression)
+
+    def get_reward(self) -> float:
+        return float(len(self.expressions))
+
+
+def generator(path: str, rows: list, agent, engine=None, length: int = LENGTH, **spec_kw):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from hfllamarl.runtime.generator import GeneratorExecutor, GeneratorSpec
+    from hfllamarl.runtime.multi_turn import MultiTurn
+    from hfllamarl.runtime.prompts import PromptEncoder
+
+    kwargs = {"enable_thinking": False}
+    spec = GeneratorSpec(model_path=path, tokenizer_path=path, dataset=Dataset.from_list(rows), max_model_len=512,
+                         dtype="float32", chat_template_kwargs=kwargs, sampling=Sampling(temperature=TEMPERATURE),
+                         max_completion_length=length, agent=agent, **spec_kw)
+    topology = SimpleNamespace(num_generators=1, replica_size=1, num_replicas=1, replica=0, use_cpu=True,
+                               local_rank=0, rank=0, timeout=None)
+    gen = GeneratorExecutor(spec, topology)
+    gen.dataset, gen.llm = spec.dataset, engine or gen._build_engine()
+    gen.encoder = PromptEncoder(AutoTokenizer.from_pretrained(path), kwargs)
+    gen.agent = MultiTurn(agent, gen)
+    return gen
+
+
+def versions_of(model, count: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    return [base] + [{k: t + 0.05 * t.float().std().clamp(min=1e-2) * torch.randn(t.shape, generator=g)
+                      for k, t in base.items()} for _ in range(count)]
+
+
+def run_ticks(gen, ticks: int, weights=None) -> list:
+    from hfllamarl.runtime.weight_sync import POLICY_WEIGHTS
+
+    out = []
+    for tick in range(ticks):
+        if weights and 1 <= tick < len(weights):
+            gen.put_input(POLICY_WEIGHTS, (tick, iter(list(weights[tick].items()))))
+        gen.set_step(tick)
+        gen.step()
+        out += [r for g in gen.get_output("rollouts") for r in g.rollouts]
+    return out
+
+
+def tool_text(content: str) -> str:
+    """What Qwen3's chat template (TRL's training variant, thinking off) writes after a turn that called one tool:
+    the result as a user turn, then the next assistant turn's opening."""
+    return ("\n<|im_start|>user\n<tool_response>\n" + content + "\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def check_rows(path: str) -> tuple[dict, object]:
+    from transformers import AutoModelForCausalLM
+
+    from hfllamarl.runtime.multi_turn import AgentSpec
+    from hfllamarl.runtime.batching import completion_logprobs, pad_batch
+    from hfllamarl.tools.tiny_chat import calculator_rows
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    weights = versions_of(model, 4)
+    agent = AgentSpec(tools=[calculator], max_iterations=2, tool_call_timeout_s=30)
+    gen = generator(path, calculator_rows(16, seed=3), agent, schedule=Schedule(2, 5, 5), prompts_per_batch=4,
+                    num_generations=4, partial_rollout_tokens=BUDGET)
+    rollouts = run_ticks(gen, 7, weights)
+    tok = gen.encoder.tokenizer
+    batch = pad_batch(rollouts, tok.pad_token_id, "cpu")
+    errors, tool_spans_ok, tool_spans = [], True, 0
+    for v, w in enumerate(weights):
+        model.load_state_dict(w)
+        with torch.no_grad():
+            pi = completion_logprobs(model, batch, TEMPERATURE)
+        for i, r in enumerate(rollouts):
+            errors += [abs(pi[i, t].item() - r.behavior_logprobs[t]) for t in r.sampled if r.versions[t] == v]
+    mask_ok = all(batch["mask"][i, :len(r.completion_ids)].tolist() == [float(m) for m in r.env_mask]
+                  and batch["mask"][i, len(r.completion_ids):].sum() == 0 for i, r in enumerate(rollouts))
+    for r in rollouts:
+        contents = [m["content"] for m in r.episode.messages if m["role"] == "tool"]
+        spans = _spans(r.env_mask, 0)
+        tool_spans += len(spans)
+        tool_spans_ok &= len(spans) == len(contents) and all(
+            tok.decode(r.completion_ids[a:b]) == tool_text(c) for (a, b), c in zip(spans, contents))
+        tool_spans_ok &= all(r.versions[t] == r.versions[t - 1] for a, b in spans for t in range(max(a, 1), b))
+    called = [r for r in rollouts if r.episode.tool_calls]
+    return {
+        "rollouts": len(rollouts),
+        "with_tool_calls": len(called),
+        "tool_spans": tool_spans,
+        "tool_spans_ok": bool(tool_spans_ok),
+        "mask_ok": bool(mask_ok),
+        "sampled_tokens": len(errors),
+        "max_error": max(errors),
+        "multi_tick": sum(r.segments > 1 for r in rollouts),
+        "multi_tick_with_tools": sum(r.segments > 1 and r.episode.tool_calls > 0 for r in rollouts),
+        "multi_version_with_tools": sum(len(set(r.versions)) > 1 and r.episode.tool_calls > 0 for r in rollouts),
+        "turns_end_with_eos": all(tok.decode(r.completion_ids[a:b]).endswith("<|im_end|>")
+                                  for r in called for a, b in _spans(r.env_mask, 1)[:-1]),
+        "lengths_ok": all(len(r.completion_ids) <= LENGTH for r in rollouts),
+    }, gen.llm
+
+
+def check_checkpoint(path: str, engine, workdir: str) -> dict:
+    from hfllamarl.runtime import checkpoint
+    from hfllamarl.runtime.episodes import reward_arguments
+    from hfllamarl.runtime.multi_turn import AgentSpec
+    from hfllamarl.tools.tiny_chat import calculator_rows
+
+    agent = AgentSpec(factories={None: Recorder}, max_iterations=2, tool_call_timeout_s=30)
+    kw = dict(schedule=Schedule(1, 5, 5), prompts_per_batch=8, num_generations=2, partial_rollout_tokens=BUDGET)
+    rows = calculator_rows(8, seed=5)
+    first = generator(path, rows, agent, engine, **kw)
+    run_ticks(first, 2)  # a call turn takes ~32 tokens: some rollouts called the tool in tick 1 and are carried
+    carried = [r for f in first.in_flight for r in f.unfinished()]
+    before = {id(r): list(r.episode.environment.expressions) for r in carried}
+    directory = os.path.join(workdir, "ckpt")
+    checkpoint.save_generator_side(first, directory)
+    second = generator(path, rows, agent, engine, **kw)
+    checkpoint.load_generator_side(second, directory)
+    restored = [r for f in second.in_flight for r in f.unfinished()]
+    prefixes = [(list(r.completion_ids), list(before.values())[i]) for i, r in enumerate(restored)]
+    finished = []
+    for tick in range(2, 5):
+        second.set_step(tick)
+        second.step()
+        finished += [r for g in second.get_output("rollouts") for r in g.rollouts]
+    by_row = {}
+    for r in finished:
+        by_row.setdefault(r.row_index, []).append(r)
+    envs = reward_arguments(finished)["columns"]["environments"]
+    return {
+        "carried": len(carried),
+        "carried_with_calls": sum(bool(v) for v in before.values()),
+        "finished": len(finished),
+        "env_calls_match": all(len(e.expressions) == r.episode.tool_calls for e, r in zip(envs, finished)),
+        "reward_counts_calls": all(r.model_rewards["Recorder"] == float(r.episode.tool_calls) for r in finished),
+        "kept_earlier_calls": all(any(r.completion_ids[:len(ids)] == ids and e.expressions[:len(calls)] == calls
+                                      for r, e in zip(finished, envs)) for ids, calls in prefixes),
+    }
+
+
+def check_evaluation(path: str, engine) -> dict:
+    """Evaluation during training with tools: every eval prompt's rollouts run to the end in the tick, multi-turn."""
+    from datasets import Dataset
+
+    from hfllamarl.runtime.multi_turn import AgentSpec
+    from hfllamarl.tools.tiny_chat import calculator_rows
+
+    agent = AgentSpec(tools=[calculator], max_iterations=2, tool_call_timeout_s=30)
+    gen = generator(path, calculator_rows(8, seed=9), agent, engine, schedule=Schedule(1, 1), prompts_per_batch=8,
+                    num_generations=2, partial_rollout_tokens=BUDGET, num_generations_eval=3)
+    gen.eval_dataset = Dataset.from_list(calculator_rows(6, seed=11))
+    groups = gen.agent._evaluation()
+    rollouts = [r for g in groups for r in g.rollouts]
+    return {"groups": len(groups), "rollouts": len(rollouts), "eval_versions": sorted({g.eval_version for g in groups}),
+            "all_finished": all(r.finish_reason in ("stop", "length") for r in rollouts),
+            "with_tool_calls": sum(bool(r.episode.tool_calls) for r in rollouts),
+            "masks_ok": all(len(r.env_mask) == len(r.completion_ids) for r in rollouts)}
+
+
+def check_hang(path: str, engine) -> dict:
+    from hfllamarl.runtime.multi_turn import AgentSpec
+    from hfllamarl.tools.tiny_chat import calculator_rows
+
+    agent = AgentSpec(tools=[stuck_calculator], max_iterations=2, tool_call_timeout_s=1.0)
+    gen = generator(path, calculator_rows(8, seed=7), agent, engine, length=200, schedule=Schedule(1, 0),
+                    prompts_per_batch=8, num_generations=2)
+    start = time.perf_counter()
+    rollouts = run_ticks(gen, 1)
+    errors = [m["content"] for r in rollouts for m in r.episode.messages if m["role"] == "tool"]
+    return {
+        "finished": len(rollouts),
+        "calls": sum(r.episode.tool_calls for r in rollouts),
+        "failures": sum(r.episode.tool_failures for r in rollouts),
+        "timeouts": sum(r.episode.tool_timeouts for r in rollouts),
+        "errors_seen": sorted({"abandoned" if "abandoned" in e else e for e in errors}),
+        "seconds": time.perf_counter() - start,
+        "abandoned": gen.agent.runner.abandoned,
+    }
+
+
+def _spans(mask: list[int], value: int) -> list[tuple[int, int]]:
+    spans, start = [], None
+    for t, m in enumerate(list(mask) + [1 - value]):
+        if m == value and start is None:
+            start = t
+        elif m != value and start is not None:
+            spans.append((start, t))
+            start = None
+    return spans
+
+
+def main(path: str, workdir: str) -> None:
+    rows, engine = check_rows(path)
+    result = {"rows": rows, "checkpoint": check_checkpoint(path, engine, workdir), "hang": check_hang(path, engine),
+              "evaluation": check_evaluation(path, engine)}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+    os._exit(0)  # abandoned tool threads must not hold the interpreter
