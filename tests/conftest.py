@@ -105,7 +105,7 @@ def orphans(output_dir: str) -> list[dict]:
     import psutil
 
     return [p.info for p in psutil.process_iter(["pid", "cmdline"])
-            if any(output_dir in (c or "") for c in (p.info["cmdline"] or []))]
+            if any(c == output_dir or (c or "").startswith(output_dir + os.sep) for c in (p.info["cmdline"] or []))]
 
 
 def trained_rows(out: str, rank: int = 0) -> dict[int, list[int]]:

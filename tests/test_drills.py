@@ -70,6 +70,12 @@ def cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
+def belongs_to(p: psutil.Process, out: str) -> bool:
+    """Whether `p` is a process of the job writing to `out` (its argument, or a file under it). A job's directory
+    can be a prefix of another's name ("python-killed", "python-killed-stop"): compare whole paths."""
+    return any(arg == out or arg.startswith(out + os.sep) for arg in cmdline(p))
+
+
 def alive(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -101,7 +107,7 @@ def drill(model: str, out: str, launch: str, victim: str, sig: str, results: dic
                                           "left": [p.pid for p in survivors if alive(p)]}
     finally:
         for p in psutil.Process(os.getpid()).children(recursive=True):
-            if out in " ".join(cmdline(p)):
+            if belongs_to(p, out):
                 p.kill()
         if proc.poll() is None:
             proc.kill()
@@ -271,7 +277,7 @@ def replica_job(model: str, out: str, name: str, results: dict) -> None:
                          "victim_gone": victim is None or not alive(victim)}
     finally:
         for p in psutil.Process(os.getpid()).children(recursive=True):
-            if out in " ".join(cmdline(p)):
+            if belongs_to(p, out):
                 p.kill()
         for proc in procs:
             if proc.poll() is None:

@@ -121,7 +121,9 @@ class GeneratorExecutor(Executor):
 
     def _build_engine(self):
         spec, topo = self.spec, self.topology
-        return build_engine(spec.model_path, spec.tokenizer_path, dtype=spec.dtype, seed=spec.seed,
+        # Each replica samples from a random stream of its own (the same seed would draw the same numbers on every
+        # replica, at the same place of each batch); a resume with the same replicas draws the same streams again.
+        return build_engine(spec.model_path, spec.tokenizer_path, dtype=spec.dtype, seed=spec.seed + topo.replica,
                             max_model_len=spec.max_model_len, tensor_parallel_size=spec.tensor_parallel_size,
                             distributed=topo.replica_size > 1, use_cpu=topo.use_cpu,
                             engine_id=(f"{topo.store_addr[1]}-{topo.job_id}-{topo.replica}"

@@ -29,6 +29,27 @@ from dataclasses import dataclass, field
 from .liveness import Liveness, PeerLostError  # noqa: F401  (PeerLostError: re-exported for the channels)
 
 
+def settle_collectives_at_exit() -> None:
+    """Give gloo's worker threads the interpreter before it shuts down (registered once per process).
+
+    A gloo worker frees a finished collective's tensors right after the caller's `wait()` returns, and freeing a
+    tensor that Python knew takes the GIL. A script that ends right after a collective (a save, `train()`'s last
+    step) can reach interpreter shutdown first; the worker's GIL request then unwinds its thread and the process
+    aborts ("terminate called without an active exception", exit -6) after a run that succeeded. An exit handler
+    runs while the threads can still take the GIL: it releases it for a moment so they finish.
+    """
+    global _SETTLE_REGISTERED
+    if not _SETTLE_REGISTERED:
+        import atexit
+        import time
+
+        atexit.register(time.sleep, 0.2)
+        _SETTLE_REGISTERED = True
+
+
+_SETTLE_REGISTERED = False
+
+
 class TopologyError(RuntimeError):
     """A launch that cannot form a job; the message says how to launch instead."""
 
@@ -196,6 +217,7 @@ class Topology:
                 )
             return
         backend = "gloo" if self.use_cpu else "nccl"
+        settle_collectives_at_exit()
         world = "trainer" if self.role == "trainer" else f"generator/{self.replica}"  # a replica is a world
         dist.init_process_group(
             backend,
@@ -231,6 +253,7 @@ class Topology:
             store = dist.PrefixStore(f"hfllamarl/{self.job_id}/{name}", self.store())
             rank, size = members.index(self.rank), len(members)
             if kind == "object" or self.use_cpu:
+                settle_collectives_at_exit()
                 pg = dist.ProcessGroupGloo(store, rank, size, self.timeout)
             else:  # pragma: no cover - needs GPUs
                 pg = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())

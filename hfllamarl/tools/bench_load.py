@@ -37,9 +37,11 @@ def _worker(opts: dict) -> None:
 
     from hfllamarl.tools.bench_rank import RssPeak
     from hfllamarl.runtime.fsdp import shard_model
+    from hfllamarl.runtime.topology import settle_collectives_at_exit
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    settle_collectives_at_exit()
     path, mode = opts["path"], opts["mode"]
     from transformers import AutoConfig, AutoModelForCausalLM
 

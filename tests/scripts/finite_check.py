@@ -17,11 +17,12 @@ from test_finite import executor, groups  # noqa: E402
 
 from hfllamarl.runtime.finite import NonFiniteError  # noqa: E402
 from hfllamarl.runtime.fsdp import shard_model  # noqa: E402
-from hfllamarl.runtime.topology import Topology  # noqa: E402
+from hfllamarl.runtime.topology import Topology, settle_collectives_at_exit  # noqa: E402
 
 
 def main():
     dist.init_process_group("gloo")
+    settle_collectives_at_exit()  # the script ends right after its last collective
     rank = dist.get_rank()
     from transformers import LlamaConfig, LlamaForCausalLM
 
