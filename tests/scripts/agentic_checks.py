@@ -63,13 +63,13 @@ stuck_calculator.__name__ = "calculator"  # the name the model calls
 
 
 class Recorder:
-    """An environment that records the expressions it evaluated."""
+    """An environment that records the expressions it was called with, and how many of those calls failed."""
 
     def __init__(self):
-        self.expressions = []
+        self.expressions, self.failed = [], 0
 
     def reset(self, **row):
-        self.expressions = []
+        self.expressions, self.failed = [], 0
 
     def calculator(self, expression: str) -> str:
         """Evaluate an arithmetic expression.
@@ -78,7 +78,11 @@ class Recorder:
             expression: The expression, e.g. "12+30".
         """
         self.expressions.append(expression)
-        return calculator(expression)
+        try:
+            return calculator(expression)
+        except Exception:
+            self.failed += 1
+            raise
 
     def get_reward(self) -> float:
         return float(len(self.expressions))
@@ -209,12 +213,20 @@ def check_checkpoint(path: str, engine, workdir: str) -> dict:
     for r in finished:
         by_row.setdefault(r.row_index, []).append(r)
     envs = reward_arguments(finished)["columns"]["environments"]
+    mismatches = [(e.expressions, e.failed, r.episode.tool_calls, r.episode.tool_failures,
+                   [m.get("content") for m in r.episode.messages if m["role"] == "tool"])
+                  for e, r in zip(envs, finished)
+                  if r.episode.tool_calls - len(e.expressions) != r.episode.tool_failures - e.failed]
     return {
         "carried": len(carried),
         "carried_with_calls": sum(bool(v) for v in before.values()),
         "finished": len(finished),
-        "env_calls_match": all(len(e.expressions) == r.episode.tool_calls for e, r in zip(envs, finished)),
-        "reward_counts_calls": all(r.model_rewards["Recorder"] == float(r.episode.tool_calls) for r in finished),
+        # Every call counted either reached the environment or failed before it (arguments that do not bind, an
+        # unknown tool): calls - reached == failures - failures inside the environment, and nothing runs twice.
+        "env_calls_match": not mismatches,
+        "mismatches": mismatches,
+        "reward_counts_calls": all(r.model_rewards["Recorder"] == float(len(e.expressions))
+                                   for e, r in zip(envs, finished)),
         "kept_earlier_calls": all(any(r.completion_ids[:len(ids)] == ids and e.expressions[:len(calls)] == calls
                                       for r, e in zip(finished, envs)) for ids, calls in prefixes),
     }
