@@ -239,17 +239,20 @@ REPLICA_JOBS = {  # name: (launch, processes, generator_failure, what happens to
     "bare-frozen": ("bare", 4, "continue", "SIGSTOP"),
     "torchrun-raises": ("torchrun", 4, "continue", "raise"),
 }
-EPOCH = 16  # 64 rows / 4 prompts per step: every prompt once
+ROWS, EPOCH = 32, 8  # 32 rows / 4 prompts per step: every prompt once
 
 
 def replica_job(model: str, out: str, name: str, results: dict) -> None:
     """Run one job with two generator replicas (1 or 2 trainers) and do `REPLICA_JOBS[name]` to replica 1."""
     launch, n, failure, what = REPLICA_JOBS[name]
-    args = [str(SCRIPTS / "train_tiny.py"), model, out, "--steps", str(EPOCH), "--report-to", "none",
+    args = [str(SCRIPTS / "train_tiny.py"), model, out, "--steps", str(EPOCH), "--rows", str(ROWS),
+            "--report-to", "none",
             "--timeout", str(TIMEOUT_S), "--num-generators", "2", "--generator-tp", "1", "--max-staleness", "0",
             "--extra", json.dumps({"generator_failure": failure})]
     if what == "raise":
         args += ["--generator-raises", "4:1"]
+    else:  # trainer rank 0 signals replica 1's rank (its last) at the end of step 2
+        args += ["--signal-rank-at", f"2:{n - 1}:{what}"]
     env = dict({k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, OMP_NUM_THREADS="1")
     if launch == "bare":
         procs = launch_bare(n, args, env={"OMP_NUM_THREADS": "1"})
@@ -259,20 +262,16 @@ def replica_job(model: str, out: str, name: str, results: dict) -> None:
             "--master_port", str(free_port()), *args]
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)]
     try:
-        victim = None
-        if what != "raise":
-            wait_first_step(out, procs[0])
-            time.sleep(1.0)
-            if launch == "python":
-                victim = next(p for p in psutil.Process(procs[0].pid).children()
-                              if "generator_child" in " ".join(cmdline(p)) and p.environ().get("HFLLAMARL_RANK") == "2")
-            else:
-                victim = psutil.Process(procs[-1].pid)  # the last rank: replica 1
-            victim.send_signal(getattr(signal, what))
-        signalled = time.monotonic()
         watched = procs[:-1] if launch == "bare" else procs
         outs = [p.communicate(timeout=600) for p in watched]
-        results[name] = {"seconds": time.monotonic() - signalled, "codes": [p.returncode for p in watched],
+        ended = time.time()
+        victim, signalled = None, None
+        if what != "raise":
+            marker = os.path.join(out, "victim.pid")
+            assert os.path.exists(marker), (name, outs[0][1][-3000:])
+            signalled, pid = os.path.getmtime(marker), int(open(marker).read())
+            victim = psutil.Process(pid) if psutil.pid_exists(pid) else None
+        results[name] = {"seconds": ended - signalled if signalled else 0.0, "codes": [p.returncode for p in watched],
                          "stdout": outs[0][0], "stderr": outs[0][1],
                          "victim_gone": victim is None or not alive(victim)}
     finally:
@@ -321,8 +320,8 @@ def test_a_lost_generator_replica_is_survived_or_named(tiny_model, tmp_path):
         epoch = []
         for step in range(1, EPOCH + 1):
             got = [row for rank in range(trainers) for row in rows[rank][step]]
-            assert got == batch_rows(64, 4 * trainers, step - 1, seed=0), (name, step)
+            assert got == batch_rows(ROWS, 4 * trainers, step - 1, seed=0), (name, step)
             epoch += got
         if trainers == 1:
-            assert sorted(epoch) == list(range(64)), name  # one epoch: every prompt exactly once
+            assert sorted(epoch) == list(range(ROWS)), name  # one epoch: every prompt exactly once
         assert not orphans(str(tmp_path / name)), name

@@ -34,32 +34,39 @@ def launch_nodes(launcher: str, nodes: int, per_node: int, script_args: list[str
     return procs
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
-def test_two_nodes_train_and_the_generator_ends_with_the_trainers_weights(tiny_model, tmp_path, launcher):
+def test_two_nodes_train_and_the_generator_ends_with_the_trainers_weights(tiny_model, tmp_path):
+    """The same job launched by torchrun and by accelerate launch, side by side."""
     from hfllamarl.runtime.prompts import batch_rows
 
-    out = str(tmp_path / "two_nodes")
-    procs = launch_nodes(launcher, 2, 2, [str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "3",
-                                          "--max-staleness", "0", "--report-to", "none"])
-    results = []
+    jobs = {}
+    for launcher in ("torchrun", "accelerate"):
+        out = str(tmp_path / launcher)
+        jobs[launcher] = (out, launch_nodes(launcher, 2, 2, [str(SCRIPTS / "train_tiny.py"), tiny_model, out,
+                                                             "--steps", "3", "--max-staleness", "0",
+                                                             "--report-to", "none"]))
+    results = {}
     try:
-        for proc in procs:
-            results.append(proc.communicate(timeout=600))
+        for launcher, (_, procs) in jobs.items():
+            results[launcher] = [proc.communicate(timeout=600) for proc in procs]
     finally:
-        for proc in procs:
-            proc.kill()
-    for node, (proc, (stdout, stderr)) in enumerate(zip(procs, results)):
-        assert proc.returncode == 0, f"node {node} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
-    steps = step_logs(results[0][0])
-    assert [h["step"] for h in steps] == [1, 2, 3]
-    for h in steps:
-        # Synchronous: the generator on node 1 samples every batch with exactly the weights the three trainer
-        # ranks (two of them on node 0) hold, so pi/mu is 1 on every token, the last step included.
-        assert h["staleness/max"] == 0
-        assert_on_policy(h)
-    rows = [trained_rows(out, r) for r in range(3)]
-    for step in (1, 2, 3):  # 3 trainer ranks x 16 completions / 4 per prompt = 12 prompts per step
-        assert sorted(rows[0][step] + rows[1][step] + rows[2][step]) == sorted(batch_rows(64, 12, step - 1, seed=0))
+        for _, procs in jobs.values():
+            for proc in procs:
+                proc.kill()
+    for launcher, (out, procs) in jobs.items():
+        for node, (proc, (stdout, stderr)) in enumerate(zip(procs, results[launcher])):
+            assert proc.returncode == 0, \
+                f"{launcher}: node {node} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
+        steps = step_logs(results[launcher][0][0])
+        assert [h["step"] for h in steps] == [1, 2, 3], launcher
+        for h in steps:
+            # Synchronous: the generator on node 1 samples every batch with exactly the weights the three trainer
+            # ranks (two of them on node 0) hold, so pi/mu is 1 on every token, the last step included.
+            assert h["staleness/max"] == 0
+            assert_on_policy(h)
+        rows = [trained_rows(out, r) for r in range(3)]
+        for step in (1, 2, 3):  # 3 trainer ranks x 16 completions / 4 per prompt = 12 prompts per step
+            assert sorted(rows[0][step] + rows[1][step] + rows[2][step]) == \
+                sorted(batch_rows(64, 12, step - 1, seed=0)), (launcher, step)
 
 
 def test_two_replicas_of_tensor_parallel_two_one_per_node(tiny_model, tmp_path):

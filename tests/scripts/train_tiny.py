@@ -6,6 +6,7 @@
 
 import argparse
 import json
+import os
 
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -52,6 +53,38 @@ class KillAt(TrainerCallback):
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SignalRankAt(TrainerCallback):
+    """`STEP:RANK:SIGNAL`: at the end of that step, trainer rank 0 sends SIGNAL to the job's rank RANK (a generator
+    child of this process, or a rank started by a launcher on this machine) and writes its pid to
+    OUTPUT_DIR/victim.pid: a drill that strikes mid-run at a known step, however fast the steps go."""
+
+    def __init__(self, spec: str, output_dir: str):
+        step, rank, sig = spec.split(":")
+        self.step, self.rank, self.sig, self.output_dir = int(step), rank, sig, os.path.abspath(output_dir)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != self.step or not state.is_world_process_zero:
+            return
+        import signal
+
+        import psutil
+
+        victim = None
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                mine = any(a == self.output_dir or a.startswith(self.output_dir + os.sep) for a in p.info["cmdline"] or [])
+                env = p.environ() if mine and p.pid != os.getpid() else {}
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if env.get("HFLLAMARL_RANK", env.get("RANK")) == self.rank:
+                victim = p
+        if victim is None:
+            raise RuntimeError(f"no process of rank {self.rank} writes to {self.output_dir}")
+        with open(os.path.join(self.output_dir, "victim.pid"), "w") as fh:
+            fh.write(str(victim.pid))
+        victim.send_signal(getattr(signal, self.sig))
 
 
 def kill_inside_checkpoint(step):
@@ -102,6 +135,7 @@ def main():
     p.add_argument("--save-steps", type=int, default=500)
     p.add_argument("--repeat", type=int, default=1, help="train() again in the same process, as a notebook would")
     p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True)")
+    p.add_argument("--signal-rank-at", default=None, help="STEP:RANK:SIGNAL: trainer rank 0 signals that rank then")
     p.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL this process (and so the job) at this step")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters on q_proj and v_proj")
     p.add_argument("--learning-rate", type=float, default=1e-3)
@@ -118,6 +152,7 @@ def main():
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="generator_kv_cache_bytes (tiny: vLLM fails to start)")
     p.add_argument("--extra", default="{}", help="more AsyncAIPOConfig fields, as a JSON object")
     p.add_argument("--reward-model", default=None, help="also a reward model: the directory of a sequence classifier")
+    p.add_argument("--rows", type=int, default=64, help="training dataset rows")
     p.add_argument("--eval-rows", type=int, default=0, help="an eval_dataset of this many rows (set eval_strategy too)")
     a = p.parse_args()
     if a.kill_in_checkpoint:
@@ -147,10 +182,12 @@ def main():
                                      task_type="CAUSAL_LM")
         eval_dataset = Dataset.from_list(successor_rows(a.eval_rows, seed=3)) if a.eval_rows else None
         trainer = AsyncAIPOTrainer(model=a.model, reward_funcs=rewards, args=config, peft_config=peft_config,
-                                   train_dataset=Dataset.from_list(successor_rows(64, seed=2)), eval_dataset=eval_dataset,
+                                   train_dataset=Dataset.from_list(successor_rows(a.rows, seed=2)), eval_dataset=eval_dataset,
                                    callbacks=[PrintEvaluations()] if a.eval_rows else None)
         if a.kill_at_step:
             trainer.add_callback(KillAt(a.kill_at_step))
+        if a.signal_rank_at:
+            trainer.add_callback(SignalRankAt(a.signal_rank_at, a.output_dir))
         out = trainer.train(resume_from_checkpoint=True if a.resume else None)
         if trainer.state is not None and trainer.state.is_world_process_zero:
             print("LOG_HISTORY " + json.dumps(trainer.state.log_history), flush=True)
