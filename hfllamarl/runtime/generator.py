@@ -339,23 +339,17 @@ class GeneratorExecutor(Executor):
 
     def _extend(self, r: Rollout, comp, requested: int) -> int:
         """Append one generated segment to `r`, each token with its log-prob and this tick's version."""
-        ids = list(comp.token_ids)
-        logprobs = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], ids)]
-        if len(logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(logprobs)} log-probs for a completion")
-        r.completion_ids += ids
-        r.behavior_logprobs += logprobs
-        r.versions += [self.version] * len(ids)
+        n = r.append_sampled(comp, self.version)
         r.segments += 1
         reason = str(comp.finish_reason or "length")
         # Carried on when it stopped only for this tick's budget (a shorter "length" means the engine
         # could not go on, e.g. the context is full: it ends there).
-        if reason == "length" and len(ids) == requested and len(r.completion_ids) < self.spec.max_completion_length:
-            return len(ids)
+        if reason == "length" and n == requested and len(r.completion_ids) < self.spec.max_completion_length:
+            return n
         r.finish_reason = reason
         r.completion_text = comp.text if r.segments == 1 else self.encoder.tokenizer.decode(
             r.completion_ids, skip_special_tokens=True)
-        return len(ids)
+        return n
 
 
 def _loaded(dataset):

@@ -203,7 +203,7 @@ class MultiTurn:
             calling = []
             for r, (_, _, asked), out in zip(active, requests, outputs):
                 comp = out.outputs[0]
-                n = self._append_sampled(r, comp)
+                n = r.append_sampled(comp, self.ex.version)
                 tokens, allowance[id(r)] = tokens + n, allowance[id(r)] - n
                 reason = str(comp.finish_reason or "length")
                 if reason == "length":
@@ -227,17 +227,6 @@ class MultiTurn:
         used = len(r.completion_ids)
         return max(0, min(allowance[id(r)], spec.max_completion_length - used,
                           spec.max_model_len - len(r.prompt_ids) - used))
-
-    def _append_sampled(self, r: Rollout, comp) -> int:
-        ids = list(comp.token_ids)
-        logprobs = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], ids)]
-        if len(logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(logprobs)} log-probs for a completion")
-        r.completion_ids += ids
-        r.behavior_logprobs += logprobs
-        r.versions += [self.ex.version] * len(ids)
-        r.env_mask += [1] * len(ids)
-        return len(ids)
 
     def _call_tools(self, calling: list[tuple[Rollout, list]], allowance: dict) -> list[Rollout]:
         """Run the tool calls of the rollouts in `calling` and append their results; returns the rollouts that go on

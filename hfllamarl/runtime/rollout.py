@@ -43,6 +43,20 @@ class Rollout:
         if self.env_mask is not None and len(self.env_mask) != len(self.completion_ids):
             raise ValueError("a rollout's env_mask needs one 0/1 per completion token")
 
+    def append_sampled(self, comp, version: int) -> int:
+        """Append the tokens of one vLLM completion segment `comp`, each with its sampled log-prob and `version`
+        (and a 1 in `env_mask` when the rollout keeps one); returns how many."""
+        ids = list(comp.token_ids)
+        logprobs = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], ids)]
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(logprobs)} log-probs for a completion")
+        self.completion_ids += ids
+        self.behavior_logprobs += logprobs
+        self.versions += [version] * len(ids)
+        if self.env_mask is not None:
+            self.env_mask += [1] * len(ids)
+        return len(ids)
+
     @property
     def sampled(self) -> list[int]:
         """Positions of the completion tokens the policy sampled (all but the tool/environment tokens)."""
