@@ -1,6 +1,7 @@
 """Dynamic sampling (drop_zero_variance_groups): groups without signal are not trained, steps are refilled."""
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -70,13 +71,30 @@ def test_split_and_join_are_inverse():
 @pytest.mark.slow
 def test_two_trainer_ranks_drop_refill_and_resume_with_the_reserve(family_model, tmp_path):
     """2 trainer ranks + 1 generator, 4 prompts per rank per step and 2 extra per rank; the rows whose answer is 0
-    score 1.0 whatever the completion. Then the same job resumes from checkpoint 2."""
+    score 1.0 whatever the completion. Then the same job resumes from checkpoint 2. Beside the first run, the same
+    settings from plain `python` (one trainer, 4 prompts and 4 extra per step)."""
+    import subprocess
+    import sys
+
     model = family_model("llama")  # a random model: its completions' digit shares vary within a group
     extra = json.dumps({"drop_zero_variance_groups": True, "dynamic_sampling_extra_prompts": 4})
     args = ["--steps", "4", "--max-staleness", "2", "--reward", "flat_zero", "--report-to", "none", "--save-steps", "2",
             "--extra", extra]
+    single = str(tmp_path / "single")
+    plain = subprocess.Popen([sys.executable, str(SCRIPTS / "train_tiny.py"), model, single, "--steps", "3", *args[2:]],
+                             env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = str(tmp_path / "first")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), model, first, *args], nproc=3)
+    out, err = plain.communicate(timeout=600)
+    assert plain.returncode == 0, err[-4000:]
+    flat = {i for i, a in enumerate(_answers()) if a == "0"}
+    single_rows = trained_rows(single)
+    for h in step_logs(out):
+        assert h["dynamic_sampling/scored_groups"] == 8 and h["dynamic_sampling/trained_groups"] <= 4, h
+        assert h["dynamic_sampling/trained_groups"] == len(single_rows[h["step"]])
+        assert not set(single_rows[h["step"]]) & flat and math.isfinite(h["loss"]), h
+    assert [h["step"] for h in step_logs(out)] == [1, 2, 3]
     assert proc.returncode == 0, tail(proc)
     logs = step_logs(proc.stdout)
     generated = {b: batch_rows(64, 12, b, seed=0) for b in range(4)}  # 8 prompts per step + 4 extra
