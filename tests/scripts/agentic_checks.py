@@ -252,23 +252,29 @@ def check_evaluation(path: str, engine) -> dict:
 
 
 def check_hang(path: str, engine) -> dict:
+    """A calculator whose odd calls hang and even calls raise, 1 s per call: batches of 8 prompts x 2 until it was
+    called twice (how often the tiny model calls a tool varies with its build; at most 6 batches)."""
     from hfllamarl.runtime.multi_turn import AgentSpec
     from hfllamarl.tools.tiny_chat import calculator_rows
 
     agent = AgentSpec(tools=[stuck_calculator], max_iterations=2, tool_call_timeout_s=1.0)
-    gen = generator(path, calculator_rows(8, seed=7), agent, engine, length=200, schedule=Schedule(1, 0),
-                    prompts_per_batch=8, num_generations=2)
-    start = time.perf_counter()
-    rollouts = run_ticks(gen, 1)
+    start, rollouts, batches, abandoned = time.perf_counter(), [], 0, 0
+    while batches < 6 and CALLS["n"] < 2:
+        gen = generator(path, calculator_rows(8, seed=7 + batches), agent, engine, length=200,
+                        schedule=Schedule(1, 0), prompts_per_batch=8, num_generations=2)
+        rollouts += run_ticks(gen, 1)
+        abandoned += gen.agent.runner.abandoned
+        batches += 1
     errors = [m["content"] for r in rollouts for m in r.episode.messages if m["role"] == "tool"]
     return {
+        "batches": batches,
         "finished": len(rollouts),
         "calls": sum(r.episode.tool_calls for r in rollouts),
         "failures": sum(r.episode.tool_failures for r in rollouts),
         "timeouts": sum(r.episode.tool_timeouts for r in rollouts),
         "errors_seen": sorted({"abandoned" if "abandoned" in e else e for e in errors}),
         "seconds": time.perf_counter() - start,
-        "abandoned": gen.agent.runner.abandoned,
+        "abandoned": abandoned,
     }
 
 
