@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -104,6 +103,7 @@ def _summary(r: dict, steps: int) -> dict:
 
 
 def run(args) -> int:
+    from hfllamarl.tools.bench_vs_trl import run_job
     from hfllamarl.tools.tiny_chat import prepare_tool_model
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -119,13 +119,7 @@ def run(args) -> int:
                "learning_rate": args.learning_rate, "output_dir": os.path.join(args.output_dir, variant),
                "result": os.path.join(args.output_dir, f"{variant}.json")}
         print(f"running {variant} ...", flush=True)
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
-        proc = subprocess.run([sys.executable, "-m", "hfllamarl.tools.bench_multi_turn", json.dumps(job)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(f"{variant} failed:\n{proc.stderr[-4000:]}")
-        with open(job["result"]) as fh:
-            results[variant] = _summary(json.load(fh), args.steps)
+        results[variant] = _summary(run_job("hfllamarl.tools.bench_multi_turn", job, variant), args.steps)
     print(f"\ncalculator task, {args.steps} steps of {PROMPTS_PER_STEP * NUM_GENERATIONS} completions (up to "
           f"{LENGTH} tokens, 1 tool round), tool latency {args.tool_latency} s, {os.cpu_count()} cores")
     print(f"{'variant':<16}{'s/step':>8}{'compl/s':>9}{'tokens/s':>10}{'calls/compl':>13}{'final reward':>14}")

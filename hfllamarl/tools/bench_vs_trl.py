@@ -47,6 +47,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--output-dir", default="outputs/bench_vs_trl")
 
 
+def run_job(module: str, job: dict, name: str) -> dict:
+    """Run `python -m module JOB` in a fresh process (no launcher variables, torch's own thread count) and return
+    the JSON it wrote to `job["result"]`; a failure ends the bench with the job's last error lines."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    proc = subprocess.run([sys.executable, "-m", module, json.dumps(job)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
+    with open(job["result"]) as fh:
+        return json.load(fh)
+
+
 def digit_share(completions, **kwargs) -> list[float]:
     """The reward: the share of a completion's characters that are digits (TRL's reward-function contract)."""
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
@@ -229,13 +241,7 @@ def run(args) -> int:
                "gradient_checkpointing": args.gradient_checkpointing,
                "output_dir": os.path.join(args.output_dir, side), "result": os.path.join(args.output_dir, f"{side}.json")}
         print(f"running {side} ...", flush=True)
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
-        proc = subprocess.run([sys.executable, "-m", "hfllamarl.tools.bench_vs_trl", json.dumps(job)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(f"{side} failed:\n{proc.stderr[-4000:]}")
-        with open(job["result"]) as fh:
-            results[side] = json.load(fh)
+        results[side] = run_job("hfllamarl.tools.bench_vs_trl", job, side)
     bare = results.pop("bare_vllm", None)
     quarter = max(args.steps // 4, 1)
     print(f"\n{params / 1e6:.1f}M-parameter Llama, {args.steps} steps of {PROMPTS_PER_STEP * NUM_GENERATIONS} "
