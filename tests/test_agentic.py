@@ -347,6 +347,9 @@ def test_tools_run_once_on_a_tensor_parallel_generator(tool_model, tmp_path):
     assert len(steps) == 3 and all(assert_on_policy(h) is None for h in steps)
     made = [json.loads(line) for line in open(calls)] if calls.exists() else []
     logged = [round(h["tools/call_frequency"] * 8) for h in steps]  # calls per completion x 8 completions
-    failed = [round(h["tools/failure_frequency"] * n) for h, n in zip(steps, logged)]  # a tool it did not name: not run
-    assert made and len(made) == sum(logged) - sum(failed), (len(made), logged, failed)
+    failed = [round(h["tools/failure_frequency"] * n) for h, n in zip(steps, logged)]
+    # every counted call ran once, except failures that never reached the tool (a tool it did not name, arguments
+    # that do not bind); a call that reached it and raised ran
+    not_run = sum(failed) - sum(m["failed"] for m in made)
+    assert made and not_run >= 0 and len(made) == sum(logged) - not_run, (len(made), logged, failed, made)
     assert len({m["pid"] for m in made}) == 1  # one rank ran them all

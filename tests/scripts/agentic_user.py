@@ -14,7 +14,7 @@ the class names swapped and nothing else.
 The model is hfllamarl's tiny Qwen3-template model (`build_tiny_model(..., chat_template="qwen3")`). `--hang`: the
 calculator never returns on its 1st call (and every 3rd after) and raises on its 2nd (likewise). `--summary` writes
 what the reward function received, one JSON line per call; `--calls` appends one line per tool call (pid,
-expression).
+expression, whether it raised).
 """
 
 import argparse
@@ -33,15 +33,19 @@ SUMMARY = []
 def _evaluate(expression: str) -> str:
     from hfllamarl.plugins.environments.calculator import evaluate
 
-    if OPTIONS["calls"]:
-        with open(OPTIONS["calls"], "a") as fh:
-            fh.write(json.dumps({"pid": os.getpid(), "expression": expression}) + "\n")
-    OPTIONS["count"] += 1
-    if OPTIONS["hang"] and OPTIONS["count"] % 3 == 1:
-        time.sleep(3600)  # a tool that never returns
-    if OPTIONS["hang"] and OPTIONS["count"] % 3 == 2:
-        raise RuntimeError("the calculator is broken today")
-    return evaluate(expression)
+    failed = True
+    try:
+        OPTIONS["count"] += 1
+        if OPTIONS["hang"] and OPTIONS["count"] % 3 == 1:
+            time.sleep(3600)  # a tool that never returns
+        if OPTIONS["hang"] and OPTIONS["count"] % 3 == 2:
+            raise RuntimeError("the calculator is broken today")
+        result, failed = evaluate(expression), False
+        return result
+    finally:  # (a call that raised is one the tool ran: the job counts it as failed)
+        if OPTIONS["calls"]:
+            with open(OPTIONS["calls"], "a") as fh:
+                fh.write(json.dumps({"pid": os.getpid(), "expression": expression, "failed": failed}) + "\n")
 
 
 def calculator(expression: str) -> str:
