@@ -258,7 +258,8 @@ def run(args) -> int:
               f"{s['final_reward']:>14.3f}")
     out = {**summary, "steps": args.steps, "parameters": params, "cores": os.cpu_count()}
     if len(results) == 2:
-        out["ratio"] = round(results["trl"]["seconds"] / results["hfllamarl"]["seconds"], 3)
+        # from the seconds the summary reports, so that the JSON agrees with itself (as bench multi-turn's ratios)
+        out["ratio"] = round(summary["trl"]["seconds"] / summary["hfllamarl"]["seconds"], 3)
         print(f"ratio (TRL train() time / hfllamarl train() time): {out['ratio']:.2f}x")
     if args.profile:
         for side, r in results.items():
