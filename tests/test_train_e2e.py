@@ -129,11 +129,11 @@ def test_kill_inside_a_checkpoint_and_resume(tiny_model, tmp_path):
     assert time.monotonic() - started < 60
 
 
-def _wait_for_first_step(out, proc, timeout=240, steps=1):
-    log = os.path.join(out, "trained_prompts-rank0.jsonl")
+def _wait_for_first_step(out, proc, timeout=240, steps=1, ranks=1):
+    logs = [os.path.join(out, f"trained_prompts-rank{r}.jsonl") for r in range(ranks)]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if os.path.exists(log) and open(log).read().count("\n") >= steps:
+        if all(os.path.exists(log) and open(log).read().count("\n") >= steps for log in logs):
             return
         time.sleep(0.2)
     raise AssertionError(f"the run never finished step {steps}")
@@ -153,11 +153,17 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     out = str(tmp_path / "two")
     common = ["--steps", "5", "--save-steps", "2", "--report-to", "none", "--eval-rows", "3",
               "--extra", json.dumps({"eval_strategy": "steps", "eval_steps": 1, "num_generations_eval": 2})]
+    # The cut falls between checkpoints 2 and 4 however fast the steps go: at the end of step 3 trainer rank 0 freezes
+    # the generator (rank 2), so no rank can pass the next tick's channels; the cut follows both trainers' step 3.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
-           str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common]
+           str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--signal-rank-at", "3:2:SIGSTOP"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for_first_step(out, proc, steps=3)
+        _wait_for_first_step(out, proc, steps=3, ranks=2)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(out, "victim.pid")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert os.path.exists(os.path.join(out, "victim.pid")), "trainer rank 0 never froze the generator"
     finally:
         everything = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
         for p in everything:
