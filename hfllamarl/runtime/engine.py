@@ -53,6 +53,8 @@ def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int,
             _cpu_shm_names(engine_id)
     if use_cpu:
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes or (256 << 20)
+        if enforce_eager:
+            _eager_token_ranks()
     else:  # pragma: no cover - needs a GPU
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     # vLLM collects garbage five times while it starts (around the model load, then to freeze its heap); each full
@@ -71,6 +73,18 @@ def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int,
                 "replica), and a segment of that name exists already: a job killed while its engine started left it "
                 "behind. Remove those files once no vLLM process uses them.") from exc
         raise
+
+
+def _eager_token_ranks() -> None:
+    """Eager mode on the CPU, whole: vLLM's sampler counts each sampled token's rank with a `torch.compile`d
+    function even under `enforce_eager`, and on the CPU inductor builds (or loads and links) C++ for it in every
+    engine's first batch that asks for log-probs: about 2 s of each generator's start-up, for a comparison and a
+    sum that run as fast eagerly at the batch sizes a generator samples. Its eager original is used instead (the
+    same operations, so the same counts). On a GPU vLLM's compiled kernel is kept."""
+    from vllm.v1.sample import sampler
+
+    compiled = sampler.batched_count_greater_than
+    sampler.batched_count_greater_than = getattr(compiled, "_torchdynamo_orig_callable", compiled)
 
 
 def _cpu_shm_names(engine_id: str) -> None:

@@ -99,7 +99,10 @@ def partial(workdir: str) -> dict:
             expected = [min(start + t // BUDGET, 2) for t in range(len(r.completion_ids))]
             bad_versions += r.versions != expected
     multi = [r for r in rollouts if r.segments > 1]
+    from torch._dynamo.utils import counters
+
     return {
+        "compiled_frames": sum(counters["frames"].values()),  # what torch.compile traced in this process
         "finished_at": {g.batch_index: tick for tick, g in finished},
         "carried_after": carried_after,
         "num_rollouts": len(rollouts),
