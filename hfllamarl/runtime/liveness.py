@@ -74,6 +74,11 @@ def timed(fn, timeout_s: float):
 
 
 STORE_CALL_S = 4.0  # the longest one look at the store may take
+# A rank still starting (its 'start-up' mark not set) loads native libraries and imports torch, transformers and
+# vLLM: on a crowded machine one such step can hold its interpreter's lock long enough to starve its heartbeat
+# thread for more than the heartbeat timeout. Its silence counts after this many timeouts instead (a rank frozen
+# or killed while starting is still named well within the start-up budget, vllm_server_timeout).
+STARTING_SLACK = 4
 
 
 class Liveness:
@@ -89,6 +94,7 @@ class Liveness:
         self.verdict_cause: str | None = None  # what the watchdog found (a single-process parent raises it)
         self._lock = threading.Lock()  # one store call at a time on the shared client
         self._where: dict[int, dict] = {}  # rank -> {"host", "pid"}, read while the store answers
+        self._started: set[int] = set()  # ranks seen past their start-up (their heartbeats count at once)
         self._frozen: list[int] = []  # the ranks the last verdict found silent
         self.culprit: int | None = None  # the rank the last verdict names
         self._ended: set[int] = set()  # lost ranks (of another replica) whose processes this rank ended
@@ -276,14 +282,21 @@ class Liveness:
                 beats[r] = float(client.get(self._key("heartbeat", r)).decode())
             if r not in self._where and client.check([self._key("process", r)]):
                 self._where[r] = json.loads(client.get(self._key("process", r)).decode())
+            if r not in self._started and client.check([self._key("reached/start-up", r)]):
+                self._started.add(r)
         return failed, beats, done
+
+    def _silence_s(self, rank: int) -> float:
+        """How long `rank` may go without a heartbeat: the heartbeat timeout, or `STARTING_SLACK` times it while
+        the rank is still starting."""
+        return self.stale_s if rank in self._started else STARTING_SLACK * self.stale_s
 
     def _stale(self, beats: dict[int, float], done: set[int]) -> list[int]:
         """Ranks whose heartbeat stopped (and that did not finish), the longest silent first. A rank that never
         beat is not counted: it may still be starting."""
         now = time.time()
         return [r for last, r in sorted((last, r) for r, last in beats.items()
-                                        if r not in done and now - last > self.stale_s)]
+                                        if r not in done and now - last > self._silence_s(r))]
 
     def lost_ranks(self) -> list[int]:
         try:
@@ -333,8 +346,9 @@ class Liveness:
         if lost:
             self.culprit = lost[0]
             names = ", ".join(topo.describe(r) for r in lost)
-            return (f"{names} stopped answering: no heartbeat for more than {self.stale_s:.0f} s (the process was "
-                    "killed, or is frozen, e.g. SIGSTOP).")
+            starting = " while starting" if self.culprit not in self._started else ""
+            return (f"{names} stopped answering: no heartbeat for more than {self._silence_s(self.culprit):.0f} s"
+                    f"{starting} (the process was killed, or is frozen, e.g. SIGSTOP).")
         if failed:  # only reactions: name the first
             _, r, rec = min((rec["time"], r, rec) for r, rec in failed.items())
             self.culprit = r
@@ -356,7 +370,7 @@ class Liveness:
         frozen = [r for r in stale if topo.contained(r)]
         for r in frozen:
             causes.setdefault(topo.replica_of(r), f"{topo.describe(r)} stopped answering: no heartbeat for more than "
-                                                  f"{self.stale_s:.0f} s (killed, or frozen)")
+                                                  f"{self._silence_s(r):.0f} s (killed, or frozen)")
         for replica, cause in causes.items():
             topo.mark_lost(replica, cause)
         frozen = [r for r in frozen if r not in self._ended]
@@ -372,7 +386,7 @@ class Liveness:
     def explain(self, exc: BaseException) -> PeerLostError | None:
         """After a failed collective: the verdict as an error (waiting long enough for a peer that just died to
         miss its heartbeat), or None when no other rank is at fault."""
-        deadline = time.monotonic() + self.stale_s + 2.0
+        deadline = time.monotonic() + max((self._silence_s(r) for r in self._others()), default=self.stale_s) + 2.0
         while True:
             verdict = self.verdict_cause or self.verdict()
             if verdict or time.monotonic() > deadline:
