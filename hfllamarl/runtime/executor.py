@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .liveness import STARTUP
+
 
 class Executor:
     """Base class of the generator and trainer executors."""
@@ -48,4 +50,4 @@ def wait_for_startup(topology, budget_s: float) -> None:
     """Every executor calls this once its start-up is done (the trainer's policy loaded and sharded, the
     generator's vLLM engine up), before its first exchange: a rank still starting is waited for as long as
     `budget_s` (vllm_server_timeout) while it is alive, however short the collective timeout."""
-    topology.liveness.rendezvous("start-up", budget_s, why=" (vllm_server_timeout: loading the model, starting vLLM)")
+    topology.liveness.rendezvous(STARTUP, budget_s, why=" (vllm_server_timeout: loading the model, starting vLLM)")

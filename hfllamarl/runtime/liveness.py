@@ -79,6 +79,12 @@ STORE_CALL_S = 4.0  # the longest one look at the store may take
 # thread for more than the heartbeat timeout. Its silence counts after this many timeouts instead (a rank frozen
 # or killed while starting is still named well within the start-up budget, vllm_server_timeout).
 STARTING_SLACK = 4
+STARTUP = "start-up"  # the rendezvous every executor reaches once it has started (`executor.wait_for_startup`)
+
+
+def _reached(what: str) -> str:
+    """The store key kind a rank sets once it has reached the rendezvous `what`."""
+    return "reached/" + what.replace(" ", "_")
 
 
 class Liveness:
@@ -233,7 +239,7 @@ class Liveness:
         start-up budget, not the collective timeout; a rank that fails or goes silent meanwhile ends it at once
         with the verdict. `why` names the budget's setting in the error."""
         topo = self.topology
-        kind = "reached/" + what.replace(" ", "_")
+        kind = _reached(what)
         timed(lambda: self._locked(lambda c: c.set(self._key(kind, topo.rank), "1")), STORE_CALL_S)
         self._await_marks(kind, self._others(), budget_s, lambda names: (
             f"{names} did not reach '{what}' within {budget_s:.0f} s{why} (seen from {topo.describe(topo.rank)}) "
@@ -282,7 +288,7 @@ class Liveness:
                 beats[r] = float(client.get(self._key("heartbeat", r)).decode())
             if r not in self._where and client.check([self._key("process", r)]):
                 self._where[r] = json.loads(client.get(self._key("process", r)).decode())
-            if r not in self._started and client.check([self._key("reached/start-up", r)]):
+            if r not in self._started and client.check([self._key(_reached(STARTUP), r)]):
                 self._started.add(r)
         return failed, beats, done
 
