@@ -1,17 +1,20 @@
 """`hfllamarl bench vs-trl`: TRL's `GRPOTrainer` and `AsyncAIPOTrainer` on the same job, one after the other.
 
-    hfllamarl bench vs-trl [--steps 20] [--hidden-size 512] [--layers 6] [--profile] [--output-dir DIR]
+    hfllamarl bench vs-trl [--steps 20] [--hidden-size 512] [--layers 6] [--precision bf16|fp32] [--profile]
+                           [--output-dir DIR]
 
 Both sides get the same local model (a random-init Llama, 18M parameters by default, with the character
 tokenizer of `hfllamarl.tools.tiny`), the same prompts, the same reward (the share of digits in a completion:
 a random model's completions differ in it, so every step has a learning signal), the same batch (16
 completions per step, 4 per prompt), the same completion length (96 tokens), learning rate, seed and number
-of steps. Each runs in a fresh process of its own, at its fastest honest setting on this machine:
+of steps, and the same precision (`--precision`: `bf16`, GRPOConfig's default, is mixed precision on both
+sides, fp32 master weights and bf16 compute; `fp32` is `bf16=False` on both). Each runs in a fresh process of
+its own, at its fastest honest setting on this machine:
 
-- TRL: `GRPOTrainer` with transformers' generation (`use_vllm=False`; its vLLM modes need a vLLM server or a
-  GPU colocated engine), `bf16=False` (bf16 autocast is about 12x slower on a CPU without bf16 units), every
-  core for torch;
-- hfllamarl: `AsyncAIPOTrainer` under plain `python` (one trainer, one vLLM generator child), `max_staleness=1`.
+- TRL: `GRPOTrainer` with transformers' generation (`use_vllm=False`; its colocated vLLM was slower here),
+  every core for torch; under `bf16` its Trainer's autocast;
+- hfllamarl: `AsyncAIPOTrainer` under plain `python` (one trainer, one vLLM generator child), `max_staleness=1`;
+  under `bf16` FSDP2's bf16 mixed precision and a bf16 generator.
 
 It prints each side's `train()` wall time, steps/s, time to the first step, final reward (the mean reward of
 the last quarter of the steps) and the ratio of the wall times; `--profile` adds a table of where a step's
@@ -36,6 +39,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-completion-length", type=int, default=96)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                        help="both sides: bf16 mixed precision (GRPOConfig's bf16=True, its default) or fp32 "
+                             "(bf16=False). bf16 needs a CPU with bf16 instructions (avx512_bf16 or AMX)")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="recompute activations in the backward pass on both sides (GRPOConfig's default; off "
                              "here: it costs a third more compute, and a model this size needs no memory saving)")
@@ -78,8 +84,8 @@ def _common(job: dict) -> dict:
                 per_device_train_batch_size=PROMPTS_PER_STEP * NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
                 max_completion_length=job["max_completion_length"], learning_rate=job["learning_rate"],
                 lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
-                seed=job["seed"], bf16=False, use_cpu=True, disable_tqdm=True, beta=0.0, temperature=1.0,
-                gradient_checkpointing=job["gradient_checkpointing"])
+                seed=job["seed"], bf16=job["precision"] == "bf16", use_cpu=True, disable_tqdm=True, beta=0.0,
+                temperature=1.0, gradient_checkpointing=job["gradient_checkpointing"])
 
 
 class _Clock:
@@ -134,7 +140,8 @@ def bare_vllm(job: dict) -> None:
 
     os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[-1]])
     torch.set_num_threads(1)
-    llm = build_engine(job["model"], job["model"], dtype="float32", seed=job["seed"], max_model_len=256,
+    dtype = "bfloat16" if job["precision"] == "bf16" else "float32"  # the generator's dtype under that precision
+    llm = build_engine(job["model"], job["model"], dtype=dtype, seed=job["seed"], max_model_len=256,
                        tensor_parallel_size=1, distributed=False, use_cpu=True)
     tok = llm.get_tokenizer()
     rows = _dataset(job["seed"]).select(range(PROMPTS_PER_STEP))
@@ -224,6 +231,12 @@ def run(args) -> int:
     if args.steps < 2 or args.hidden_size % 64 or args.layers < 1 or args.max_completion_length < 1:
         raise SystemExit("give --steps >= 2, --hidden-size a multiple of 64 (head size 64), --layers >= 1, "
                          "--max-completion-length >= 1")
+    if args.precision == "bf16":
+        from hfllamarl.runtime.preflight import cpu_has_bf16
+
+        if not cpu_has_bf16():
+            raise SystemExit("--precision bf16: this CPU has no bf16 instructions (avx512_bf16 or AMX), so vLLM "
+                             "cannot run a bf16 generator on it; use --precision fp32")
     os.makedirs(args.output_dir, exist_ok=True)
     model = os.path.join(args.output_dir, f"llama-{args.hidden_size}x{args.layers}")
     if not os.path.isfile(os.path.join(model, "config.json")):
@@ -238,7 +251,7 @@ def run(args) -> int:
     for side in sides + (["bare_vllm"] if args.bare_vllm else []):
         job = {"side": side, "model": model, "steps": args.steps, "seed": args.seed,
                "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
-               "gradient_checkpointing": args.gradient_checkpointing,
+               "precision": args.precision, "gradient_checkpointing": args.gradient_checkpointing,
                "output_dir": os.path.join(args.output_dir, side), "result": os.path.join(args.output_dir, f"{side}.json")}
         print(f"running {side} ...", flush=True)
         results[side] = run_job("hfllamarl.tools.bench_vs_trl", job, side)
@@ -246,7 +259,7 @@ def run(args) -> int:
     quarter = max(args.steps // 4, 1)
     print(f"\n{params / 1e6:.1f}M-parameter Llama, {args.steps} steps of {PROMPTS_PER_STEP * NUM_GENERATIONS} "
           f"completions ({NUM_GENERATIONS} per prompt) of up to {args.max_completion_length} tokens, "
-          f"{os.cpu_count()} cores")
+          f"{args.precision}, {os.cpu_count()} cores")
     print(f"{'side':<12}{'train() s':>11}{'steps/s':>9}{'first step s':>14}{'final reward':>14}")
     summary = {}
     for side, r in results.items():
@@ -256,7 +269,7 @@ def run(args) -> int:
         s = summary[side]
         print(f"{side:<12}{s['seconds']:>11.1f}{s['steps_per_s']:>9.3f}{s['first_step_s']:>14.1f}"
               f"{s['final_reward']:>14.3f}")
-    out = {**summary, "steps": args.steps, "parameters": params, "cores": os.cpu_count()}
+    out = {**summary, "steps": args.steps, "precision": args.precision, "parameters": params, "cores": os.cpu_count()}
     if len(results) == 2:
         # from the seconds the summary reports, so that the JSON agrees with itself (as bench multi-turn's ratios)
         out["ratio"] = round(summary["trl"]["seconds"] / summary["hfllamarl"]["seconds"], 3)
