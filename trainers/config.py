@@ -206,7 +206,7 @@ class AsyncAIPOConfig(GRPOConfig):
             if not torch.cuda.is_available():
                 self.use_cpu = True
         if self.bf16 is None and self.use_cpu:
-            self.bf16 = False  # TRL defaults to bf16; on the CPU fp32 is faster and keeps pi == mu exact
+            self.bf16 = False  # TRL defaults to bf16; fp32 keeps pi == mu exact (bf16=True is faster on bf16 CPUs)
         self._check_quantization()
         # The launcher's processes must be split into a trainer world and a generator world
         # before TrainingArguments sets up the distributed state (it does so in __post_init__).

@@ -5,8 +5,9 @@
 
 Both sides get the same local model (a random-init Llama, 18M parameters by default, with the character
 tokenizer of `hfllamarl.tools.tiny`), the same prompts, the same reward (the share of digits in a completion:
-a random model's completions differ in it, so every step has a learning signal), the same batch (16
-completions per step, 4 per prompt), the same completion length (96 tokens), learning rate, seed and number
+a random model's completions differ in it, so every step has a learning signal), the same advantage (TRL's
+default `scale_rewards="group"`, where AIPO's own default is `"none"`), the same batch (16 completions per
+step, 4 per prompt), the same completion length (96 tokens), learning rate, seed and number
 of steps, and the same precision (`--precision`: `bf16`, GRPOConfig's default, is mixed precision on both
 sides, fp32 master weights and bf16 compute; `fp32` is `bf16=False` on both). Each runs in a fresh process of
 its own, at its fastest honest setting on this machine:
@@ -85,7 +86,8 @@ def _common(job: dict) -> dict:
                 max_completion_length=job["max_completion_length"], learning_rate=job["learning_rate"],
                 lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
                 seed=job["seed"], bf16=job["precision"] == "bf16", use_cpu=True, disable_tqdm=True, beta=0.0,
-                temperature=1.0, gradient_checkpointing=job["gradient_checkpointing"])
+                temperature=1.0, gradient_checkpointing=job["gradient_checkpointing"],
+                scale_rewards="group")  # TRL's default advantage (r - mean) / std on both sides (AIPO's is r - mean)
 
 
 class _Clock:
