@@ -42,7 +42,7 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     GRPOTrainer and ours for the same steps and reports both times, their ratio and the profile; `bench multi-turn`
     runs the synchronous and the asynchronous tool-calling job and reports their throughput ratio (the training runs
     themselves are tested in test_train_e2e.py and test_agentic.py)."""
-    precision = "bf16" if cpu_has_bf16() else "fp32"  # bf16 mixed precision on both sides where the CPU has it
+    precision = "bf16" if cpu_has_bf16() else "fp32"  # the default: bf16 on both sides where the CPU has it
     multi_turn = subprocess.Popen([sys.executable, "-m", "hfllamarl.cli", "bench", "multi-turn", "--steps", "3",
                                    "--variants", "sync,async", "--tool-latency", "0.05", "--model", tool_model,
                                    "--output-dir", str(tmp_path / "multi_turn")], stdout=subprocess.PIPE,
@@ -51,8 +51,8 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
                                  "--variants", "aipo_staleness_4", "--seeds", "0", "--output-dir",
                                  str(tmp_path / "learning")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     vs_trl = subprocess.Popen([sys.executable, "-m", "hfllamarl.cli", "bench", "vs-trl", "--steps", "2", "--hidden-size",
-                               "64", "--layers", "1", "--max-completion-length", "8", "--profile", "--precision",
-                               precision, "--output-dir", str(tmp_path / "vs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               "64", "--layers", "1", "--max-completion-length", "8", "--profile", "--output-dir",
+                               str(tmp_path / "vs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = learning.communicate(timeout=600)
     assert learning.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """`hfllamarl bench vs-trl`: TRL's `GRPOTrainer` and `AsyncAIPOTrainer` on the same job, one after the other.
 
-    hfllamarl bench vs-trl [--steps 20] [--hidden-size 512] [--layers 6] [--precision bf16|fp32] [--profile]
-                           [--output-dir DIR]
+    hfllamarl bench vs-trl [--steps 20] [--hidden-size 512] [--layers 6] [--precision auto|bf16|fp32]
+                           [--profile] [--output-dir DIR]
 
 Both sides get the same local model (a random-init Llama, 18M parameters by default, with the character
 tokenizer of `hfllamarl.tools.tiny`), the same prompts, the same reward (the share of digits in a completion:
@@ -9,7 +9,8 @@ a random model's completions differ in it, so every step has a learning signal),
 default `scale_rewards="group"`, where AIPO's own default is `"none"`), the same batch (16 completions per
 step, 4 per prompt), the same completion length (96 tokens), learning rate, seed and number
 of steps, and the same precision (`--precision`: `bf16`, GRPOConfig's default, is mixed precision on both
-sides, fp32 master weights and bf16 compute; `fp32` is `bf16=False` on both). Each runs in a fresh process of
+sides, fp32 master weights and bf16 compute; `fp32` is `bf16=False` on both; `auto`, the default, is bf16 on
+a CPU with bf16 instructions, else fp32). Each runs in a fresh process of
 its own, at its fastest honest setting on this machine:
 
 - TRL: `GRPOTrainer` with transformers' generation (`use_vllm=False`; its colocated vLLM was slower here),
@@ -40,9 +41,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-completion-length", type=int, default=96)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="both sides: bf16 mixed precision (GRPOConfig's bf16=True, its default) or fp32 "
-                             "(bf16=False). bf16 needs a CPU with bf16 instructions (avx512_bf16 or AMX)")
+                             "(bf16=False); auto: bf16 where the CPU has bf16 instructions (avx512_bf16 or AMX), "
+                             "else fp32")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="recompute activations in the backward pass on both sides (GRPOConfig's default; off "
                              "here: it costs a third more compute, and a model this size needs no memory saving)")
@@ -233,9 +235,11 @@ def run(args) -> int:
     if args.steps < 2 or args.hidden_size % 64 or args.layers < 1 or args.max_completion_length < 1:
         raise SystemExit("give --steps >= 2, --hidden-size a multiple of 64 (head size 64), --layers >= 1, "
                          "--max-completion-length >= 1")
-    if args.precision == "bf16":
-        from hfllamarl.runtime.preflight import cpu_has_bf16
+    from hfllamarl.runtime.preflight import cpu_has_bf16
 
+    if args.precision == "auto":
+        args.precision = "bf16" if cpu_has_bf16() else "fp32"
+    elif args.precision == "bf16":
         if not cpu_has_bf16():
             raise SystemExit("--precision bf16: this CPU has no bf16 instructions (avx512_bf16 or AMX), so vLLM "
                              "cannot run a bf16 generator on it; use --precision fp32")
