@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from hfllamarl.runtime.channels import Channel, ChannelKind
 from hfllamarl.runtime.controller import fail
+from hfllamarl.runtime.executor import wait_for_startup
 from hfllamarl.runtime.topology import init_topology
 
 die = int(sys.argv[sys.argv.index("--die") + 1]) if "--die" in sys.argv else None
@@ -25,6 +26,7 @@ if topo.role == "trainer":
     dist.all_reduce(t)
     assert t.item() == 3.0
 topo.bridge("object"), topo.bridge("tensor")
+wait_for_startup(topo, 120.0)  # as every executor does before its first exchange: from here a silent rank is lost
 
 try:
     bcast = Channel("b", ChannelKind.BROADCAST, [2], [0, 1], topo)
