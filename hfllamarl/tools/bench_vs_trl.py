@@ -3,15 +3,14 @@
     hfllamarl bench vs-trl [--steps 20] [--hidden-size 512] [--layers 6] [--precision auto|bf16|fp32]
                            [--profile] [--output-dir DIR]
 
-Both sides get the same local model (a random-init Llama, 18M parameters by default, with the character
-tokenizer of `hfllamarl.tools.tiny`), the same prompts, the same reward (the share of digits in a completion:
-a random model's completions differ in it, so every step has a learning signal), the same advantage (TRL's
-default `scale_rewards="group"`, where AIPO's own default is `"none"`), the same batch (16 completions per
-step, 4 per prompt), the same completion length (96 tokens), learning rate, seed and number
-of steps, and the same precision (`--precision`: `bf16`, GRPOConfig's default, is mixed precision on both
-sides, fp32 master weights and bf16 compute; `fp32` is `bf16=False` on both; `auto`, the default, is bf16 on
-a CPU with bf16 instructions, else fp32). Each runs in a fresh process of
-its own, at its fastest honest setting on this machine:
+Both sides get the same local model (a random-init Llama, 18M parameters by default, with the character tokenizer
+of `hfllamarl.tools.tiny`), the same prompts, the same reward (the share of digits in a completion: a random
+model's completions differ in it, so every step has a learning signal), the same advantage (TRL's default
+`scale_rewards="group"`, where AIPO's own default is `"none"`), the same batch (16 completions per step, 4 per
+prompt), the same completion length (96 tokens), learning rate, seed and number of steps, and the same precision
+(`--precision`: `bf16`, GRPOConfig's default, is mixed precision on both sides, fp32 master weights and bf16
+compute; `fp32` is `bf16=False` on both; `auto`, the default, is bf16 on a CPU with bf16 instructions, else fp32).
+Each runs in a fresh process of its own, at its fastest honest setting on this machine:
 
 - TRL: `GRPOTrainer` with transformers' generation (`use_vllm=False`; its colocated vLLM was slower here),
   every core for torch; under `bf16` its Trainer's autocast;
