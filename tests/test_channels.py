@@ -20,7 +20,8 @@ def test_dead_rank_is_named_and_nobody_hangs():
     assert procs[1].returncode == 9
     for rank in (0, 2):
         assert procs[rank].returncode != 0
-        assert "rank 1 (trainer 1) stopped" in outs[rank][1], outs[rank][1][-3000:]
+        # (the ranks share this machine: the dead rank's process is seen gone, without waiting for its heartbeat)
+        assert "rank 1 (trainer 1) is gone (its process, pid" in outs[rank][1], outs[rank][1][-3000:]
     assert elapsed < 60, elapsed
 
 
@@ -110,3 +111,48 @@ def test_startup_waits_for_a_slow_peer_past_the_collective_timeout_and_no_longer
 
     waited, error = _rendezvous_with_a_peer(fails, budget_s=30)
     assert "rank 1 (generator 0) failed:\nValueError: no KV cache" in str(error) and waited < 5, (waited, error)
+
+
+def test_a_peer_whose_process_ended_on_this_machine_is_named_at_once():
+    """A rank whose process ended on this machine (SIGKILL: a zombie until its parent reaps it, then a free pid) is
+    named by the next verdict, long before its heartbeat would go stale. A live process, a record from another
+    machine or pid namespace, and a pid now held by another process (another start time) are told apart."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from hfllamarl.runtime.liveness import _proc_stat, process_gone, process_identity
+    from hfllamarl.runtime.topology import Topology
+
+    topo = Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=60, use_cpu=True)
+    topo.store()
+    live = topo.liveness
+    live._here = here = process_identity()  # what `start` records, without its threads
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        where = process_identity(peer.pid)
+        assert where["pid"] == peer.pid and where["boot"] == here["boot"] and where["start"] != here["start"]
+        live._locked(lambda c: (c.set(live._key("process", 1), json.dumps(where)),
+                                c.set(live._key("heartbeat", 1), repr(time.time() + 600))))  # fresh all along
+        assert live.verdict() is None and not process_gone(where, here)
+        peer.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _proc_stat(peer.pid)[0] != "Z":  # dead, not yet reaped
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        verdict = live.verdict()
+        assert verdict == (f"rank 1 (generator 0) is gone (its process, pid {peer.pid} on this machine, ended) "
+                           "without reporting an error."), verdict
+        peer.wait()  # reaped: the pid is free
+        assert process_gone(where, here)
+        assert not process_gone(dict(where, boot="another machine"), here)
+        assert not process_gone(dict(where, pidns=1), here)
+        assert not process_gone({k: v for k, v in where.items() if k != "start"}, here)  # nothing to compare
+        assert process_gone(dict(here, start=str(int(here["start"]) + 1)), here)  # this pid, another process's
+        # A rank that finished (its done mark written before it exits) is no loss.
+        live._locked(lambda c: c.set(live._key("done", 1), "1"))
+        assert live.verdict() is None
+    finally:
+        peer.kill()
+        peer.wait()

@@ -212,7 +212,8 @@ def bare_drill(model: str, out: str, victim: int, sig: str, results: dict) -> No
 def test_under_a_bare_launch_the_store_host_frozen_or_a_rank_killed(family_model, tmp_path):
     """Ranks started bare (as mpirun or a batch scheduler would: nobody stops the survivors for them), rank 0
     hosting the job's store. Frozen, rank 0 answers nothing, store included: the others end naming it, and kill
-    it (nobody else would). Killed, trainer 1 is named by the others. Two jobs side by side."""
+    it (nobody else would). Killed, trainer 1 is named by the others, as soon as they see its process gone. Two
+    jobs side by side."""
     results: dict = {}
     threads = [threading.Thread(target=bare_drill, args=(family_model("llama"), str(tmp_path / f"bare{v}"), v, sig,
                                                          results)) for v, sig in ((0, "SIGSTOP"), (1, "SIGKILL"))]
@@ -226,8 +227,8 @@ def test_under_a_bare_launch_the_store_host_frozen_or_a_rank_killed(family_model
     for err in frozen["errs"].values():
         assert "rank 0 (trainer 0), which hosts the job's store, stopped answering" in err, err[-3000:]
     assert frozen["victim_gone"], "the frozen store host was left behind"
-    for err in killed["errs"].values():
-        assert "rank 1 (trainer 1) stopped answering" in err, err[-3000:]
+    for err in killed["errs"].values():  # (named at once: its process is seen gone on this machine)
+        assert "rank 1 (trainer 1) is gone (its process, pid" in err, err[-3000:]
     for v in (0, 1):
         assert not orphans(str(tmp_path / f"bare{v}"))
 

@@ -192,6 +192,8 @@ class AsyncAIPOTrainer:
 
         logger.info("checkpoint %s is at step %d of a %d-step run: nothing left to train", directory, marker["step"],
                     self.num_batches)
+        if self.topology.mode != "single":  # this rank ends normally: its silence from now on is no loss
+            self.topology.liveness.mark_done()
         if self.topology.role == "trainer":
             self.state = TrainerState.load_from_json(os.path.join(directory, "trainer_state.json"))
         return TrainOutput(marker["step"], self._last_loss(), {})

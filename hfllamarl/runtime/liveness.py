@@ -87,6 +87,63 @@ def _reached(what: str) -> str:
     return "reached/" + what.replace(" ", "_")
 
 
+def process_identity(pid: int | None = None) -> dict:
+    """Where a process runs, precise enough for a peer to tell whether it shares that process's pid space: the host
+    name, and on Linux the kernel's boot id, the pid namespace and the process's start time (a reused pid has
+    another)."""
+    import socket
+
+    pid = os.getpid() if pid is None else pid
+    info: dict = {"host": socket.gethostname(), "pid": pid}
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            info["boot"] = fh.read().strip()
+        info["pidns"] = os.stat("/proc/self/ns/pid").st_ino
+        info["start"] = _proc_stat(pid)[1]
+    except (OSError, ValueError, IndexError):
+        pass
+    return info
+
+
+def _proc_stat(pid: int) -> tuple[str, str]:
+    """(state, start time) of a process, from /proc/<pid>/stat (fields 3 and 22; the command name may hold
+    spaces and parentheses, so count from its closing parenthesis)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        data = fh.read()
+    fields = data[data.rindex(")") + 2:].split()
+    return fields[0], fields[19]
+
+
+def same_pid_space(where: dict, here: dict) -> bool:
+    """Whether the process `where` describes runs in the pid space of `here` (same machine, boot and pid
+    namespace); without Linux's ids on both sides, by the host name alone."""
+    if where.get("host") != here.get("host"):
+        return False
+    if "boot" in where or "boot" in here:
+        return where.get("boot") == here.get("boot") and where.get("pidns") == here.get("pidns")
+    return True
+
+
+def process_gone(where: dict, here: dict) -> bool:
+    """Whether the process `where` describes has ended, on evidence only: it shares this pid space (Linux ids
+    known) and its pid is free, a zombie, or another process's (a different start time). Anything unreadable
+    counts as alive."""
+    if "start" not in where or "boot" not in here or not same_pid_space(where, here):
+        return False
+    pid = int(where["pid"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (another user's process: not ours to judge further)
+        return False
+    try:
+        state, start = _proc_stat(pid)
+    except (OSError, ValueError, IndexError):
+        return False
+    return state in ("Z", "X") or start != where["start"]
+
+
 class Liveness:
     """Heartbeats, failure causes and the watchdog of one rank of a job (`topology.liveness`)."""
 
@@ -99,7 +156,8 @@ class Liveness:
         self._store_silent_since: float | None = None
         self.verdict_cause: str | None = None  # what the watchdog found (a single-process parent raises it)
         self._lock = threading.Lock()  # one store call at a time on the shared client
-        self._where: dict[int, dict] = {}  # rank -> {"host", "pid"}, read while the store answers
+        self._where: dict[int, dict] = {}  # rank -> its `process_identity`, read while the store answers
+        self._here: dict = {}  # this process's, set by `start`
         self._started: set[int] = set()  # ranks seen past their start-up (their heartbeats count at once)
         self._frozen: list[int] = []  # the ranks the last verdict found silent
         self.culprit: int | None = None  # the rank the last verdict names
@@ -139,11 +197,9 @@ class Liveness:
         beat_client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=5))
         key = self._key("heartbeat", self.topology.rank)
-        try:  # where this rank runs, so that a survivor on the same machine can clean up after it
-            import socket
-
-            beat_client.set(self._key("process", self.topology.rank),
-                            json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        self._here = process_identity()
+        try:  # where this rank runs: a survivor on the same machine sees it end, and can clean up after it
+            beat_client.set(self._key("process", self.topology.rank), json.dumps(self._here))
         except Exception:
             pass
 
@@ -318,10 +374,12 @@ class Liveness:
         verdict: its replica is marked lost (`Topology.mark_lost`) and the job goes on, unless no replica is left."""
         topo = self.topology
         asked = time.monotonic()
+        # Looked at before the store: a rank that ended after writing its failure or done mark shows them there.
+        ended = self._ended_peers()
         try:
             failed, beats, done = timed(self._read_store, STORE_CALL_S)
             self._store_silent_since = None
-        except Exception:
+        except Exception:  # (the store host may have finished and gone: only its silence over stale_s counts)
             now = time.monotonic()
             self._store_silent_since = self._store_silent_since or asked
             if now - self._store_silent_since < self.stale_s:
@@ -332,6 +390,8 @@ class Liveness:
             return (f"{who} stopped answering for {self.stale_s:.0f} s (the process is frozen, e.g. SIGSTOP, or gone "
                     f"together with its machine).")
         exited = topo.exited_children()  # a single-process job's generator children
+        seen = {r for r, _ in exited}
+        exited += [(r, None) for r in ended if r not in failed and r not in done and r not in seen]
         stale = self._stale(beats, done)
         if topo.failure == "continue" and topo.containing:
             failed, exited, stale = self._contain(failed, exited, stale)
@@ -345,9 +405,8 @@ class Liveness:
             return f"{topo.describe(r)} failed:\n{rec['cause']}"
         for r, code in exited:
             if r not in failed:
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 self.culprit = r
-                return f"{topo.describe(r)} {how} without reporting an error."
+                return f"{topo.describe(r)} {self._how(r, code)} without reporting an error."
         lost = self._frozen = stale
         if lost:
             self.culprit = lost[0]
@@ -361,6 +420,19 @@ class Liveness:
             return f"{topo.describe(r)} stopped:\n{rec['cause']}"
         return None
 
+    def _ended_peers(self) -> list[int]:
+        """Other ranks on this machine whose processes have ended (`process_gone`): named at once, not after their
+        heartbeat's silence. None under torchrun, whose agent watches its workers and names a dead one itself."""
+        if not self._here or "TORCHELASTIC_RUN_ID" in os.environ:
+            return []
+        return [r for r, where in sorted(list(self._where.items())) if process_gone(where, self._here)]
+
+    def _how(self, rank: int, code: int | None) -> str:
+        """How a rank ended: its exit code (a child of this process), or (None) its process seen gone."""
+        if code is None:
+            return f"is gone (its process, pid {self._where[rank]['pid']} on this machine, ended)"
+        return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
     def _contain(self, failed: dict, exited: list, stale: list) -> tuple[dict, list, list]:
         """Mark the replicas of contained ranks (`Topology.contained`) lost, with the first cause seen, end their
         frozen processes where this rank can, and return the evidence about the other ranks only."""
@@ -371,8 +443,7 @@ class Liveness:
                 causes.setdefault(topo.replica_of(r), f"{topo.describe(r)} failed: {rec['cause']}")
         for r, code in exited:
             if topo.contained(r):
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                causes.setdefault(topo.replica_of(r), f"{topo.describe(r)} {how}")
+                causes.setdefault(topo.replica_of(r), f"{topo.describe(r)} {self._how(r, code)}")
         frozen = [r for r in stale if topo.contained(r)]
         for r in frozen:
             causes.setdefault(topo.replica_of(r), f"{topo.describe(r)} stopped answering: no heartbeat for more than "
@@ -430,15 +501,18 @@ class Liveness:
         """A frozen rank (SIGSTOP) never exits by itself and holds its launcher (torchrun waits 30 s before it
         kills it; a bare launch waits forever): the survivor that gives up kills the frozen ranks of its machine."""
         import signal
-        import socket
 
+        here = self._here or process_identity()
         for r in self._frozen:
             where = self._where.get(r)
-            if where and where["host"] == socket.gethostname() and where["pid"] != os.getpid():
-                try:
-                    os.kill(int(where["pid"]), signal.SIGKILL)
-                except OSError:
-                    pass
+            if not where or not same_pid_space(where, here) or where["pid"] == os.getpid():
+                continue
+            try:
+                if "start" in where and _proc_stat(int(where["pid"]))[1] != where["start"]:
+                    continue  # the pid is another process's by now
+                os.kill(int(where["pid"]), signal.SIGKILL)
+            except (OSError, ValueError, IndexError):
+                pass
 
 
 def _write_torchelastic_error(message: str) -> None:
