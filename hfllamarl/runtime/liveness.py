@@ -425,7 +425,8 @@ class Liveness:
         heartbeat's silence. None under torchrun, whose agent watches its workers and names a dead one itself."""
         if not self._here or "TORCHELASTIC_RUN_ID" in os.environ:
             return []
-        return [r for r, where in sorted(list(self._where.items())) if process_gone(where, self._here)]
+        # (sorted() takes its snapshot in one step: the watchdog thread may add ranks meanwhile)
+        return [r for r, where in sorted(self._where.items()) if process_gone(where, self._here)]
 
     def _how(self, rank: int, code: int | None) -> str:
         """How a rank ended: its exit code (a child of this process), or (None) its process seen gone."""

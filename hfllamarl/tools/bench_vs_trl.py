@@ -238,10 +238,9 @@ def run(args) -> int:
 
     if args.precision == "auto":
         args.precision = "bf16" if cpu_has_bf16() else "fp32"
-    elif args.precision == "bf16":
-        if not cpu_has_bf16():
-            raise SystemExit("--precision bf16: this CPU has no bf16 instructions (avx512_bf16 or AMX), so vLLM "
-                             "cannot run a bf16 generator on it; use --precision fp32")
+    elif args.precision == "bf16" and not cpu_has_bf16():
+        raise SystemExit("--precision bf16: this CPU has no bf16 instructions (avx512_bf16 or AMX), so vLLM cannot "
+                         "run a bf16 generator on it; use --precision fp32")
     os.makedirs(args.output_dir, exist_ok=True)
     model = os.path.join(args.output_dir, f"llama-{args.hidden_size}x{args.layers}")
     if not os.path.isfile(os.path.join(model, "config.json")):
