@@ -156,3 +156,48 @@ def test_a_peer_whose_process_ended_on_this_machine_is_named_at_once():
     finally:
         peer.kill()
         peer.wait()
+
+
+def test_a_killed_child_is_named_by_its_signal_while_another_thread_reaps_it():
+    """In a single-process job the generator ranks are this process's children: one SIGKILLed is named by its
+    signal, also when two threads look at once (the watchdog killing the other children while the main thread
+    explains a failed collective: Popen.poll answers None while the other thread's waitpid runs)."""
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    from hfllamarl.runtime.liveness import _proc_stat, process_identity
+    from hfllamarl.runtime.topology import Topology
+
+    topo = Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=60, use_cpu=True)
+    topo.store()
+    live = topo.liveness
+    live._here = process_identity()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    topo._children = [(1, child)]
+    try:
+        live._locked(lambda c: (c.set(live._key("process", 1), json.dumps(process_identity(child.pid))),
+                                c.set(live._key("heartbeat", 1), repr(time.time() + 600))))
+        assert live.verdict() is None  # (it reads where the child runs)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while _proc_stat(child.pid)[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        held = threading.Event()
+
+        def other_thread_reaping():  # holds the lock Popen takes around waitpid, as another thread's poll does
+            with child._waitpid_lock:
+                held.set()
+                time.sleep(0.5)
+
+        thread = threading.Thread(target=other_thread_reaping)
+        thread.start()
+        held.wait(5)
+        verdict = live.verdict()
+        thread.join()
+        assert verdict == "rank 1 (generator 0) was killed by signal 9 without reporting an error.", verdict
+    finally:
+        child.kill()
+        child.wait()

@@ -389,7 +389,7 @@ class Liveness:
             who = f"{topo.describe(host)}, which hosts the job's store," if host is not None else "the job's store"
             return (f"{who} stopped answering for {self.stale_s:.0f} s (the process is frozen, e.g. SIGSTOP, or gone "
                     f"together with its machine).")
-        exited = topo.exited_children()  # a single-process job's generator children
+        exited = topo.exited_children(ended)  # a single-process job's generator children
         seen = {r for r, _ in exited}
         exited += [(r, None) for r in ended if r not in failed and r not in done and r not in seen]
         stale = self._stale(beats, done)

@@ -326,11 +326,19 @@ class Topology:
 
         self._children = start_children(self, spec_path)
 
-    def exited_children(self) -> list[tuple[int, int]]:
-        """(rank, exit code) of the generator children that exited with an error."""
+    def exited_children(self, ended=()) -> list[tuple[int, int]]:
+        """(rank, exit code) of the generator children that exited with an error. A child of `ended` (seen gone)
+        is waited for up to a second: poll() answers None while another thread of this process reaps it."""
+        import subprocess
+
         out = []
         for rank, proc in self._children:
             code = proc.poll()
+            if code is None and rank in ended:
+                try:
+                    code = proc.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
             if code not in (None, 0):
                 out.append((rank, code))
         return out
