@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import SCRIPTS, run_script, step_logs, tail, trained_rows
+from conftest import SCRIPTS, SIDE_BY_SIDE_ENV, run_script, step_logs, tail, trained_rows
 from hfllamarl.runtime.dynamic_sampling import GroupFilter, ScoredGroup, join_scored, split_scored
 from hfllamarl.runtime.prompts import batch_rows
 from hfllamarl.runtime.rollout import Rollout, RolloutGroup
@@ -82,7 +82,8 @@ def test_two_trainer_ranks_drop_refill_and_resume_with_the_reserve(family_model,
             "--extra", extra]
     single = str(tmp_path / "single")
     plain = subprocess.Popen([sys.executable, str(SCRIPTS / "train_tiny.py"), model, single, "--steps", "3", *args[2:]],
-                             env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+                             env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+                                  **SIDE_BY_SIDE_ENV},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = str(tmp_path / "first")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), model, first, *args], nproc=3)

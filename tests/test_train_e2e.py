@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SCRIPTS, assert_on_policy, orphans, run_script, step_logs, tail, trained_rows
+from conftest import SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, orphans, run_script, step_logs, tail, trained_rows
 
 pytestmark = pytest.mark.slow
 
@@ -248,7 +248,8 @@ def test_trls_loss_settings_train_from_plain_python(tiny_model, family_model, tm
 
     def run(name, model, extra):
         procs[name] = run_script([str(SCRIPTS / "train_tiny.py"), model, str(tmp_path / name), "--steps", "3",
-                                  "--max-staleness", "2", "--report-to", "none", *extra], timeout=400)
+                                  "--max-staleness", "2", "--report-to", "none", *extra], timeout=400,
+                                  env=SIDE_BY_SIDE_ENV)
 
     threads = [threading.Thread(target=run, args=(name, *job)) for name, job in jobs.items()]
     for t in threads:

@@ -6,7 +6,7 @@ import threading
 import pandas as pd
 import pytest
 
-from conftest import SCRIPTS, run_script, step_logs, tail
+from conftest import SCRIPTS, SIDE_BY_SIDE_ENV, run_script, step_logs, tail
 
 # What TRL logs that does not apply to the default algorithm, and why: AIPO does not clip pi/pi_old (its
 # clipped_frac counts the tokens whose pi/mu weight reached aipo_rho); algorithm="grpo" logs these.
@@ -21,7 +21,7 @@ def test_a_trl_script_logs_what_trl_logs(tiny_model, tmp_path):
     def run(side):
         procs[side] = run_script([str(SCRIPTS / "trl_user_script.py"), tiny_model, str(tmp_path / side),
                                   "--trainer", side] + (["--push"] if side == "hfllamarl" else []), timeout=400,
-                                 env={"HF_HUB_OFFLINE": "1"})
+                                 env={"HF_HUB_OFFLINE": "1", **SIDE_BY_SIDE_ENV})
 
     threads = [threading.Thread(target=run, args=(side,)) for side in ("trl", "hfllamarl")]
     for t in threads:
