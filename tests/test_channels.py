@@ -80,7 +80,9 @@ def test_startup_waits_for_a_slow_peer_past_the_collective_timeout_and_no_longer
     """A peer still starting (beating, not there yet) is waited for beyond collective_timeout_s (1 s here) up to
     the start-up budget, also through a silence longer than the heartbeat timeout (a starting rank's heartbeat
     thread can be starved on a crowded machine); one that failed meanwhile ends the wait at once with its own
-    error."""
+    error. The four cases run side by side, each on a store of its own (they are mostly waiting)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     def slow(client, key, arrive_after=3.0):
         end = time.time() + arrive_after
         while time.time() < end:
@@ -88,28 +90,32 @@ def test_startup_waits_for_a_slow_peer_past_the_collective_timeout_and_no_longer
             time.sleep(0.2)
         client.set(key("reached/start-up"), "1")
 
-    waited, error = _rendezvous_with_a_peer(slow, budget_s=30)
-    assert error is None and 3.0 <= waited < 10, (waited, error)
-
-    waited, error = _rendezvous_with_a_peer(lambda c, k: slow(c, k, arrive_after=4.0), budget_s=2)
-    assert "rank 1 (generator 0) did not reach 'start-up' within 2 s (vllm_server_timeout)" in str(error), error
-    assert 2.0 <= waited < 4.0, waited
-
     def starved(client, key):  # beats, then (a native library loading, the machine crowded) is silent past the
         client.set(key("heartbeat"), repr(time.time()))  # heartbeat timeout (10 s here), then reaches start-up
         time.sleep(12.0)
         client.set(key("heartbeat"), repr(time.time()))
         client.set(key("reached/start-up"), "1")
 
-    waited, error = _rendezvous_with_a_peer(starved, budget_s=30)
-    assert error is None and 12.0 <= waited < 20, (waited, error)
-
     def fails(client, key):
         import json
         client.set(key("failed"), json.dumps({"time": time.time(), "cause": "ValueError: no KV cache",
                                               "reaction": False}))
 
-    waited, error = _rendezvous_with_a_peer(fails, budget_s=30)
+    cases = [(slow, 30), (lambda c, k: slow(c, k, arrive_after=4.0), 2), (starved, 30), (fails, 30)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: _rendezvous_with_a_peer(*case), cases))
+
+    waited, error = results[0]
+    assert error is None and 3.0 <= waited < 10, (waited, error)
+
+    waited, error = results[1]
+    assert "rank 1 (generator 0) did not reach 'start-up' within 2 s (vllm_server_timeout)" in str(error), error
+    assert 2.0 <= waited < 4.0, waited
+
+    waited, error = results[2]
+    assert error is None and 12.0 <= waited < 20, (waited, error)
+
+    waited, error = results[3]
     assert "rank 1 (generator 0) failed:\nValueError: no KV cache" in str(error) and waited < 5, (waited, error)
 
 
