@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, assert_on_policy, orphans, run_script, step_logs, tail, trained_rows
+from conftest import SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, orphans, run_script, step_logs, tail, trained_rows
 
 from hfllamarl import AsyncAIPOConfig
 
@@ -61,15 +61,28 @@ def test_carried_tokens_keep_the_logprob_and_version_they_were_sampled_under(tmp
 
 
 @pytest.mark.slow
-def test_partial_rollouts_train_and_survive_a_kill(tiny_model, tmp_path):
-    """Staleness 2, completions of 4 tokens at 2 per tick: SIGKILL after step 3 (checkpoint 2 holds a batch
-    mid-generation), resume; the carried tokens keep their versions, the bound holds, no prompt is lost."""
+def test_partial_rollouts_survive_a_kill_and_run_through_a_tensor_parallel_generator(tiny_model, tmp_path):
+    """Staleness 2, completions of 4 tokens at 2 per tick. Plain python: SIGKILL after step 3 (checkpoint 2 holds a
+    batch mid-generation), resume; the carried tokens keep their versions, the bound holds, no prompt is lost.
+    Beside it, torchrun with 3 processes: one trainer and one generator engine sharded over 2 ranks (TP=2); the
+    continued completions are sampled by the sharded engine under each new set of weights, each token still scored
+    against the version it came from. (The jobs run side by side: much of each is start-up.)"""
+    import threading
+
     from hfllamarl.runtime.prompts import batch_rows
+
+    tp_out, tp = str(tmp_path / "tp"), {}
+    tp_job = threading.Thread(target=lambda: tp.update(proc=run_script(
+        [str(SCRIPTS / "train_tiny.py"), tiny_model, tp_out, "--steps", "4", "--max-staleness", "2",
+         "--partial-rollout-tokens", "2", "--num-generators", "2", "--generator-tp", "2", "--report-to", "none"],
+        nproc=3, timeout=400, env=SIDE_BY_SIDE_ENV)))
+    tp_job.start()
 
     out = str(tmp_path / "partial")
     common = ["--steps", "6", "--save-steps", "2", "--report-to", "none", "--max-staleness", "2",
               "--partial-rollout-tokens", "2"]
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--kill-at-step", "3"], timeout=400)
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--kill-at-step", "3"], timeout=400,
+                      env=SIDE_BY_SIDE_ENV)
     assert proc.returncode == -9, tail(proc)
     time.sleep(2)
     assert not orphans(out), "the generator outlived its killed parent"
@@ -82,7 +95,8 @@ def test_partial_rollouts_train_and_survive_a_kill(tiny_model, tmp_path):
     carried = saved["in_flight"][0].unfinished()
     assert carried and all(r.versions == [1, 1] and len(r.behavior_logprobs) == 2 for r in carried)
 
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--resume"], timeout=400)
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *common, "--resume"], timeout=400,
+                      env=SIDE_BY_SIDE_ENV)
     assert proc.returncode == 0, tail(proc)
     steps = step_logs(proc.stdout)
     assert [h["step"] for h in steps] == [1, 2, 3, 4, 5, 6]
@@ -98,25 +112,15 @@ def test_partial_rollouts_train_and_survive_a_kill(tiny_model, tmp_path):
     for step in rows:
         assert rows[step] == batch_rows(64, 4, step - 1, seed=0)
 
-
-@pytest.mark.slow
-def test_partial_rollouts_through_a_tensor_parallel_generator(tiny_model, tmp_path):
-    """torchrun with 3 processes: one trainer and one generator engine sharded over 2 ranks (TP=2). The
-    continued completions are sampled by the sharded engine under each new set of weights, each token still
-    scored against the version it came from."""
-    from hfllamarl.runtime.prompts import batch_rows
-
-    out = str(tmp_path / "tp")
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "4", "--max-staleness", "2",
-                       "--partial-rollout-tokens", "2", "--num-generators", "2", "--generator-tp", "2",
-                       "--report-to", "none"], nproc=3, timeout=400)
+    tp_job.join()
+    proc = tp["proc"]
     assert proc.returncode == 0, tail(proc)
     steps = step_logs(proc.stdout)
     assert [h["staleness/max"] for h in steps] == [0, 1, 2, 2]
     assert all(h["partial_rollouts/count"] > 0 for h in steps)
     assert_on_policy(steps[0])  # the TP engine's mu on version 0 equals the trainer's pi
     assert all(h["staleness/token_mean"] < 2 for h in steps[2:]), [h["staleness/token_mean"] for h in steps]
-    rows = trained_rows(out)
+    rows = trained_rows(tp_out)
     assert sorted(rows) == [1, 2, 3, 4]
     assert all(rows[step] == batch_rows(64, 4, step - 1, seed=0) for step in rows)
-    assert not orphans(out)
+    assert not orphans(tp_out)
