@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import os
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,18 +21,22 @@ STEP_KEYS = {"reward", "reward_std", "rewards/math_sympy/mean", "is_ratio/mean",
              "train_step_seconds", "loss", "learning_rate"}
 
 
-def test_single_process_async_run_logs_everything(tiny_model, tmp_path):
-    """`python script.py`: the generator is a child process; train() runs twice, as in a notebook. With
-    max_staleness=3 the generator runs up to 3 versions ahead and no further, and every batch is trained.
-    Evaluation during training (eval_steps=1, eval_on_start): the generator evaluates each policy version it
-    holds while it samples (0, 1, 2), and the eval_* metrics reach log_history, on_evaluate and TensorBoard."""
+def notebook_run(tiny_model: str, out: str) -> subprocess.CompletedProcess:
+    """`python script.py`, train() run twice as in a notebook, with evaluation during training (see
+    `check_notebook_run`)."""
+    evaluation = {"eval_strategy": "steps", "eval_steps": 1, "eval_on_start": True, "num_generations_eval": 2}
+    return run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "6", "--repeat", "2",
+                       "--max-staleness", "3", "--beta", "0.04", "--eval-rows", "6",
+                       "--extra", json.dumps(evaluation)], timeout=400, env=SIDE_BY_SIDE_ENV)
+
+
+def check_notebook_run(proc: subprocess.CompletedProcess, out: str) -> None:
+    """The generator is a child process; train() runs twice. With max_staleness=3 the generator runs up to 3
+    versions ahead and no further, and every batch is trained. Evaluation during training (eval_steps=1,
+    eval_on_start): the generator evaluates each policy version it holds while it samples (0, 1, 2), and the eval_*
+    metrics reach log_history, on_evaluate and TensorBoard."""
     from hfllamarl.runtime.prompts import batch_rows
 
-    out = str(tmp_path / "run")
-    evaluation = {"eval_strategy": "steps", "eval_steps": 1, "eval_on_start": True, "num_generations_eval": 2}
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "6", "--repeat", "2",
-                       "--max-staleness", "3", "--beta", "0.04", "--eval-rows", "6",
-                       "--extra", json.dumps(evaluation)], timeout=400)
     assert proc.returncode == 0, tail(proc)
     assert proc.stdout.count("TRAINED global_step=6") == 2
     steps = step_logs(proc.stdout)
@@ -74,22 +79,28 @@ def test_more_generators_than_processes_is_explained(tiny_model, tmp_path):
     assert "num_generator_processes=2 but the launcher started 2 processes" in proc.stderr, tail(proc)
 
 
-def test_kill_inside_a_checkpoint_and_resume(tiny_model, tmp_path):
+def test_kill_inside_a_checkpoint_and_resume_beside_a_notebook_run(tiny_model, tmp_path):
     """Single process, LoRA, on-policy: SIGKILL the whole job while checkpoint 4 is half-written. A resume with
     other settings is refused; the resume drops the half-written checkpoint, restores the adapters (trainer) and
     the merged policy (generator): were either missing, pi/mu would leave 1 after the resume. It trains exactly
-    the prompts of the data schedule (which an uninterrupted run follows: test_single_process_async_run...), and
-    resuming the finished run returns at once, as transformers' Trainer does. (Several trainer ranks, full
-    weights and staleness 1: test_two_trainers_power_cut_and_resume.)"""
+    the prompts of the data schedule (which an uninterrupted run follows: `check_notebook_run`), and resuming the
+    finished run returns at once, as transformers' Trainer does. (Several trainer ranks, full weights and
+    staleness 1: test_two_trainers_power_cut_and_resume.) Beside it, unpinned, an uninterrupted run whose train()
+    is called twice, as in a notebook, with evaluation during training (`check_notebook_run`)."""
+    import threading
+
     from safetensors.torch import load_file
 
     from hfllamarl.runtime.prompts import batch_rows
 
+    notebook_out, notebook = str(tmp_path / "run"), {}
+    beside = threading.Thread(target=lambda: notebook.update(proc=notebook_run(tiny_model, notebook_out)))
+    beside.start()
     common = ["--lora", "--steps", "6", "--save-steps", "2", "--learning-rate", "2e-2", "--report-to", "none",
               "--max-staleness", "0"]
     cut = str(tmp_path / "cut")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, "--kill-in-checkpoint", "4"],
-                      timeout=400)
+                      timeout=400, env=SIDE_BY_SIDE_ENV)
     assert proc.returncode == -9, tail(proc)  # SIGKILL
     time.sleep(2)
     assert not orphans(cut), "the generator outlived its killed parent"
@@ -98,9 +109,9 @@ def test_kill_inside_a_checkpoint_and_resume(tiny_model, tmp_path):
 
     with ThreadPoolExecutor(2) as pool:  # the refused resume only reads the checkpoint: run it beside the resume
         refused = pool.submit(run_script, [str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common[:-1], "1",
-                                           "--resume"], timeout=200)
+                                           "--resume"], timeout=200, env=SIDE_BY_SIDE_ENV)
         resumed = pool.submit(run_script, [str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, "--resume"],
-                              timeout=400)
+                              timeout=400, env=SIDE_BY_SIDE_ENV)
         proc = refused.result()
         assert proc.returncode != 0 and "max_staleness: 0 -> 1" in proc.stderr, tail(proc)
         proc = resumed.result()
@@ -122,11 +133,14 @@ def test_kill_inside_a_checkpoint_and_resume(tiny_model, tmp_path):
                            load_file(os.path.join(cut, "checkpoint-6", "model.safetensors"))[key])
 
     started = time.monotonic()
-    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, "--resume"], timeout=200)
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, "--resume"], timeout=200,
+                      env=SIDE_BY_SIDE_ENV)
     assert proc.returncode == 0 and "TRAINED global_step=6" in proc.stdout, tail(proc)
     assert [h["step"] for h in step_logs(proc.stdout)] == [1, 2, 3, 4, 5, 6]
     assert "hfllamarl.runtime.generator_child" not in proc.stderr and "Loading safetensors" not in proc.stderr
     assert time.monotonic() - started < 60
+    beside.join()
+    check_notebook_run(notebook["proc"], notebook_out)
 
 
 def _wait_for_first_step(out, proc, timeout=240, steps=1, ranks=1):
