@@ -261,9 +261,15 @@ class Liveness:
     def give_up(self, cause: str, reaction: bool = False, linger_s: float = 15.0) -> None:
         """This rank is failing: record why, drop the bridge at once (peers blocked on this rank fail now, not at
         their timeout) and, if this process hosts the job's store, keep the store up until every other rank has
-        finished, failed or gone silent, so that they can still tell who failed first."""
+        finished, failed, ended or gone silent, so that they can still tell who failed first."""
         self.record_failure(cause, reaction)
         self.topology.drop_bridge()
+        self._linger(linger_s)
+
+    def _linger(self, linger_s: float = 15.0) -> None:
+        """If this process hosts the job's store: keep it up until every other rank has finished, failed, ended or
+        gone silent (at most `linger_s`): a rank that lost the store before it looked could only blame the store.
+        Also when the watchdog gives up (a dead peer is seen within a second: the others must see it too)."""
         if not self.topology.hosts_store:
             return
         deadline = time.monotonic() + linger_s
@@ -273,7 +279,7 @@ class Liveness:
             except Exception:
                 return
             pending = [r for r in self._others() if r not in done and r not in failed]
-            if not set(pending) - set(self._stale(beats, done)):
+            if not set(pending) - set(self._stale(beats, done)) - set(self._ended_peers()):
                 return
             time.sleep(0.5)
 
@@ -496,6 +502,7 @@ class Liveness:
         sys.stderr.flush()
         if topo.mode == "launcher":  # (a generator child leaves its frozen parent, the user's process, alone)
             self._kill_frozen_local_peers()
+        self._linger()
         os._exit(code)
 
     def _kill_frozen_local_peers(self) -> None:
