@@ -20,7 +20,7 @@ from typing import Any
 from . import checkpoint
 from .checkpoint import load_generator_side
 from .episodes import completion
-from .engine import WeightSyncMismatch, build_engine, load_weights, loader_boxes, verify_against_disk
+from .engine import WeightSyncMismatch, build_engine, collector_paused, load_weights, loader_boxes, verify_against_disk
 from .core_lending import open_board
 from .executor import Executor, wait_for_startup
 from .prompts import PromptEncoder, batch_rows
@@ -98,11 +98,12 @@ class GeneratorExecutor(Executor):
     # ------------------------------------------------------------------ set-up
     def init(self) -> None:
         spec = self.spec
-        self.dataset, self.eval_dataset = _loaded(spec.dataset), _loaded(spec.eval_dataset)
-        from transformers import AutoTokenizer
+        with collector_paused():  # (imports: datasets, transformers' tokenizers, vLLM)
+            self.dataset, self.eval_dataset = _loaded(spec.dataset), _loaded(spec.eval_dataset)
+            from transformers import AutoTokenizer
 
-        self.encoder = PromptEncoder(AutoTokenizer.from_pretrained(spec.tokenizer_path), spec.chat_template_kwargs)
-        self.llm = self._build_engine()
+            self.encoder = PromptEncoder(AutoTokenizer.from_pretrained(spec.tokenizer_path), spec.chat_template_kwargs)
+            self.llm = self._build_engine()
         self.core_board = open_board(self.topology.num_generators) if self.topology.mode == "child" else None
         self.slot = self.topology.rank - self.topology.num_trainers  # this generator's place on the core board
         wait_for_startup(self.topology, spec.startup_timeout_s)
