@@ -119,6 +119,19 @@ def test_startup_waits_for_a_slow_peer_past_the_collective_timeout_and_no_longer
     assert "rank 1 (generator 0) failed:\nValueError: no KV cache" in str(error) and waited < 5, (waited, error)
 
 
+def _store_host(world_size: int = 2):
+    """Rank 0 of a single-process job (it hosts the job's store) and its liveness, set up as `Liveness.start` does
+    it, without the heartbeat and watchdog threads: the tests drive it."""
+    from hfllamarl.runtime.liveness import process_identity
+    from hfllamarl.runtime.topology import Topology
+
+    topo = Topology(mode="single", rank=0, world_size=world_size, num_generators=world_size - 1, timeout_s=60,
+                    use_cpu=True)
+    topo.store()
+    topo.liveness._here = process_identity()
+    return topo, topo.liveness
+
+
 def test_a_peer_whose_process_ended_on_this_machine_is_named_at_once():
     """A rank whose process ended on this machine (SIGKILL: a zombie until its parent reaps it, then a free pid) is
     named by the next verdict, long before its heartbeat would go stale. A live process, a record from another
@@ -129,12 +142,9 @@ def test_a_peer_whose_process_ended_on_this_machine_is_named_at_once():
     import sys
 
     from hfllamarl.runtime.liveness import _proc_stat, process_gone, process_identity
-    from hfllamarl.runtime.topology import Topology
 
-    topo = Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=60, use_cpu=True)
-    topo.store()
-    live = topo.liveness
-    live._here = here = process_identity()  # what `start` records, without its threads
+    topo, live = _store_host()
+    here = live._here
     peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         where = process_identity(peer.pid)
@@ -174,12 +184,8 @@ def test_a_killed_child_is_named_by_its_signal_while_another_thread_reaps_it():
     import threading
 
     from hfllamarl.runtime.liveness import _proc_stat, process_identity
-    from hfllamarl.runtime.topology import Topology
 
-    topo = Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=60, use_cpu=True)
-    topo.store()
-    live = topo.liveness
-    live._here = process_identity()
+    topo, live = _store_host()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     topo._children = [(1, child)]
     try:
@@ -207,3 +213,37 @@ def test_a_killed_child_is_named_by_its_signal_while_another_thread_reaps_it():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_failing_store_host_waits_for_a_survivor_to_look_not_for_a_rank_that_ended():
+    """A failing rank that hosts the job's store keeps the store up (`Liveness._linger`, after a failed collective
+    and when its watchdog gives up) until every other rank has finished, failed, ended or gone silent: a survivor
+    that had not looked yet would otherwise lose the store and blame its host, not the rank at fault. Here rank 2's
+    process has ended (it holds nothing up) and rank 1, alive and beating, records its verdict after 2 s."""
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    from hfllamarl.runtime.liveness import process_identity
+
+    topo, live = _store_host(world_size=3)
+    assert topo.hosts_store
+    dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    where = process_identity(dead.pid)
+    dead.kill()
+    dead.wait()
+    live._locked(lambda c: (c.set(live._key("process", 2), json.dumps(where)),
+                            c.set(live._key("heartbeat", 1), repr(time.time())),
+                            c.set(live._key("heartbeat", 2), repr(time.time()))))
+    record = json.dumps({"time": time.time(), "cause": "rank 2 (generator 1) was killed", "reaction": True})
+    verdict = threading.Timer(2.0, lambda: live._locked(lambda c: c.set(live._key("failed", 1), record)))
+    verdict.start()
+    started = time.monotonic()
+    live._linger(linger_s=20.0)
+    waited = time.monotonic() - started
+    verdict.join()
+    assert 2.0 <= waited < 4.0, waited  # until rank 1 has looked: not less, and not for rank 2
+    started = time.monotonic()
+    live._linger(linger_s=20.0)  # nobody left to wait for
+    assert time.monotonic() - started < 1.0
