@@ -279,8 +279,12 @@ def test_user_scripts_train_under_trl_and_under_async_aipo(tool_model, tmp_path)
     functions receiving the same things; with max_staleness=0 pi == mu on every trained token; a rollout_func
     generating through the trainer view trains too; a calculator that hangs or raises does not stop the job (the
     environment run: partial multi-turn rollouts at staleness up to 2)."""
-    runs = {  # the hanging/raising calculator under AsyncAIPOTrainer only: TRL's would wait for it forever
-        "trl_tools": ["tools", "--trl"], "ours_tools": ["tools", "--max-staleness", "0"], "trl_env": ["env", "--trl"],
+    # The hanging/raising calculator under AsyncAIPOTrainer only: TRL's would wait for it forever. The on-policy
+    # tools run samples 12 completions a step: the model calls the tool in about one answer of five, and 3 steps of 4
+    # completions had none at all in one run of the suite.
+    runs = {
+        "trl_tools": ["tools", "--trl"], "ours_tools": ["tools", "--max-staleness", "0", "--batch", "12"],
+        "trl_env": ["env", "--trl"],
         "ours_env": ["env", "--partial", "32", "--max-staleness", "3", "--batch", "8", "--hang", "--timeout", "2"],
         "ours_rollout_func": ["rollout_func"],
     }
