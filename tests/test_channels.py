@@ -247,3 +247,53 @@ def test_a_failing_store_host_waits_for_a_survivor_to_look_not_for_a_rank_that_e
     started = time.monotonic()
     live._linger(linger_s=20.0)  # nobody left to wait for
     assert time.monotonic() - started < 1.0
+
+
+def test_under_torchrun_the_survivors_failure_not_the_frozen_ranks_kill_is_the_root_cause(tmp_path):
+    """torchrun names as the root cause the failure with the earliest timestamp, in whole seconds, the lowest rank on
+    a tie. A survivor whose watchdog gives up on a frozen rank records its failure (torchrun's error file) and kills
+    the frozen rank: in a later second, or torchrun names the frozen rank's SIGKILL instead of the survivor's message
+    (the torchrun drill failed so once). Checked with torchrun's own choice (`ChildFailedError.get_first_failure`) on
+    a real survivor process, a real frozen process, and the time the frozen one is seen dead."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from hfllamarl.runtime.liveness import _proc_stat, process_identity
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    error_file = str(tmp_path / "error.json")
+    survivor_code = f"""
+from hfllamarl.runtime.liveness import process_identity
+from hfllamarl.runtime.topology import Topology
+topo = Topology(mode="launcher", rank=1, world_size=2, num_generators=1, timeout_s=60, use_cpu=True,
+                store_addr=("127.0.0.1", {store.port}))
+live = topo.liveness
+live._here, live._frozen, live.culprit = process_identity(), [0], 0
+live._where[0] = {json.dumps(process_identity(frozen.pid))}
+live._act("rank 0 (trainer 0) stopped answering: no heartbeat for more than 15 s")
+"""
+    try:
+        frozen.send_signal(signal.SIGSTOP)
+        env = dict(os.environ, TORCHELASTIC_RUN_ID="drill", TORCHELASTIC_ERROR_FILE=error_file,
+                   TORCHELASTIC_USE_AGENT_STORE="true")
+        survivor = subprocess.Popen([sys.executable, "-c", survivor_code], env=env, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while _proc_stat(frozen.pid)[0] != "Z":  # killed by the survivor (this process reaps it)
+            assert time.monotonic() < deadline and survivor.poll() in (None, 1), survivor.stderr.read()
+            time.sleep(0.005)
+        seen_dead = ProcessFailure(local_rank=0, pid=frozen.pid, exitcode=-9, error_file=str(tmp_path / "none.json"))
+        _, err = survivor.communicate(timeout=60)
+        assert survivor.returncode == 1 and "rank 1 (generator 0) stops because rank 0 (trainer 0)" in err, err
+        named = ProcessFailure(local_rank=1, pid=survivor.pid, exitcode=1, error_file=error_file)
+        rank, cause = ChildFailedError("train_tiny.py", {0: seen_dead, 1: named}).get_first_failure()
+        assert rank == 1 and "stopped answering" in cause.message["message"], (rank, cause.message)
+    finally:
+        frozen.kill()
+        frozen.wait()

@@ -501,6 +501,11 @@ class Liveness:
                          + "\n")
         sys.stderr.flush()
         if topo.mode == "launcher":  # (a generator child leaves its frozen parent, the user's process, alone)
+            if self._frozen and "TORCHELASTIC_RUN_ID" in os.environ:
+                # torchrun names as the root cause the failure with the earliest timestamp, in whole seconds, the
+                # lowest rank on a tie: a frozen rank killed in the second this rank recorded its failure would be
+                # named instead, for the SIGKILL it got. The kill waits for the next second.
+                time.sleep(1.05 - time.time() % 1.0)
             self._kill_frozen_local_peers()
         self._linger()
         os._exit(code)
