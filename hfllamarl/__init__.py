@@ -14,14 +14,11 @@ __all__ = ["AsyncAIPOConfig", "AsyncAIPOTrainer", "load_plugin"]
 def __getattr__(name):
     if name not in ("AsyncAIPOConfig", "AsyncAIPOTrainer"):
         raise AttributeError(f"module 'hfllamarl' has no attribute {name!r}")
-    import gc
+    from .runtime.collector import collector_paused
 
-    # The first of these imports torch, transformers, peft and trl: millions of objects that outlive the import,
-    # which Python's cyclic collector would walk again and again meanwhile (about 0.7 s of the 5 s on a CPU core).
-    # The collector is paused for the import only, and left as it was.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    # The first of these imports torch, transformers, peft and trl (the collector's pause saves about 0.4 s of the
+    # 4.7 s); nothing of the user's process is frozen, and the collector is left as it was.
+    with collector_paused(freeze=False):
         if name == "AsyncAIPOConfig":
             from hfllamarl.trainers.config import AsyncAIPOConfig
 
@@ -29,6 +26,3 @@ def __getattr__(name):
         from hfllamarl.trainers.async_aipo_trainer import AsyncAIPOTrainer
 
         return AsyncAIPOTrainer
-    finally:
-        if enabled:
-            gc.enable()

@@ -25,7 +25,7 @@ def test_only_hfllamarl_is_a_top_level_name(tmp_path):
 def test_the_collector_paused_while_a_generator_starts_is_restored_and_its_garbage_collected():
     code = """
 import gc, weakref
-from hfllamarl.runtime.engine import collector_paused
+from hfllamarl.runtime.collector import collector_paused
 
 class Node:
     pass
@@ -43,6 +43,13 @@ for enabled in (True, False):
         gc.collect(0)  # (an explicit collection still runs: only the automatic ones are paused)
         ref = cycle()
     assert ref() is None and gc.isenabled() is enabled and gc.get_freeze_count() > 0
+    frozen = gc.get_freeze_count()
+    with collector_paused(freeze=False):  # (the user's process: paused, nothing frozen)
+        assert not gc.isenabled()
+        ref, kept = cycle(), [Node() for _ in range(100)]
+    assert gc.isenabled() is enabled and gc.get_freeze_count() <= frozen  # (a frozen object may die meanwhile)
+    gc.collect()
+    assert ref() is None
 print('ok')
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -9,37 +9,20 @@ parameters must come out bitwise the same.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 from typing import Any
 
 import torch
 
+from .collector import collector_paused
+
 
 class WeightSyncMismatch(RuntimeError):
     """The generator's engine does not hold what vLLM's own loader gives for the same weights."""
 
 
-@contextlib.contextmanager
-def collector_paused():
-    """Python's cyclic garbage collector off while a generator starts. Importing vLLM, transformers and torch makes
-    millions of objects that live as long as the process, and the collector, run every few hundred allocations,
-    walks them again and again: about 1.2 s of the 6-7 s it takes to import vLLM and build an engine on a CPU core.
-    On the way out the garbage is collected once and the survivors are frozen (later collections skip them); the
-    collector is back on if it was on."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.collect()
-        gc.freeze()
-        if enabled:
-            gc.enable()
-
-
-@collector_paused()
+@collector_paused()  # (vLLM's import and the engine's build)
 def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int, max_model_len: int,
                  tensor_parallel_size: int, distributed: bool, use_cpu: bool, enforce_eager: bool = True,
                  quantization: str | None = None, kv_cache_bytes: int | None = None,

@@ -20,7 +20,8 @@ from typing import Any
 from . import checkpoint
 from .checkpoint import load_generator_side
 from .episodes import completion
-from .engine import WeightSyncMismatch, build_engine, collector_paused, load_weights, loader_boxes, verify_against_disk
+from .collector import collector_paused
+from .engine import WeightSyncMismatch, build_engine, load_weights, loader_boxes, verify_against_disk
 from .core_lending import open_board
 from .executor import Executor, wait_for_startup
 from .prompts import PromptEncoder, batch_rows

@@ -8,21 +8,21 @@ rank; the child joins the parent's store, runs the generator loop, and exits wit
 
 from __future__ import annotations
 
-import gc
 import pickle
 import sys
 
+from hfllamarl.runtime.collector import collector_paused
+
 
 def main(spec_path: str) -> int:
-    gc.disable()  # while torch and the spec's modules are imported (`hfllamarl.runtime.engine.collector_paused`)
-    with open(spec_path, "rb") as fh:
-        job = pickle.load(fh)
-    from hfllamarl.runtime.controller import run_job
-    from hfllamarl.runtime.generator import GeneratorExecutor
-    from hfllamarl.runtime.topology import init_topology
-    from hfllamarl.runtime.weight_sync import build_backend
-
-    gc.enable()  # (the generator pauses it again while it starts, and freezes what the imports made)
+    # (torch and the spec's modules; the generator pauses it again while it starts, and freezes what was made)
+    with collector_paused(freeze=False):
+        with open(spec_path, "rb") as fh:
+            job = pickle.load(fh)
+        from hfllamarl.runtime.controller import run_job
+        from hfllamarl.runtime.generator import GeneratorExecutor
+        from hfllamarl.runtime.topology import init_topology
+        from hfllamarl.runtime.weight_sync import build_backend
 
     topo = init_topology(job["num_generators"], job["timeout_s"], job["use_cpu"],
                          tensor_parallel_size=job.get("tensor_parallel_size"), failure=job.get("failure", "stop"))
