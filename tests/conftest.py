@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,16 @@ def run_script(args: list[str], nproc: int | None = None, timeout: float = 600, 
                "--num_processes", str(nproc), "--main_process_port", str(free_port()), *args]
     proc = subprocess.run(cmd, cwd=str(REPO), env=full_env, capture_output=True, text=True, timeout=timeout)
     return proc
+
+
+def beside(fn, *args, **kwargs) -> Future:
+    """`fn(*args, **kwargs)` started in a thread of its own: a job run beside the test's own (much of each is
+    start-up). `.result()` gives its value, or raises its error (a timeout included)."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn, *args, **kwargs)
+    finally:
+        pool.shutdown(wait=False)  # (the submitted job still runs to its end)
 
 
 def tail(proc: subprocess.CompletedProcess, n: int = 4000) -> str:

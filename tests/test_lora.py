@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from conftest import REPO, SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, run_script, step_logs, tail
+from conftest import REPO, SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, beside, run_script, step_logs, tail
 
 pytestmark = pytest.mark.slow
 
@@ -20,20 +20,14 @@ def test_lora_updates_reach_the_generator_every_step(tiny_model, tmp_path):
     """`accelerate launch` with the shipped FSDP2 config: 2 trainer ranks sharding the LoRA policy (and the
     reference model, beta > 0) + 1 generator; every rank takes part in the LoRA checkpoints. Beside it, unpinned,
     the generator's greedy output is checked against peft's after each LoRA update (`check_greedy_follows`)."""
-    import threading
-
-    greedy = {}
-    beside = threading.Thread(target=lambda: greedy.update(proc=run_script(
-        [str(SCRIPTS / "generator_checks.py"), "lora-greedy", str(tmp_path / "greedy")], timeout=300,
-        env=SIDE_BY_SIDE_ENV)))
-    beside.start()
+    greedy = beside(run_script, [str(SCRIPTS / "generator_checks.py"), "lora-greedy", str(tmp_path / "greedy")],
+                    timeout=300, env=SIDE_BY_SIDE_ENV)
     out = str(tmp_path / "lora")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--lora", "--steps", "4", "--max-staleness",
                        "0", "--save-steps", "2", "--learning-rate", "2e-2", "--beta", "0.04", "--report-to", "none"],
                       nproc=3, timeout=400,
                       launcher=f"accelerate --config_file {REPO / 'examples' / 'accelerate' / 'fsdp2.yaml'}")
-    beside.join()
-    check_greedy_follows(greedy["proc"])
+    check_greedy_follows(greedy.result())
     assert proc.returncode == 0, tail(proc)
     steps = step_logs(proc.stdout)
     assert len(steps) == 4

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, orphans, run_script, step_logs, tail, trained_rows
+from conftest import (SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, beside, orphans, run_script, step_logs, tail,
+                      trained_rows)
 
 from hfllamarl import AsyncAIPOConfig
 
@@ -67,16 +68,12 @@ def test_partial_rollouts_survive_a_kill_and_run_through_a_tensor_parallel_gener
     Beside it, torchrun with 3 processes: one trainer and one generator engine sharded over 2 ranks (TP=2); the
     continued completions are sampled by the sharded engine under each new set of weights, each token still scored
     against the version it came from. (The jobs run side by side: much of each is start-up.)"""
-    import threading
-
     from hfllamarl.runtime.prompts import batch_rows
 
-    tp_out, tp = str(tmp_path / "tp"), {}
-    tp_job = threading.Thread(target=lambda: tp.update(proc=run_script(
-        [str(SCRIPTS / "train_tiny.py"), tiny_model, tp_out, "--steps", "4", "--max-staleness", "2",
-         "--partial-rollout-tokens", "2", "--num-generators", "2", "--generator-tp", "2", "--report-to", "none"],
-        nproc=3, timeout=400, env=SIDE_BY_SIDE_ENV)))
-    tp_job.start()
+    tp_out = str(tmp_path / "tp")
+    tp_job = beside(run_script, [str(SCRIPTS / "train_tiny.py"), tiny_model, tp_out, "--steps", "4", "--max-staleness",
+                                 "2", "--partial-rollout-tokens", "2", "--num-generators", "2", "--generator-tp", "2",
+                                 "--report-to", "none"], nproc=3, timeout=400, env=SIDE_BY_SIDE_ENV)
 
     out = str(tmp_path / "partial")
     common = ["--steps", "6", "--save-steps", "2", "--report-to", "none", "--max-staleness", "2",
@@ -112,8 +109,7 @@ def test_partial_rollouts_survive_a_kill_and_run_through_a_tensor_parallel_gener
     for step in rows:
         assert rows[step] == batch_rows(64, 4, step - 1, seed=0)
 
-    tp_job.join()
-    proc = tp["proc"]
+    proc = tp_job.result()
     assert proc.returncode == 0, tail(proc)
     steps = step_logs(proc.stdout)
     assert [h["staleness/max"] for h in steps] == [0, 1, 2, 2]

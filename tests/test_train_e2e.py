@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, orphans, run_script, step_logs, tail, trained_rows
+from conftest import (SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, beside, orphans, run_script, step_logs, tail,
+                      trained_rows)
 
 pytestmark = pytest.mark.slow
 
@@ -87,15 +88,12 @@ def test_kill_inside_a_checkpoint_and_resume_beside_a_notebook_run(tiny_model, t
     finished run returns at once, as transformers' Trainer does. (Several trainer ranks, full weights and
     staleness 1: test_two_trainers_power_cut_and_resume.) Beside it, unpinned, an uninterrupted run whose train()
     is called twice, as in a notebook, with evaluation during training (`check_notebook_run`)."""
-    import threading
-
     from safetensors.torch import load_file
 
     from hfllamarl.runtime.prompts import batch_rows
 
-    notebook_out, notebook = str(tmp_path / "run"), {}
-    beside = threading.Thread(target=lambda: notebook.update(proc=notebook_run(tiny_model, notebook_out)))
-    beside.start()
+    notebook_out = str(tmp_path / "run")
+    notebook = beside(notebook_run, tiny_model, notebook_out)
     common = ["--lora", "--steps", "6", "--save-steps", "2", "--learning-rate", "2e-2", "--report-to", "none",
               "--max-staleness", "0"]
     cut = str(tmp_path / "cut")
@@ -139,8 +137,7 @@ def test_kill_inside_a_checkpoint_and_resume_beside_a_notebook_run(tiny_model, t
     assert [h["step"] for h in step_logs(proc.stdout)] == [1, 2, 3, 4, 5, 6]
     assert "hfllamarl.runtime.generator_child" not in proc.stderr and "Loading safetensors" not in proc.stderr
     assert time.monotonic() - started < 60
-    beside.join()
-    check_notebook_run(notebook["proc"], notebook_out)
+    check_notebook_run(notebook.result(), notebook_out)
 
 
 def _wait_for_first_step(out, proc, timeout=240, steps=1, ranks=1):
