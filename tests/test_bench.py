@@ -76,6 +76,11 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     assert summary["precision"] == precision
     for side in (trl, ours):
         assert side["seconds"] > 0 and 0.0 <= side["final_reward"] <= 1.0
+        # the whole process holds the trainer's construction and train()
+        assert 0 < side["init_seconds"] and side["init_seconds"] + side["seconds"] < side["process_seconds"]
+    assert summary["ratio_init_and_train"] == round((trl["init_seconds"] + trl["seconds"])
+                                                    / (ours["init_seconds"] + ours["seconds"]), 3)
+    assert summary["ratio_process"] == round(trl["process_seconds"] / ours["process_seconds"], 3)
     profile = summary["profile_hfllamarl"]
     assert profile["forward + backward"] > 0 and profile["generation (generator core)"] > 0
     assert summary["profile_trl"]["generation"] > 0 and summary["profile_trl"]["forward + backward"] > 0

@@ -40,6 +40,12 @@ def check_notebook_run(proc: subprocess.CompletedProcess, out: str) -> None:
 
     assert proc.returncode == 0, tail(proc)
     assert proc.stdout.count("TRAINED global_step=6") == 2
+    # Each trainer starts its generator child when it is built (vLLM's import overlaps its set-up), and that child
+    # runs the job of its train().
+    prestarted = [line for line in proc.stdout.splitlines() if line.startswith("PRESTARTED ")]
+    running = [line for line in proc.stdout.splitlines() if line.startswith("GENERATORS ")]
+    assert len(prestarted) == len(running) == 2 and len(set(prestarted)) == 2, (prestarted, running)
+    assert [p.split(" ", 1)[1] for p in prestarted] == [r.split(" ", 1)[1] for r in running], (prestarted, running)
     steps = step_logs(proc.stdout)
     assert [h["step"] for h in steps] == [1, 2, 3, 4, 5, 6]
     for h in steps:

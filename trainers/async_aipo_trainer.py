@@ -17,6 +17,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import weakref
 
 import torch
 from transformers.trainer_utils import TrainOutput
@@ -81,6 +82,27 @@ class AsyncAIPOTrainer:
                              "trainer ranks shard the policy with FSDP2 and send its weights to vLLM at every step. "
                              "Train LoRA adapters on a bf16 base (peft_config) instead.")
         self.args, self.topology = args, args.topology
+        # Plain python: the generator children start now, so that vLLM's import overlaps the set-up below.
+        prestarted = self.topology.prestart_children() if self.topology.role == "trainer" else None
+        if prestarted is not None:
+            weakref.finalize(self, prestarted.release)  # a trainer dropped without train() lets them go
+        try:
+            self._set_up(model, reward_funcs, train_dataset, eval_dataset, processing_class,
+                         reward_processing_classes, callbacks, peft_config, tools, rollout_func, environment_factory)
+        except BaseException:
+            if prestarted is not None:
+                prestarted.release()
+            raise
+        if self.topology.role == "generator":  # a launcher's generator rank: vLLM's import overlaps the trainers'
+            from hfllamarl.runtime.collector import collector_paused  # set-up (loading the policy)
+            from hfllamarl.runtime.engine import import_vllm
+
+            with collector_paused(freeze=False):
+                import_vllm()
+
+    def _set_up(self, model, reward_funcs, train_dataset, eval_dataset, processing_class, reward_processing_classes,
+                callbacks, peft_config, tools, rollout_func, environment_factory) -> None:
+        args = self.args
         self.agent = agent = build_agent(args, tools, environment_factory, rollout_func)
         user_funcs = [] if reward_funcs is None and agent.env_rewards else resolve_reward_funcs(
             reward_funcs, reward_processing_classes, trust_remote_code=args.trust_remote_code,
@@ -192,6 +214,7 @@ class AsyncAIPOTrainer:
 
         logger.info("checkpoint %s is at step %d of a %d-step run: nothing left to train", directory, marker["step"],
                     self.num_batches)
+        self.topology.release_prestarted()
         if self.topology.mode != "single":  # this rank ends normally: its silence from now on is no loss
             self.topology.liveness.mark_done()
         if self.topology.role == "trainer":

@@ -22,6 +22,32 @@ class WeightSyncMismatch(RuntimeError):
     """The generator's engine does not hold what vLLM's own loader gives for the same weights."""
 
 
+def import_vllm():
+    """Import vLLM as the generator runs it (the engine in this process, no compile-worker pool, warnings only),
+    and the worker module it loads when an engine starts; returns `vllm.LLM`. A generator child started ahead of
+    `train()` calls it while it waits for its job (`hfllamarl.runtime.spawn.prestart_children`)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine stays in this process
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # No compile-worker pool: its spawned processes would re-import the user's script. (torch's inductor reads
+    # this when it is imported, which vLLM does.)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    from vllm import LLM
+
+    try:  # the platform's worker (its model runner, the model loader): an engine's build imports it first thing
+        from vllm.platforms import current_platform
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        resolve_obj_by_qualname(_worker_class(current_platform))
+    except Exception:  # noqa: BLE001 - only a head start: the engine's build imports what it needs anyway
+        pass
+    return LLM
+
+
+def _worker_class(platform) -> str:
+    """The qualified name of the worker class vLLM's engine builds on this platform (the CPU's, or the CUDA one)."""
+    return "vllm.v1.worker.cpu_worker.CPUWorker" if platform.is_cpu() else "vllm.v1.worker.gpu_worker.Worker"
+
+
 @collector_paused()  # (vLLM's import and the engine's build)
 def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int, max_model_len: int,
                  tensor_parallel_size: int, distributed: bool, use_cpu: bool, enforce_eager: bool = True,
@@ -29,11 +55,7 @@ def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int,
                  gpu_memory_utilization: float = 0.3, load_format: str | None = None, engine_id: str = "", **extra):
     """An in-process `vllm.LLM` whose log-probs are those of the distribution it samples from. `engine_id` names
     this engine among the others of the machine (replicas, other jobs): see `_cpu_shm_names`."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine stays in this process
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    # No compile-worker pool: its spawned processes would re-import the user's script.
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    from vllm import LLM
+    LLM = import_vllm()
 
     kwargs: dict[str, Any] = dict(
         model=model_path,

@@ -1,15 +1,22 @@
 """Entry point of a generator child process in a single-process job (`python script.py`).
 
     python -m hfllamarl.runtime.generator_child SPEC.pkl
+    python -m hfllamarl.runtime.generator_child --prestarted      (its job comes on standard input)
 
 The parent (the trainer) writes the generator's spec and starts one such process per generator
 rank; the child joins the parent's store, runs the generator loop, and exits with its parent.
+A child prestarted by `AsyncAIPOTrainer.__init__` (`spawn.Prestarted`) imports vLLM first, then
+waits for one line, `{"spec": SPEC.pkl, "env": {...}}`, and runs that job; its input closed
+without a line (the trainer was released, or its process ended) or its parent gone, it exits quietly.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import sys
+import threading
 
 from hfllamarl.runtime.collector import collector_paused
 
@@ -34,12 +41,50 @@ def main(spec_path: str) -> int:
     return 0
 
 
+def await_job() -> str | None:
+    """A prestarted child: take its cores, import what the generator will, and wait for its job (the spec's path,
+    with the job's environment set here), or None: no job will come (the input closed without one, or Ctrl-C).
+    While it waits, even in the middle of an import, it exits as soon as its parent is gone."""
+    cpus = os.environ.get("HFLLAMARL_CPUS")
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+    parent, claimed = int(os.environ.get("HFLLAMARL_PARENT_PID", "0")), threading.Event()
+
+    def watch():  # a trainer killed during its set-up leaves no process behind
+        while not claimed.wait(0.5):
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="hfllamarl-prestart-watch", daemon=True).start()
+    try:
+        try:
+            with collector_paused(freeze=False):
+                from hfllamarl.runtime import controller, generator, topology, weight_sync  # noqa: F401
+                from hfllamarl.runtime.engine import import_vllm
+
+                import_vllm()
+        except Exception:  # noqa: BLE001 - the job's own start imports them again and reports what is wrong
+            pass
+        line = b""
+        while not line.endswith(b"\n"):  # `train()` may come at any time (a notebook)
+            chunk = os.read(sys.stdin.fileno(), 65536)
+            if not chunk:
+                return None
+            line += chunk
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the trainer handles it
+        return None
+    claimed.set()  # (from here on the job's own watch, `spawn.become_child`, says why it stops)
+    job = json.loads(line)
+    os.environ.update(job["env"])
+    return job["spec"]
+
+
 if __name__ == "__main__":
-    code = main(sys.argv[1])
+    spec_path = await_job() if sys.argv[1] == "--prestarted" else sys.argv[1]
+    code = main(spec_path) if spec_path is not None else 0
     # A finished child skips the interpreter's teardown of torch and vLLM (seconds the parent would wait for):
     # its work is delivered and its files closed. Errors take the normal exit, with their traceback.
     import logging
-    import os
 
     logging.shutdown()
     sys.stdout.flush()

@@ -7,6 +7,8 @@ instead of fighting over the same cores. A child exits as soon as its parent is 
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,6 +16,8 @@ import threading
 import time
 
 from .core_lending import ENV_BOARD
+
+logger = logging.getLogger(__name__)
 
 ENV_STORE = "HFLLAMARL_STORE"  # host:port of the store a single-process parent hosts
 ENV_RANK = "HFLLAMARL_RANK"
@@ -35,8 +39,92 @@ def split_cpus(topo) -> dict[int, list[int]]:
     return split
 
 
-def start_children(topo, spec_path: str) -> list[tuple[int, subprocess.Popen]]:
-    """Start one `hfllamarl.runtime.generator_child` process per generator rank; returns (rank, process) pairs."""
+def _rank_env(topo, rank: int, split: dict) -> dict[str, str]:
+    """What a generator child's environment says of its place in the job, whichever job it runs."""
+    env = {
+        ENV_RANK: str(rank),
+        ENV_WORLD: str(topo.world_size),
+        ENV_PARENT: str(os.getpid()),
+        # vLLM's external launcher reads these: RANK/WORLD_SIZE describe the child's replica (its engine's
+        # world), LOCAL_RANK is the device index on this machine (each generator its own).
+        "RANK": str((rank - topo.num_trainers) % topo.replica_size),
+        "LOCAL_RANK": str(rank - topo.num_trainers),
+        "WORLD_SIZE": str(topo.replica_size),
+        "LOCAL_WORLD_SIZE": str(topo.num_generators),
+    }
+    if split:
+        env["OMP_NUM_THREADS"] = str(len(split[rank]))
+        env[ENV_CPUS] = ",".join(map(str, split[rank]))
+    return env
+
+
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hfllamarl.runtime.generator_child", *args]
+
+
+class Prestarted:
+    """Generator children started ahead of `train()` (`AsyncAIPOTrainer.__init__`): each takes its cores, imports
+    vLLM and the generator's modules, and waits on its standard input for its job. Importing vLLM takes a core
+    several seconds (more on a GPU machine), which then overlap the trainer's own set-up (its tokenizer, the
+    data set's checks, loading the policy). A child not used exits when this object is released or collected, or
+    when its parent is gone."""
+
+    def __init__(self, topo):
+        self.cwd = os.getcwd()
+        self.children: dict[int, tuple[subprocess.Popen, dict[str, str]]] = {}
+        split = split_cpus(topo)
+        for rank in topo.generator_ranks:
+            env = {**os.environ, **_rank_env(topo, rank, split)}
+            self.children[rank] = (subprocess.Popen(_cmd("--prestarted"), env=env, stdin=subprocess.PIPE), env)
+
+    def claim(self, topo, rank: int, split: dict, job_env: dict[str, str], spec_path: str):
+        """The child started for `rank`, now running its job, or None: it is gone, or it was started for another
+        job or process state (its rank, the world's size, its cores, the environment or the working directory
+        have changed since; the trainer's config, a script's `os.environ`), and it is stopped."""
+        proc, env = self.children.pop(rank, (None, None))
+        if proc is None:
+            return None
+        now = {**os.environ, **_rank_env(topo, rank, split)}
+        changed = sorted(k for k in set(env) | set(now) if env.get(k) != now.get(k))
+        if os.getcwd() != self.cwd:
+            changed.append("the working directory")
+        if proc.poll() is None and not changed:
+            try:
+                proc.stdin.write((json.dumps({"spec": spec_path, "env": job_env}) + "\n").encode())
+                proc.stdin.close()
+                return proc
+            except (BrokenPipeError, OSError):
+                pass
+        logger.info("rank %d: a new generator process starts: the one started with the trainer %s", rank,
+                    f"was started with another {', '.join(changed)}" if changed else "is gone")
+        _stop(proc)
+        return None
+
+    def release(self) -> None:
+        """Stop the children not claimed."""
+        children, self.children = [proc for proc, _ in self.children.values()], {}
+        for proc in children:
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a child that holds no job (it may still be importing): terminated, and reaped."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+
+
+def start_children(topo, spec_path: str, prestarted: Prestarted | None = None) -> list[tuple[int, subprocess.Popen]]:
+    """Start one `hfllamarl.runtime.generator_child` process per generator rank (or hand its job to the one
+    `prestarted` holds for it); returns (rank, process) pairs."""
     host, port = topo.store_addr or ("127.0.0.1", topo.store().port)
     split = split_cpus(topo)
     board = None
@@ -51,26 +139,14 @@ def start_children(topo, spec_path: str) -> list[tuple[int, subprocess.Popen]]:
         torch.set_num_threads(len(split[0]))
     children = []
     for rank in topo.generator_ranks:
-        env = dict(os.environ)
-        env.update({
-            ENV_STORE: f"{host}:{port}",
-            ENV_RANK: str(rank),
-            ENV_WORLD: str(topo.world_size),
-            ENV_PARENT: str(os.getpid()),
-            ENV_JOB: str(topo.job_id),
-            # vLLM's external launcher reads these: RANK/WORLD_SIZE describe the child's replica (its engine's
-            # world), LOCAL_RANK is the device index on this machine (each generator its own).
-            "RANK": str((rank - topo.num_trainers) % topo.replica_size),
-            "LOCAL_RANK": str(rank - topo.num_trainers),
-            "WORLD_SIZE": str(topo.replica_size),
-            "LOCAL_WORLD_SIZE": str(topo.num_generators),
-        })
-        if split:
-            env["OMP_NUM_THREADS"] = str(len(split[rank]))
-            env[ENV_CPUS] = ",".join(map(str, split[rank]))
-            env[ENV_BOARD] = board.path
-        cmd = [sys.executable, "-m", "hfllamarl.runtime.generator_child", spec_path]
-        children.append((rank, subprocess.Popen(cmd, env=env)))
+        job_env = {ENV_STORE: f"{host}:{port}", ENV_JOB: str(topo.job_id)}
+        if board is not None:
+            job_env[ENV_BOARD] = board.path
+        proc = prestarted.claim(topo, rank, split, job_env, spec_path) if prestarted is not None else None
+        if proc is None:
+            env = {**os.environ, **_rank_env(topo, rank, split), **job_env}
+            proc = subprocess.Popen(_cmd(spec_path), env=env)
+        children.append((rank, proc))
     return children
 
 

@@ -25,6 +25,7 @@ import gc
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from .liveness import Liveness, PeerLostError  # noqa: F401  (PeerLostError: re-exported for the channels)
 
@@ -73,6 +74,7 @@ class Topology:
     _members: dict = field(default_factory=dict, repr=False)  # id(group) -> its bridge ranks, in group-rank order
     _hosts_store: bool = field(default=False, repr=False)
     _children: list = field(default_factory=list, repr=False)  # single mode: (rank, Popen) of each generator
+    _prestarted: Any = field(default=None, repr=False)  # single mode: `spawn.Prestarted`, children awaiting a job
     core_lender: object = field(default=None, repr=False)  # single mode on a CPU: `core_lending.CoreLender`
 
     def __post_init__(self):
@@ -320,11 +322,35 @@ class Topology:
         self.liveness.stop()
         self.liveness = Liveness(self)
 
+    def prestart_children(self):
+        """Single-process mode: start the generator children ahead of the job, to import vLLM while the trainer
+        sets up (`spawn.Prestarted`; the next `start_children` hands them their jobs). Returns them (None: this
+        process starts no children)."""
+        if self.mode != "single" or not self.generator_ranks:
+            return None
+        if self._prestarted is None or not self._prestarted.children:
+            from .spawn import Prestarted
+
+            self._prestarted = Prestarted(self)
+        return self._prestarted
+
+    def release_prestarted(self) -> None:
+        """Stop the prestarted generator children (a `train()` that starts no job: a finished run resumed)."""
+        prestarted, self._prestarted = self._prestarted, None
+        if prestarted is not None:
+            prestarted.release()
+
     def start_children(self, spec_path: str) -> None:
-        """Single-process mode: start the generator ranks as child processes (`hfllamarl.runtime.spawn`)."""
+        """Single-process mode: start the generator ranks as child processes (`hfllamarl.runtime.spawn`), or hand
+        the prestarted ones their jobs."""
         from .spawn import start_children
 
-        self._children = start_children(self, spec_path)
+        prestarted, self._prestarted = self._prestarted, None
+        try:
+            self._children = start_children(self, spec_path, prestarted)
+        finally:
+            if prestarted is not None:
+                prestarted.release()  # (any not claimed)
 
     def exited_children(self, ended=()) -> list[tuple[int, int]]:
         """(rank, exit code) of the generator children that exited with an error. A child of `ended` (seen gone)

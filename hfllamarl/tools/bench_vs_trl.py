@@ -59,12 +59,13 @@ def run_job(module: str, job: dict, name: str) -> dict:
     """Run `python -m module JOB` in a fresh process (no launcher variables, torch's own thread count) and return
     the JSON it wrote to `job["result"]`; a failure ends the bench with the job's last error lines."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    began = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", module, json.dumps(job)], stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
     with open(job["result"]) as fh:
-        return json.load(fh)
+        return {**json.load(fh), "process_seconds": time.perf_counter() - began}
 
 
 def digit_share(completions, **kwargs) -> list[float]:
@@ -175,6 +176,7 @@ def run_side(job: dict) -> None:
         from trl import GRPOConfig, GRPOTrainer
 
         torch.set_num_threads(os.cpu_count() or 1)
+        constructed = time.perf_counter()
         trainer = GRPOTrainer(model=job["model"], reward_funcs=digit_share, train_dataset=_dataset(job["seed"]),
                               args=GRPOConfig(**_common(job), use_vllm=False), callbacks=[_callback(clock)])
         for name, key in (("_generate", "generation"), ("_calculate_rewards", "reward"),
@@ -183,14 +185,17 @@ def run_side(job: dict) -> None:
     else:
         from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
 
+        constructed = time.perf_counter()
         trainer = AsyncAIPOTrainer(model=job["model"], reward_funcs=digit_share, train_dataset=_dataset(job["seed"]),
                                    args=AsyncAIPOConfig(**_common(job), max_staleness=1),
                                    callbacks=[_callback(clock)])
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
+    init_seconds = start - constructed
     history = [h for h in trainer.state.log_history if "reward" in h]
-    result = {"seconds": seconds, "steps": len(clock.steps), "rewards": [h["reward"] for h in history],
+    result = {"seconds": seconds, "init_seconds": init_seconds, "steps": len(clock.steps),
+              "rewards": [h["reward"] for h in history],
               "first_step_after": clock.steps[0] - start if clock.steps else None,
               "step_seconds": [b - a for a, b in zip(clock.steps, clock.steps[1:])],
               "optimizer": clock.optimizer, "totals": totals, "history": history}
@@ -264,20 +269,28 @@ def run(args) -> int:
     print(f"\n{params / 1e6:.1f}M-parameter Llama, {args.steps} steps of {PROMPTS_PER_STEP * NUM_GENERATIONS} "
           f"completions ({NUM_GENERATIONS} per prompt) of up to {args.max_completion_length} tokens, "
           f"{args.precision}, {os.cpu_count()} cores")
-    print(f"{'side':<12}{'train() s':>11}{'steps/s':>9}{'first step s':>14}{'final reward':>14}")
+    print(f"{'side':<12}{'train() s':>11}{'steps/s':>9}{'first step s':>14}{'final reward':>14}{'init s':>9}"
+          f"{'process s':>11}")
     summary = {}
     for side, r in results.items():
         final = sum(r["rewards"][-quarter:]) / max(len(r["rewards"][-quarter:]), 1)
         summary[side] = {"seconds": round(r["seconds"], 2), "steps_per_s": round(r["steps"] / r["seconds"], 4),
-                         "first_step_s": round(r["first_step_after"] or 0.0, 2), "final_reward": round(final, 4)}
+                         "first_step_s": round(r["first_step_after"] or 0.0, 2), "final_reward": round(final, 4),
+                         "init_seconds": round(r["init_seconds"], 2), "process_seconds": round(r["process_seconds"], 2)}
         s = summary[side]
         print(f"{side:<12}{s['seconds']:>11.1f}{s['steps_per_s']:>9.3f}{s['first_step_s']:>14.1f}"
-              f"{s['final_reward']:>14.3f}")
+              f"{s['final_reward']:>14.3f}{s['init_seconds']:>9.1f}{s['process_seconds']:>11.1f}")
     out = {**summary, "steps": args.steps, "precision": args.precision, "parameters": params, "cores": os.cpu_count()}
     if len(results) == 2:
         # from the seconds the summary reports, so that the JSON agrees with itself (as bench multi-turn's ratios)
-        out["ratio"] = round(summary["trl"]["seconds"] / summary["hfllamarl"]["seconds"], 3)
+        trl, ours = summary["trl"], summary["hfllamarl"]
+        out["ratio"] = round(trl["seconds"] / ours["seconds"], 3)
+        out["ratio_init_and_train"] = round((trl["init_seconds"] + trl["seconds"])
+                                            / (ours["init_seconds"] + ours["seconds"]), 3)
+        out["ratio_process"] = round(trl["process_seconds"] / ours["process_seconds"], 3)
         print(f"ratio (TRL train() time / hfllamarl train() time): {out['ratio']:.2f}x")
+        print(f"  with the trainer's construction (init s + train() s): {out['ratio_init_and_train']:.2f}x; "
+              f"whole processes (imports, data set, init, train(), exit): {out['ratio_process']:.2f}x")
     if args.profile:
         for side, r in results.items():
             rows = _profile_rows(side, r)

@@ -87,6 +87,21 @@ class SignalRankAt(TrainerCallback):
         victim.send_signal(getattr(signal, self.sig))
 
 
+class PrintChildren(TrainerCallback):
+    """Plain python: says on stdout which generator processes the trainer started ahead of train() and which run
+    the job (at the first step)."""
+
+    def __init__(self, topology):
+        self.topology = topology
+        prestarted = topology._prestarted
+        pids = sorted(proc.pid for proc, _ in prestarted.children.values()) if prestarted is not None else []
+        print(f"PRESTARTED {pids}", flush=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1 and self.topology.mode == "single":
+            print(f"GENERATORS {sorted(proc.pid for _, proc in self.topology._children)}", flush=True)
+
+
 def kill_inside_checkpoint(step):
     """SIGKILL this process while checkpoint `step` is half-written (its files are there, not yet committed)."""
     import os
@@ -184,6 +199,7 @@ def main():
         trainer = AsyncAIPOTrainer(model=a.model, reward_funcs=rewards, args=config, peft_config=peft_config,
                                    train_dataset=Dataset.from_list(successor_rows(a.rows, seed=2)), eval_dataset=eval_dataset,
                                    callbacks=[PrintEvaluations()] if a.eval_rows else None)
+        trainer.add_callback(PrintChildren(trainer.topology))
         if a.kill_at_step:
             trainer.add_callback(KillAt(a.kill_at_step))
         if a.signal_rank_at:

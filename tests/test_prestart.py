@@ -1,0 +1,122 @@
+"""Generator children started ahead of `train()` (`spawn.Prestarted`): real processes, each importing vLLM.
+
+The job a prestarted child runs is checked end to end by the plain-python runs (`check_notebook_run`: the child
+that trains the first `train()` is the one the trainer started, the second `train()` starts its own)."""
+
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from hfllamarl.runtime.spawn import Prestarted
+from hfllamarl.runtime.topology import Topology
+
+pytestmark = pytest.mark.slow  # real processes, each importing vLLM
+
+def gone(pid: int, within: float) -> bool:
+    """Whether process `pid` has ended (a zombie counts as ended) within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def single_topology(generators: int) -> Topology:
+    return Topology(mode="single", rank=0, world_size=1 + generators, num_generators=generators, timeout_s=30.0,
+                    use_cpu=True)
+
+
+class Touch:
+    """A generator spec that, unpickled, creates a file: the proof that a child read the spec it was handed."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_prestarted_child_runs_the_job_it_is_handed_and_one_started_for_another_state_is_replaced(tmp_path,
+                                                                                                 monkeypatch, caplog):
+    topo = single_topology(2)
+    prestarted = Prestarted(topo)
+    pids = {rank: proc.pid for rank, (proc, _) in prestarted.children.items()}
+    assert sorted(pids) == [1, 2]
+    spec = tmp_path / "spec.pkl"
+    spec.write_bytes(pickle.dumps(Touch(str(tmp_path / "read"))))
+    try:
+        monkeypatch.setenv("HFLLAMARL_TEST_SETTING", "changed after the trainer was built")
+        with caplog.at_level(logging.INFO, logger="hfllamarl.runtime.spawn"):
+            assert prestarted.claim(topo, 2, {}, {}, str(spec)) is None
+        assert gone(pids[2], 1.0), "a child started for another environment was left running"
+        assert "rank 2: a new generator process starts" in caplog.text and "HFLLAMARL_TEST_SETTING" in caplog.text
+        assert prestarted.claim(topo, 2, {}, {}, str(spec)) is None  # each child is handed one job at most
+        monkeypatch.delenv("HFLLAMARL_TEST_SETTING")
+
+        proc = prestarted.claim(topo, 1, {}, {"HFLLAMARL_STORE": "127.0.0.1:1"}, str(spec))
+        assert proc is not None and proc.pid == pids[1]
+        # The child reads the spec once its import is done (it is no job: it then fails on the spec's content).
+        assert proc.wait(timeout=120) == 1
+        assert (tmp_path / "read").exists(), "the prestarted child never read the spec it was handed"
+    finally:
+        prestarted.release()
+
+
+def test_a_child_started_for_another_world_is_not_handed_a_job():
+    """A second config of the same process with more generators (the process's topology is one): rank 1's child
+    was started for a world of 2, its job is in a world of 3."""
+    topo = single_topology(1)
+    prestarted = Prestarted(topo)
+    (proc, _), = prestarted.children.values()
+    try:
+        assert prestarted.claim(single_topology(2), 1, {}, {}, "/no/spec.pkl") is None
+        assert gone(proc.pid, 1.0)
+    finally:
+        prestarted.release()
+
+
+def test_released_children_and_those_of_a_killed_trainer_end_at_once_even_while_they_import(tmp_path):
+    prestarted = Prestarted(single_topology(1))
+    (proc, _), = prestarted.children.values()
+    time.sleep(1.0)  # importing vLLM, which takes several seconds
+    started = time.monotonic()
+    prestarted.release()
+    assert proc.poll() is not None and time.monotonic() - started < 2.0
+    assert prestarted.children == {}
+
+    # A trainer process SIGKILLed while its child imports: the child sees its parent gone within a second.
+    script = ("import sys, time\n"
+              "from hfllamarl.runtime.spawn import Prestarted\n"
+              "from hfllamarl.runtime.topology import Topology\n"
+              "p = Prestarted(Topology(mode='single', rank=0, world_size=2, num_generators=1, timeout_s=30.0, "
+              "use_cpu=True))\n"
+              "print(*(proc.pid for proc, _ in p.children.values()), flush=True)\n"
+              "time.sleep(600)\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(trainer.stdout.readline())
+        time.sleep(1.0)
+        assert psutil.Process(child).status() != psutil.STATUS_ZOMBIE
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=10)
+        assert gone(child, 2.0), "a prestarted child outlived its killed trainer"
+    finally:
+        trainer.kill()
+        trainer.stdout.close()
+
+
+def test_nothing_is_prestarted_where_this_process_starts_no_children():
+    topo = single_topology(1)
+    topo.mode = "launcher"
+    assert topo.prestart_children() is None
