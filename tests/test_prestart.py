@@ -50,9 +50,11 @@ class Touch:
 def test_a_prestarted_child_runs_the_job_it_is_handed_and_one_started_for_another_state_is_replaced(tmp_path,
                                                                                                  monkeypatch, caplog):
     topo = single_topology(2)
-    prestarted = Prestarted(topo)
+    prestarted = Prestarted(topo, str(tmp_path / "out"))
     pids = {rank: proc.pid for rank, (proc, _) in prestarted.children.items()}
     assert sorted(pids) == [1, 2]
+    # Its command line names the job's output directory, as a job's spec does: `ps` (and `orphans`) tell whose it is.
+    assert str(tmp_path / "out") in psutil.Process(pids[1]).cmdline()
     spec = tmp_path / "spec.pkl"
     spec.write_bytes(pickle.dumps(Touch(str(tmp_path / "read"))))
     try:
@@ -73,11 +75,11 @@ def test_a_prestarted_child_runs_the_job_it_is_handed_and_one_started_for_anothe
         prestarted.release()
 
 
-def test_a_child_started_for_another_world_is_not_handed_a_job():
+def test_a_child_started_for_another_world_is_not_handed_a_job(tmp_path):
     """A second config of the same process with more generators (the process's topology is one): rank 1's child
     was started for a world of 2, its job is in a world of 3."""
     topo = single_topology(1)
-    prestarted = Prestarted(topo)
+    prestarted = Prestarted(topo, str(tmp_path))
     (proc, _), = prestarted.children.values()
     try:
         assert prestarted.claim(single_topology(2), 1, {}, {}, "/no/spec.pkl") is None
@@ -87,7 +89,7 @@ def test_a_child_started_for_another_world_is_not_handed_a_job():
 
 
 def test_released_children_and_those_of_a_killed_trainer_end_at_once_even_while_they_import(tmp_path):
-    prestarted = Prestarted(single_topology(1))
+    prestarted = Prestarted(single_topology(1), str(tmp_path))
     (proc, _), = prestarted.children.values()
     time.sleep(1.0)  # importing vLLM, which takes several seconds
     started = time.monotonic()
@@ -100,10 +102,10 @@ def test_released_children_and_those_of_a_killed_trainer_end_at_once_even_while_
               "from hfllamarl.runtime.spawn import Prestarted\n"
               "from hfllamarl.runtime.topology import Topology\n"
               "p = Prestarted(Topology(mode='single', rank=0, world_size=2, num_generators=1, timeout_s=30.0, "
-              "use_cpu=True))\n"
+              "use_cpu=True), sys.argv[1])\n"
               "print(*(proc.pid for proc, _ in p.children.values()), flush=True)\n"
               "time.sleep(600)\n")
-    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    trainer = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         child = int(trainer.stdout.readline())
         time.sleep(1.0)
@@ -116,7 +118,19 @@ def test_released_children_and_those_of_a_killed_trainer_end_at_once_even_while_
         trainer.stdout.close()
 
 
-def test_nothing_is_prestarted_where_this_process_starts_no_children():
+def test_nothing_is_prestarted_where_this_process_starts_no_children(tmp_path):
     topo = single_topology(1)
     topo.mode = "launcher"
-    assert topo.prestart_children() is None
+    assert topo.prestart_children(str(tmp_path)) is None
+
+
+def test_a_trainer_built_for_another_output_directory_replaces_the_children_of_the_first(tmp_path):
+    topo = single_topology(1)
+    first = topo.prestart_children(str(tmp_path / "a"))
+    try:
+        assert topo.prestart_children(str(tmp_path / "a")) is first  # a second trainer of the same job
+        (proc, _), = first.children.values()
+        second = topo.prestart_children(str(tmp_path / "b"))
+        assert second is not first and gone(proc.pid, 1.0) and len(second.children) == 1
+    finally:
+        topo.release_prestarted()

@@ -83,7 +83,7 @@ class AsyncAIPOTrainer:
                              "Train LoRA adapters on a bf16 base (peft_config) instead.")
         self.args, self.topology = args, args.topology
         # Plain python: the generator children start now, so that vLLM's import overlaps the set-up below.
-        prestarted = self.topology.prestart_children() if self.topology.role == "trainer" else None
+        prestarted = self.topology.prestart_children(args.output_dir) if self.topology.role == "trainer" else None
         if prestarted is not None:
             weakref.finalize(self, prestarted.release)  # a trainer dropped without train() lets them go
         try:

@@ -1,7 +1,7 @@
 """Entry point of a generator child process in a single-process job (`python script.py`).
 
     python -m hfllamarl.runtime.generator_child SPEC.pkl
-    python -m hfllamarl.runtime.generator_child --prestarted      (its job comes on standard input)
+    python -m hfllamarl.runtime.generator_child --prestarted OUTPUT_DIR    (its job comes on standard input)
 
 The parent (the trainer) writes the generator's spec and starts one such process per generator
 rank; the child joins the parent's store, runs the generator loop, and exits with its parent.

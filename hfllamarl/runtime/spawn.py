@@ -69,13 +69,16 @@ class Prestarted:
     data set's checks, loading the policy). A child not used exits when this object is released or collected, or
     when its parent is gone."""
 
-    def __init__(self, topo):
-        self.cwd = os.getcwd()
+    def __init__(self, topo, output_dir: str):
+        self.cwd, self.output_dir = os.getcwd(), os.path.abspath(output_dir)
         self.children: dict[int, tuple[subprocess.Popen, dict[str, str]]] = {}
         split = split_cpus(topo)
         for rank in topo.generator_ranks:
             env = {**os.environ, **_rank_env(topo, rank, split)}
-            self.children[rank] = (subprocess.Popen(_cmd("--prestarted"), env=env, stdin=subprocess.PIPE), env)
+            # The job's output directory is on the command line (as a job's spec is) so that `ps` and the
+            # tools that look for a job's processes find this one too.
+            proc = subprocess.Popen(_cmd("--prestarted", self.output_dir), env=env, stdin=subprocess.PIPE)
+            self.children[rank] = (proc, env)
 
     def claim(self, topo, rank: int, split: dict, job_env: dict[str, str], spec_path: str):
         """The child started for `rank`, now running its job, or None: it is gone, or it was started for another

@@ -322,16 +322,18 @@ class Topology:
         self.liveness.stop()
         self.liveness = Liveness(self)
 
-    def prestart_children(self):
-        """Single-process mode: start the generator children ahead of the job, to import vLLM while the trainer
-        sets up (`spawn.Prestarted`; the next `start_children` hands them their jobs). Returns them (None: this
-        process starts no children)."""
+    def prestart_children(self, output_dir: str):
+        """Single-process mode: start the generator children of a job writing to `output_dir` ahead of it, to
+        import vLLM while the trainer sets up (`spawn.Prestarted`; the next `start_children` hands them their
+        jobs). Returns them (None: this process starts no children)."""
         if self.mode != "single" or not self.generator_ranks:
             return None
-        if self._prestarted is None or not self._prestarted.children:
+        prestarted = self._prestarted
+        if prestarted is None or not prestarted.children or prestarted.output_dir != os.path.abspath(output_dir):
             from .spawn import Prestarted
 
-            self._prestarted = Prestarted(self)
+            self.release_prestarted()  # (another job's)
+            self._prestarted = Prestarted(self, output_dir)
         return self._prestarted
 
     def release_prestarted(self) -> None:
