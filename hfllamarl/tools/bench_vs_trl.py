@@ -18,8 +18,10 @@ Each runs in a fresh process of its own, at its fastest honest setting on this m
   under `bf16` FSDP2's bf16 mixed precision and a bf16 generator.
 
 It prints each side's `train()` wall time, steps/s, time to the first step, final reward (the mean reward of
-the last quarter of the steps) and the ratio of the wall times; `--profile` adds a table of where a step's
-time goes on each side. The last line is one JSON object.
+the last quarter of the steps), the trainer's construction (`init s`: the config, the data set and the trainer)
+and the whole process (`process s`: imports, construction, `train()`, exit), and the ratios of `train()`, of
+construction + `train()` and of the whole processes; `--profile` adds a table of where a step's time goes on each
+side. The last line is one JSON object.
 """
 
 from __future__ import annotations
