@@ -19,6 +19,7 @@ from hfllamarl.runtime.topology import Topology
 
 pytestmark = pytest.mark.slow  # real processes, each importing vLLM
 
+
 def gone(pid: int, within: float) -> bool:
     """Whether process `pid` has ended (a zombie counts as ended) within `within` seconds."""
     deadline = time.monotonic() + within

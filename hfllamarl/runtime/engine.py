@@ -25,7 +25,7 @@ class WeightSyncMismatch(RuntimeError):
 def import_vllm():
     """Import vLLM as the generator runs it (the engine in this process, no compile-worker pool, warnings only),
     and the worker module it loads when an engine starts; returns `vllm.LLM`. A generator child started ahead of
-    `train()` calls it while it waits for its job (`hfllamarl.runtime.spawn.prestart_children`)."""
+    `train()` calls it while it waits for its job (`hfllamarl.runtime.spawn.Prestarted`)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine stays in this process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # No compile-worker pool: its spawned processes would re-import the user's script. (torch's inductor reads

@@ -19,6 +19,7 @@ import sys
 import threading
 
 from hfllamarl.runtime.collector import collector_paused
+from hfllamarl.runtime.spawn import ENV_CPUS, ENV_PARENT, take_cores, watch_parent
 
 
 def main(spec_path: str) -> int:
@@ -45,17 +46,10 @@ def await_job() -> str | None:
     """A prestarted child: take its cores, import what the generator will, and wait for its job (the spec's path,
     with the job's environment set here), or None: no job will come (the input closed without one, or Ctrl-C).
     While it waits, even in the middle of an import, it exits as soon as its parent is gone."""
-    cpus = os.environ.get("HFLLAMARL_CPUS")
-    if cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
-    parent, claimed = int(os.environ.get("HFLLAMARL_PARENT_PID", "0")), threading.Event()
-
-    def watch():  # a trainer killed during its set-up leaves no process behind
-        while not claimed.wait(0.5):
-            if os.getppid() != parent:
-                os._exit(0)
-
-    threading.Thread(target=watch, name="hfllamarl-prestart-watch", daemon=True).start()
+    take_cores(os.environ.get(ENV_CPUS))
+    # A trainer killed during its set-up leaves no process behind, even while this one imports.
+    claimed = threading.Event()
+    watch_parent(int(os.environ.get(ENV_PARENT, "0")), lambda: os._exit(0), "hfllamarl-prestart-watch", until=claimed)
     try:
         try:
             with collector_paused(freeze=False):

@@ -163,19 +163,34 @@ def child_settings() -> dict | None:
             "parent": int(os.environ[ENV_PARENT]), "cpus": os.environ.get(ENV_CPUS)}
 
 
-def become_child(settings: dict) -> None:
-    """In a generator child: take the cores the parent gave, and exit as soon as the parent is gone."""
-    if settings["cpus"] and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, [int(c) for c in settings["cpus"].split(",")])
-    parent = settings["parent"]
+def take_cores(cpus: str | None) -> None:
+    """In a generator child: run on the cores the parent gave (`HFLLAMARL_CPUS`, "0,1"; empty: no pinning)."""
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+
+
+def watch_parent(parent: int, gone, name: str, until: threading.Event | None = None) -> None:
+    """In a generator child: a thread that calls `gone()` (which ends the process) once the parent process is gone,
+    looking every 0.5 s, until `until` is set."""
 
     def watch():
-        while True:
+        while until is None or not until.is_set():
             if os.getppid() != parent:
-                sys.stderr.write(f"\n[hfllamarl] rank {settings['rank']} (generator {settings['rank'] - 1}) stops "
-                                 f"because rank 0 (trainer 0), its parent process (pid {parent}), is gone.\n")
-                sys.stderr.flush()
-                os._exit(3)
+                gone()
             time.sleep(0.5)
 
-    threading.Thread(target=watch, name="hfllamarl-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+def become_child(settings: dict) -> None:
+    """In a generator child: take the cores the parent gave, and exit as soon as the parent is gone."""
+    take_cores(settings["cpus"])
+    parent = settings["parent"]
+
+    def gone():
+        sys.stderr.write(f"\n[hfllamarl] rank {settings['rank']} (generator {settings['rank'] - 1}) stops "
+                         f"because rank 0 (trainer 0), its parent process (pid {parent}), is gone.\n")
+        sys.stderr.flush()
+        os._exit(3)
+
+    watch_parent(parent, gone, "hfllamarl-parent-watch")
