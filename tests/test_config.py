@@ -67,6 +67,14 @@ def test_defaults_and_derived_sizes():
     ({"vllm_model_impl": "jax"}, "vllm_model_impl='jax'"),
     ({"dynamic_sampling_extra_prompts": 4}, "without drop_zero_variance_groups"),
     ({"drop_zero_variance_groups": True, "dynamic_sampling_extra_prompts": -1}, "whole number >= 0"),
+    ({"torch_compile_mode": "max-autotune"}, "torch_compile_mode. is set, but the trainer ranks run the policy "
+                                             "uncompiled"),
+    ({"torch_compile_backend": "inductor"}, "torch_compile_backend"),
+    ({"fsdp": "full_shard offload"}, "always shard the policy with torch FSDP2"),
+    ({"fsdp_config": {"cpu_offload": True}}, "options are not read"),
+    ({"optim": "adamw_torch_8bit"}, "optim='adamw_torch_8bit' is not supported"),
+    ({"optim": "adafactor"}, "optim='adafactor' is not supported"),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "reduce_lr_on_plateau"),
 ])
 def test_bad_settings_are_explained(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -95,3 +103,9 @@ def test_save_strategy_epoch_and_best(tmp_path):
     assert save_every(args, num_batches=10, batches_per_epoch=4) == 4  # a checkpoint at the end of every epoch
     with pytest.raises(ValueError, match="save_strategy='best'.*not chosen by a metric.*'steps' or 'epoch'"):
         AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", save_strategy="best")
+
+
+def test_ddp_timeout_is_the_collective_timeout_unless_that_is_set():
+    assert make(ddp_timeout=7200).collective_timeout_s == 7200.0
+    assert make(ddp_timeout=7200, collective_timeout_s=600).collective_timeout_s == 600.0
+    assert make().collective_timeout_s == 1800.0

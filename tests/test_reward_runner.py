@@ -193,3 +193,24 @@ def test_async_inside_running_loop():
     t.start()
     t.join(10)
     assert out["v"] == [1.0]
+
+
+def test_partials_are_named_and_awaited_as_trl_does():
+    """TRL names a `functools.partial` after the function it wraps (`rewards/<name>/mean`) and awaits a partial of
+    an async function."""
+    import functools
+
+    from trl.trainer.utils import get_callable_name
+
+    def scaled(completions, scale, **kw):
+        return [scale * len(c) for c in completions]
+
+    async def later(completions, offset, **kw):
+        await asyncio.sleep(0)
+        return [offset + len(c) for c in completions]
+
+    funcs = [functools.partial(scaled, scale=2.0), functools.partial(functools.partial(later), offset=1.0)]
+    runner = RewardRunner(funcs)
+    assert runner.names == [get_callable_name(f) for f in funcs] == ["scaled", "later"]
+    total, per = call(runner, ["p"], ["abc"])
+    assert per == {"scaled": [6.0], "later": [4.0]} and total == [10.0]

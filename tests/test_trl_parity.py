@@ -35,6 +35,19 @@ def test_a_trl_script_logs_what_trl_logs(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "hfllamarl")  # save_model wrote a loadable model
+    # open-r1's tail after train(): the files TRL's trainer writes, written here too, with TRL's metric names
+    results = {side: json.load(open(tmp_path / side / "train_results.json")) for side in procs}
+    assert set(results["trl"]) - {"total_flos"} <= set(results["hfllamarl"]), (results["trl"], results["hfllamarl"])
+    assert json.load(open(tmp_path / "hfllamarl" / "all_results.json")) == results["hfllamarl"]
+    assert results["hfllamarl"]["train_samples"] == 40 and results["hfllamarl"]["train_loss"] == pytest.approx(
+        sum(h["loss"] for h in step_logs(procs["hfllamarl"].stdout)) / 2)
+    assert "***** train metrics *****" in procs["hfllamarl"].stdout
+    state = json.load(open(tmp_path / "hfllamarl" / "trainer_state.json"))
+    assert state["global_step"] == 2 and [h["step"] for h in state["log_history"] if "reward" in h] == [1, 2]
+    card = (tmp_path / "hfllamarl" / "README.md").read_text()
+    assert "AsyncAIPOTrainer" in card and "digits" in card and "- test" in card, card
+    saved = json.load(open(tmp_path / "hfllamarl" / "config.json"))
+    assert saved["use_cache"] is True
     assert "PUSH_FAILED OfflineModeIsEnabled repo=hfllamarl" in procs["hfllamarl"].stdout  # it got to the upload
     trl, ours = step_logs(procs["trl"].stdout), step_logs(procs["hfllamarl"].stdout)
     assert len(trl) == len(ours) == 2

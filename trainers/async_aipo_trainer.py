@@ -143,6 +143,10 @@ class AsyncAIPOTrainer:
         self.schedule = Schedule(num_batches, args.max_staleness, args.generation_ticks, prompts)
         self.callbacks = callbacks
         self.model = None
+        if self.topology.role == "generator":  # what a script touches of trainer.model on every process
+            from .script_api import GeneratorRankModel
+
+            self.model = GeneratorRankModel(model_config, self.model_path)
         if self.topology.role == "trainer":
             self.model = model_obj if model_obj is not None else load_policy(self.model_path, args, model_config)
             if peft_config is not None:  # the trainer trains adapters; the generator gets merged weights
@@ -198,7 +202,7 @@ class AsyncAIPOTrainer:
             run_job(build_trainer_executor(self, backend, resume_dir), backend, topo, self.schedule, start_tick)
             summary = self._reporter.train_end()
             finished = True
-            return TrainOutput(self.state.global_step, self._last_loss(), summary)
+            return TrainOutput(self.state.global_step, summary["train_loss"], summary)
         except BaseException:
             if getattr(self, "_reporter", None) is not None:
                 self._reporter.abort()
@@ -248,6 +252,52 @@ class AsyncAIPOTrainer:
         from .script_api import end
 
         end(self)
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this process is the job's process 0 (trainer rank 0), as `Trainer.is_world_process_zero`."""
+        return self.topology.rank == 0
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this process is the first of its machine, as `Trainer.is_local_process_zero`."""
+        return self.topology.mode == "single" or int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+    def log_metrics(self, split: str, metrics: dict) -> None:
+        """Print `metrics` formatted, on the job's process 0, as `Trainer.log_metrics` (e.g. `train()`'s metrics)."""
+        from transformers.trainer_pt_utils import log_metrics
+
+        if metrics:  # (a resumed, finished run returns none)
+            log_metrics(self, split, metrics)
+
+    def metrics_format(self, metrics: dict) -> dict:
+        from transformers.trainer_pt_utils import metrics_format
+
+        return metrics_format(metrics)
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
+        """`{split}_results.json` (and `all_results.json`) in output_dir, as `Trainer.save_metrics`."""
+        from .script_api import save_metrics
+
+        save_metrics(self, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """`trainer_state.json` in output_dir, as `Trainer.save_state`."""
+        from .script_api import save_state
+
+        save_state(self)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:
+        """Write a model card (`README.md`) to output_dir, as TRL's `create_model_card`."""
+        from .script_api import create_model_card
+
+        create_model_card(self, model_name, dataset_name, tags)
+
+    def evaluate(self, *args, **kwargs):
+        """Not available: evaluation runs on the generator during `train()`."""
+        raise NotImplementedError(
+            "trainer.evaluate() is not available: evaluation runs on the generator ranks during train() "
+            "(eval_dataset with eval_strategy='steps' or 'epoch'; the eval_* metrics are in trainer.state.log_history "
+            "and reach on_evaluate callbacks). To evaluate the saved model, run `hfllamarl eval --model OUTPUT_DIR --data DATA.jsonl`.")
 
     def add_callback(self, callback) -> None:
         """Add a `transformers.TrainerCallback` (an instance or a class), as `Trainer.add_callback`."""

@@ -36,10 +36,16 @@ _UNSUPPORTED = {
                             "there is no entropy bonus",
     "multi_objective_aggregation": "rewards are summed with reward_weights",
     "auto_find_batch_size": "batch sizes are fixed by the generation batch",
-    "torch_compile": "not supported",
+    "torch_compile": "the trainer ranks run the policy uncompiled under FSDP2 (compiling it is not supported)",
+    "torch_compile_backend": "the trainer ranks run the policy uncompiled under FSDP2 (compiling it is not supported)",
+    "torch_compile_mode": "the trainer ranks run the policy uncompiled under FSDP2 (compiling it is not supported)",
+    "fsdp": "the trainer ranks always shard the policy with torch FSDP2 (full sharding), whatever this field says",
+    "fsdp_config": "the trainer ranks always shard the policy with torch FSDP2 (full sharding, no CPU offload); "
+                   "its options are not read",
     "deepspeed": "trainer ranks shard the policy with torch FSDP2; DeepSpeed is not supported",
     "fp16": "use bf16 (GPU) or fp32 (CPU)",
-    "vllm_structured_outputs_regex": "not supported",
+    "vllm_structured_outputs_regex": "the trainer's pi would not follow vLLM's constrained distribution, so "
+                                     "structured outputs are not supported",
     "push_to_hub": "checkpoints are not pushed during training; after train(), call trainer.push_to_hub() (it saves "
                    "the model to output_dir and uploads that folder)",
     "cast_lm_head_to_fp32": "the lm head runs in the trainer's compute dtype (bf16 under FSDP2 mixed precision, with "
@@ -208,6 +214,7 @@ class AsyncAIPOConfig(GRPOConfig):
         if self.bf16 is None and self.use_cpu:
             self.bf16 = False  # TRL defaults to bf16; fp32 keeps pi == mu exact (bf16=True is faster on bf16 CPUs)
         self._check_quantization()
+        self._check_training_loop()
         # The launcher's processes must be split into a trainer world and a generator world
         # before TrainingArguments sets up the distributed state (it does so in __post_init__).
         from hfllamarl.runtime.topology import init_topology
@@ -225,6 +232,19 @@ class AsyncAIPOConfig(GRPOConfig):
             self.build_algorithm()
         except ValueError as exc:
             raise ValueError(f"AsyncAIPOConfig: algorithm {self.algorithm!r}: {exc}") from None
+
+    def _check_training_loop(self) -> None:
+        """The optimizer, scheduler and timeout fields the trainer ranks read, checked now rather than at step 1."""
+        optim = str(getattr(self.optim, "value", self.optim))
+        if optim not in ("adamw_torch", "adamw_torch_fused"):
+            raise ValueError(f"AsyncAIPOConfig: optim={optim!r} is not supported: the trainer ranks build torch's "
+                             "AdamW over the FSDP2 shards (optim='adamw_torch' or 'adamw_torch_fused').")
+        scheduler = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
+        if scheduler == "reduce_lr_on_plateau":
+            raise ValueError("AsyncAIPOConfig: lr_scheduler_type='reduce_lr_on_plateau' steps on an evaluation "
+                             "metric, which the trainer ranks do not have at each step; use another scheduler.")
+        if self.ddp_timeout != 1800 and self.collective_timeout_s == 1800.0:
+            self.collective_timeout_s = float(self.ddp_timeout)  # TrainingArguments' name for the same bound
 
     def _check_own_fields(self, changed: set[str]) -> None:
         for name in sorted(changed):

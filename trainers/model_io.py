@@ -17,7 +17,9 @@ def resolve_model(model, args):
         path = getattr(model.config, "_name_or_path", "") or ""
         return path, model, model.config
     if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a path, a hub id or a PreTrainedModel, got {type(model).__name__}")
+        hint = (" For LoRA, pass the base model and peft_config=LoraConfig(...): the trainer applies the adapters "
+                "itself." if type(model).__name__.startswith("Peft") else "")
+        raise TypeError(f"model must be a path, a hub id or a PreTrainedModel, got {type(model).__name__}.{hint}")
     path = os.fspath(model)
     if not os.path.isdir(path):
         if os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") != 1:
@@ -28,7 +30,9 @@ def resolve_model(model, args):
         try:
             from huggingface_hub import snapshot_download
 
-            path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.py"])
+            # (chat_template.jinja: where transformers 5 saves a tokenizer's chat template)
+            path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.py",
+                                                           "*.jinja", "*.tiktoken"])
         except Exception as exc:
             raise FileNotFoundError(
                 f"Model {model!r} is not a local directory and could not be fetched from the Hugging Face Hub "

@@ -1,8 +1,11 @@
 """What TRL scripts call on a trainer besides `train()`: `trainer.accelerator.print(...)`, `trainer.end()`,
-`trainer.push_to_hub()`, `trainer.hub_model_id` (as in TRL's `trl/scripts/grpo.py`)."""
+`trainer.push_to_hub()`, `trainer.hub_model_id` (as in TRL's `trl/scripts/grpo.py`), and what open-r1's
+`grpo.py` calls after it on every process: `log_metrics`, `save_metrics`, `save_state`, `create_model_card`,
+`trainer.model.config` / `.generation_config` (on a generator rank too)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -88,3 +91,106 @@ def push_to_hub(trainer, commit_message: str | None = "End of training", blockin
     return upload_folder(repo_id=repo.repo_id, folder_path=trainer.args.output_dir, commit_message=commit_message,
                          token=token, revision=revision or trainer.args.hub_revision, run_as_future=not blocking,
                          ignore_patterns=["checkpoint-*", "_*", ".hfllamarl*", "trained_prompts-*", "runs/*"])
+
+
+class GeneratorRankModel:
+    """`trainer.model` on a generator rank (under a launcher, where the script runs there too): the policy lives in
+    vLLM on that rank, so this holds only what scripts touch on every process after `train()`: the model's `config`
+    and `generation_config` (read from the model directory when first asked for)."""
+
+    def __init__(self, config, model_path: str):
+        self.config = config
+        self._path = model_path
+        self._generation_config = None
+
+    @property
+    def generation_config(self):
+        if self._generation_config is None:
+            from transformers import GenerationConfig
+
+            try:
+                self._generation_config = GenerationConfig.from_pretrained(self._path)
+            except (OSError, ValueError):  # no generation_config.json: transformers' default for this config
+                self._generation_config = GenerationConfig.from_model_config(self.config)
+        return self._generation_config
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        self._generation_config = value
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"trainer.model.{name}: this process is a generator rank, where the policy is held by vLLM; trainer.model "
+            "here has only `config` and `generation_config`. The trained policy is on the trainer ranks: "
+            "trainer.save_model() writes it (call it on every process), or guard with trainer.accelerator.is_main_process.")
+
+
+def save_metrics(trainer, split: str, metrics: dict, combined: bool = True) -> None:
+    """`{split}_results.json` in output_dir (and `all_results.json` updated with them), on the job's process 0."""
+    if not trainer.is_world_process_zero():
+        return
+    out = trainer.args.output_dir
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{split}_results.json"), "w", encoding="utf-8") as fh:
+        json.dump(metrics, fh, indent=4, sort_keys=True)
+    if combined:
+        path = os.path.join(out, "all_results.json")
+        merged = {}
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as fh:
+                merged = json.load(fh)
+        merged.update(metrics)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(merged, fh, indent=4, sort_keys=True)
+
+
+def save_state(trainer) -> None:
+    """`trainer_state.json` (the TrainerState: log_history, global_step, ...) in output_dir, on the job's process 0."""
+    if not trainer.is_world_process_zero():
+        return
+    from transformers.trainer_callback import TrainerState
+
+    os.makedirs(trainer.args.output_dir, exist_ok=True)
+    (trainer.state or TrainerState()).save_to_json(os.path.join(trainer.args.output_dir, "trainer_state.json"))
+
+
+def create_model_card(trainer, model_name: str | None = None, dataset_name: str | None = None,
+                      tags: str | list[str] | None = None) -> None:
+    """A model card, `README.md` in output_dir, on the job's process 0: the base model (when it is a Hub id), the
+    data set, the tags, how the model was trained and the library versions."""
+    if not trainer.is_world_process_zero():
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    from huggingface_hub import ModelCard, ModelCardData
+
+    source = getattr(trainer.model_config, "_name_or_path", "") or ""
+    base_model = source if source and not os.path.isdir(source) else None  # a local directory names nothing public
+    tags = [tags] if isinstance(tags, str) else list(tags or [])
+    name = model_name or hub_model_id(trainer).split("/")[-1]
+    data = ModelCardData(base_model=base_model, datasets=dataset_name, library_name="transformers", model_name=name,
+                         tags=["generated_from_trainer", "hfllamarl", trainer.args.algorithm, *tags])
+
+    def installed(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    base = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local model"
+    on = f" on the [{dataset_name}](https://huggingface.co/datasets/{dataset_name}) data set" if dataset_name else ""
+    steps = trainer.state.global_step if trainer.state is not None else 0
+    versions = "\n".join(f"- {p}: {installed(p)}" for p in ("hfllamarl", "transformers", "trl", "torch", "vllm"))
+    content = (f"---\n{data.to_yaml()}\n---\n\n# Model card for {name}\n\nThis model is a fine-tuned version of {base}{on}, "
+               f"trained with hfllamarl's `AsyncAIPOTrainer` ({steps} steps of asynchronous, off-policy reinforcement "
+               f"learning; algorithm `{trainer.args.algorithm}`, generation up to {trainer.args.max_staleness} policy "
+               "versions ahead of training, after LlamaRL, arXiv 2505.24034).\n\n"
+               f"## Quick start\n\n```python\nfrom transformers import pipeline\n\n"
+               f"generator = pipeline(\"text-generation\", model=\"{hub_model_id(trainer)}\")\n"
+               "print(generator([{\"role\": \"user\", \"content\": \"What is 12 * 7?\"}], max_new_tokens=128, "
+               "return_full_text=False)[0][\"generated_text\"])\n```\n\n"
+               f"## Framework versions\n\n{versions}\n")
+    os.makedirs(trainer.args.output_dir, exist_ok=True)
+    ModelCard(content).save(os.path.join(trainer.args.output_dir, "README.md"))

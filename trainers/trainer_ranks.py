@@ -33,16 +33,18 @@ def _check_accelerate(args) -> None:
                            "(set fsdp_version: 2).")
 
 
-def check_optimizer(args) -> None:
-    name = str(getattr(args.optim, "value", args.optim))
-    if not name.startswith("adamw_torch"):
-        raise ValueError(f"optim={name!r} is not supported; use adamw_torch or adamw_torch_fused (the default).")
-
-
 def build_optimizer(model, args):
-    check_optimizer(args)
-    return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                             eps=args.adam_epsilon, weight_decay=args.weight_decay)
+    """torch's AdamW (optim is checked by AsyncAIPOConfig); as transformers' Trainer, weight decay applies to the
+    weights of the linear layers and embeddings, not to biases and normalization weights."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    decay = set(get_parameter_names(model, [torch.nn.LayerNorm], [r"bias", r"layernorm", r"rmsnorm",
+                                                                   r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]))
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in trained if n in decay], "weight_decay": args.weight_decay},
+              {"params": [p for n, p in trained if n not in decay], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate,
+                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
 
 
 def save_every(args, num_batches: int, batches_per_epoch: int | None = None) -> int:

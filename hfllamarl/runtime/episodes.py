@@ -85,7 +85,9 @@ def reward_arguments(rollouts: list) -> dict:
     """The reward path's arguments for `rollouts` (`RewardRunner.__call__`): prompts, completions (strings, chat
     messages, or a multi-turn rollout's messages), completion ids, the dataset columns plus what TRL adds
     (`environments`, a rollout_func's extra fields, already in the columns), and scores computed elsewhere."""
-    columns = {k: [r.columns.get(k) for r in rollouts] for k in (rollouts[0].columns if rollouts else {})}
+    # (as TRL: a data set's own completion columns are not passed; the sampled completions are)
+    columns = {k: [r.columns.get(k) for r in rollouts] for k in (rollouts[0].columns if rollouts else {})
+               if k not in ("completion", "completion_ids")}
     if any(r.episode is not None and r.episode.environment is not None for r in rollouts):
         columns["environments"] = [_environment(r) for r in rollouts]
     return dict(prompts=[r.prompt for r in rollouts], completions=[completion(r) for r in rollouts],

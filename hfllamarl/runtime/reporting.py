@@ -7,6 +7,8 @@ as they do with TRL's trainers, and `state.log_history` holds every logged step.
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 
 from transformers.integrations import get_reporting_integration_callbacks
@@ -18,6 +20,8 @@ from transformers.trainer_callback import (
     TrainerControl,
     TrainerState,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class Reporter:
@@ -35,13 +39,17 @@ class Reporter:
         self.batches_per_epoch = batches_per_epoch  # optimizer steps per pass over the dataset (state.epoch)
         if batches_per_epoch:
             self.state.num_train_epochs = -(-max_steps // batches_per_epoch)
-        self.state.logging_steps = args.logging_steps
+        # (below 1: a share of the run's steps, as transformers' Trainer reads it)
+        self.state.logging_steps = (math.ceil(max_steps * args.logging_steps) if 0 < args.logging_steps < 1
+                                    else args.logging_steps)
         self.state.save_steps = args.save_steps
         self.state.is_world_process_zero = is_world_zero
         self.state.is_local_process_zero = is_world_zero
         self.control = TrainerControl()
         self._pending: list[dict] = []
         self._start = None
+        self._losses: list[float] = []  # every step's loss since train_begin (train_loss, as transformers' Trainer)
+        self._stop_warned = False
         self._samples: dict | None = None  # log_completions: the newest step's samples (first trainer rank)
 
     def train_begin(self) -> None:
@@ -57,7 +65,10 @@ class Reporter:
         if self.batches_per_epoch:
             self.state.epoch = step / self.batches_per_epoch
         self._pending.append(metrics)
+        if "loss" in metrics:
+            self._losses.append(float(metrics["loss"]))
         self.control = self.handler.on_step_end(self.args, self.state, self.control)
+        self._check_stop(step)
         if self.control.should_log or step == self.state.max_steps:
             self.log(_mean_of(self._pending))
             self._pending = []
@@ -73,6 +84,7 @@ class Reporter:
         self.state.log_history.append(output)
         self.control = self.handler.on_log(self.args, self.state, self.control, logs)
         self.control.should_log = False
+        self._check_stop(self.state.global_step)
         if self._samples is not None and self.state.is_world_process_zero:
             log_completions(self.args, self.state.global_step, self._samples)
             self._samples = None
@@ -92,11 +104,29 @@ class Reporter:
     def saved(self) -> None:
         self.control = self.handler.on_save(self.args, self.state, self.control)
 
+    def _check_stop(self, step: int) -> None:
+        """A callback that sets `control.should_training_stop` before the last step (an early stop) is not obeyed:
+        every process of the job runs the schedule's ticks in lockstep. Say so, once, rather than go on silently."""
+        if self.control.should_training_stop and step < self.state.max_steps and not self._stop_warned:
+            self._stop_warned = True
+            logger.warning(
+                "a callback set control.should_training_stop at step %d of %d: AsyncAIPOTrainer does not stop early "
+                "(the generator ranks run the same %d steps in lockstep); training goes on to the last step. Set "
+                "max_steps (or num_train_epochs) to the length you want.", step, self.state.max_steps,
+                self.state.max_steps)
+
     def train_end(self) -> dict:
+        """The metrics `train()` returns, as transformers' Trainer names them (train_loss: the mean loss of the
+        steps run since train_begin; a sample is one completion)."""
         runtime = time.perf_counter() - (self._start or time.perf_counter())
+        samples = self.state.global_step * self.args.prompts_per_step * self.args.num_generations
         summary = {"train_runtime": round(runtime, 4),
-                   "train_steps_per_second": round(self.state.global_step / runtime, 4) if runtime else 0.0}
+                   "train_samples_per_second": round(samples / runtime, 3) if runtime else 0.0,
+                   "train_steps_per_second": round(self.state.global_step / runtime, 3) if runtime else 0.0,
+                   "train_loss": sum(self._losses) / len(self._losses) if self._losses else 0.0}
         self.log(summary)
+        if self.state.epoch is not None:
+            summary["epoch"] = self.state.epoch
         self.control = self.handler.on_train_end(self.args, self.state, self.control)
         return summary
 

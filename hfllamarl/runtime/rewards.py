@@ -17,6 +17,7 @@ each rollout's environment, as TRL passes it. `async def` functions run concurre
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import math
 import os
@@ -75,8 +76,21 @@ def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_
     return funcs
 
 
+def _unwrapped(fn: Callable) -> Callable:
+    """The callable a `functools.partial` wraps (partials of partials too), as TRL names and awaits it."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
 def reward_name(fn: Callable) -> str:
+    fn = _unwrapped(fn)
     return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _is_async(fn: Callable) -> bool:
+    fn = _unwrapped(fn)
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 class RewardRunner:
@@ -156,7 +170,7 @@ class RewardRunner:
         for i, fn in enumerate(self.funcs):
             if self.names[i] in scored:
                 results[i] = self._check(self.names[i], scored[self.names[i]], n)
-            elif inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+            elif _is_async(fn):
                 coros[i] = fn(**kwargs)
             else:
                 results[i] = self._guard(i, lambda fn=fn: fn(**kwargs), n, kwargs, fn=fn)

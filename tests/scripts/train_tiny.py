@@ -205,6 +205,14 @@ def main():
         if a.signal_rank_at:
             trainer.add_callback(SignalRankAt(a.signal_rank_at, a.output_dir))
         out = trainer.train(resume_from_checkpoint=True if a.resume else None)
+        # what open-r1's grpo.py does after train(), on every process (a generator rank included)
+        trainer.log_metrics("train", dict(out.metrics, train_samples=a.rows))
+        trainer.save_metrics("train", dict(out.metrics, train_samples=a.rows))
+        trainer.save_state()
+        trainer.model.generation_config.eos_token_id = trainer.processing_class.eos_token_id
+        if trainer.accelerator.is_main_process:
+            trainer.create_model_card(dataset_name="successor", tags=["tiny"])
+            trainer.model.config.use_cache = True
         if trainer.state is not None and trainer.state.is_world_process_zero:
             print("LOG_HISTORY " + json.dumps(trainer.state.log_history), flush=True)
             print(f"TRAINED global_step={out.global_step}", flush=True)

@@ -33,9 +33,20 @@ def main():
     else:
         from hfllamarl import AsyncAIPOConfig as Config, AsyncAIPOTrainer as Trainer
     trainer = Trainer(model=a.model, reward_funcs=digits, args=Config(**common), train_dataset=Dataset.from_list(rows))
-    trainer.train()
+    result = trainer.train()
     trainer.accelerator.print("TRAINING DONE")
+    # what open-r1's grpo.py does after train()
+    metrics = result.metrics
+    metrics["train_samples"] = len(rows)
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    trainer.model.generation_config.eos_token_id = trainer.processing_class.eos_token_id
     trainer.save_model(a.out)
+    if trainer.accelerator.is_main_process:
+        trainer.create_model_card(dataset_name="digits", tags=["test"])
+        trainer.model.config.use_cache = True
+        trainer.model.config.save_pretrained(a.out)
     if a.push:
         try:
             trainer.push_to_hub()

@@ -1,0 +1,49 @@
+"""What scripts call on a trainer besides train(), checked against transformers' own Trainer where it has one."""
+
+import pytest
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from hfllamarl import AsyncAIPOConfig
+from hfllamarl.runtime.reporting import Reporter
+from hfllamarl.trainers.script_api import GeneratorRankModel
+from hfllamarl.trainers.trainer_ranks import build_optimizer
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, attention_bias=True)
+    return LlamaForCausalLM(config)
+
+
+def test_weight_decay_spares_the_parameters_transformers_spares(tmp_path):
+    model = tiny_llama()
+    args = AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", weight_decay=0.1)
+    optimizer = build_optimizer(model, args)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for g in optimizer.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    spared = {names[id(p)] for g in optimizer.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    hf = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True))
+    assert decayed == set(hf.get_decay_parameter_names(model))
+    assert spared == set(names.values()) - decayed
+    assert any("norm" in n for n in spared) and any(n.endswith("bias") for n in spared)  # (the case is exercised)
+
+
+def test_a_fraction_of_logging_steps_is_a_share_of_the_run(tmp_path):
+    args = AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", logging_steps=0.25, disable_tqdm=True)
+    reporter = Reporter(args, None, None, None, None, [], max_steps=10, is_world_zero=True)
+    assert reporter.state.logging_steps == 3  # transformers: ceil(max_steps * logging_steps)
+
+
+def test_a_generator_rank_model_has_config_and_generation_config(tmp_path):
+    model = tiny_llama()
+    model.generation_config = GenerationConfig(eos_token_id=5, max_new_tokens=9)
+    model.save_pretrained(tmp_path)
+    on_generator = GeneratorRankModel(model.config, str(tmp_path))
+    assert on_generator.generation_config.max_new_tokens == 9
+    on_generator.generation_config.eos_token_id = 7  # what open-r1's script does on every process
+    assert on_generator.generation_config.eos_token_id == 7
+    assert on_generator.config.hidden_size == 32
+    with pytest.raises(AttributeError, match="generator rank, where the policy is held by vLLM"):
+        on_generator.parameters()
+    bare = GeneratorRankModel(model.config, str(tmp_path / "missing"))  # no generation_config.json: the default
+    assert bare.generation_config.eos_token_id == model.config.eos_token_id
