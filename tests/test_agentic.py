@@ -255,6 +255,8 @@ def test_multi_turn_rollouts_on_a_real_engine(tool_model, tmp_path):
     assert rows["tool_spans_ok"] and rows["mask_ok"] and rows["turns_end_with_eos"] and rows["lengths_ok"], rows
     assert rows["max_error"] < 1e-4 and rows["sampled_tokens"] > 200, rows
     assert rows["multi_tick_with_tools"] >= 1 and rows["multi_version_with_tools"] >= 1, rows
+    # a turn after tool results, cut by the length limit or not, is the last message (0 or 1 rollout is cut here)
+    assert rows["last_turn_kept"], rows
     assert ckpt["carried_with_calls"] >= 1 and ckpt["finished"] == 16, ckpt
     assert ckpt["kept_earlier_calls"] and ckpt["env_calls_match"] and ckpt["reward_counts_calls"], ckpt
     assert hang["finished"] == 16 * hang["batches"], hang
@@ -328,7 +330,8 @@ def test_user_scripts_train_under_trl_and_under_async_aipo(tool_model, tmp_path)
     assert any(h["partial_rollouts/count"] > 0 for h in env_steps)
     rf_steps, rf_calls = out["ours_rollout_func"]
     assert len(rf_steps) == 3 and assert_on_policy(rf_steps[0]) is None
-    assert all(c["extra"] == [1] * c["n"] and "turns" in c["kwargs"] for c in rf_calls)
+    # the rollout_func's other fields reach the reward functions, env_mask too (TRL passes every key but the three)
+    assert all(c["extra"] == [1] * c["n"] and {"turns", "env_mask"} <= set(c["kwargs"]) for c in rf_calls)
     assert sum(h["tools/timeout_frequency"] for h in env_steps) > 0, env_steps  # the hanging call: abandoned
     assert sum(h["tools/failure_frequency"] for h in env_steps) > sum(h["tools/timeout_frequency"] for h in env_steps)
 

@@ -44,6 +44,11 @@ def test_dataset_without_prompt_column(tiny_model, config):
         AsyncAIPOTrainer(tiny_model, reward_funcs="math_sympy", args=config, train_dataset=ds)
 
 
+def test_a_streamed_dataset_is_explained(tiny_model, config, data):
+    with pytest.raises(ValueError, match="IterableDataset .streamed., which is not supported.*without streaming=True"):
+        AsyncAIPOTrainer(tiny_model, reward_funcs="math_sympy", args=config, train_dataset=data.to_iterable_dataset())
+
+
 def test_prompt_longer_than_context(tiny_model, config):
     ds = Dataset.from_dict({"prompt": ["1+1=", "9" * 200], "answer": ["2", "0"]})
     with pytest.raises(ValueError, match="Row 1 .*exceeds the model's context of 128"):

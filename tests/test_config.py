@@ -109,3 +109,11 @@ def test_ddp_timeout_is_the_collective_timeout_unless_that_is_set():
     assert make(ddp_timeout=7200).collective_timeout_s == 7200.0
     assert make(ddp_timeout=7200, collective_timeout_s=600).collective_timeout_s == 600.0
     assert make().collective_timeout_s == 1800.0
+
+
+def test_generation_batch_fields_set_to_what_they_mean_here_are_accepted():
+    for kw in ({"steps_per_generation": 2}, {"generation_batch_size": 16}):  # (TRL refuses both at once)
+        c = make(per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=2, **kw)
+        assert c.completions_per_step == 16 and c.steps_per_generation == 2 and c.generation_batch_size == 16
+    with pytest.raises(ValueError, match=r"`generation_batch_size`=32, but a generation batch is .* \(16 here\)"):
+        make(per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=2, generation_batch_size=32)

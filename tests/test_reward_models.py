@@ -98,3 +98,11 @@ def test_scores_from_the_generator_are_used_as_they_are(classifier):
                              scored={"model": [2.0, -4.0]})
     assert per_func["model"] == [2.0, -4.0] and total == [2.0, -1.0]
     assert not rm._ready  # never loaded on this side
+
+
+def test_a_name_that_is_neither_a_plugin_nor_a_directory_is_tried_as_a_hub_reward_model():
+    """TRL loads a reward model given by its Hub id; here too (from its snapshot). One that cannot be fetched (no
+    network here, or no such repository) is explained with both readings of the name."""
+    with pytest.raises(PluginError, match=r"(?s)'nobody/no-such-reward-model' is not an installed reward plugin .*"
+                                          r"could not be fetched .*Download the model first"):
+        resolve_reward_funcs("nobody/no-such-reward-model")

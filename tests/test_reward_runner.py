@@ -214,3 +214,26 @@ def test_partials_are_named_and_awaited_as_trl_does():
     assert runner.names == [get_callable_name(f) for f in funcs] == ["scaled", "later"]
     total, per = call(runner, ["p"], ["abc"])
     assert per == {"scaled": [6.0], "later": [4.0]} and total == [10.0]
+
+
+def test_a_completion_no_function_scores_moves_no_baseline_and_gets_no_advantage():
+    """TRL: such a completion's reward is NaN, left out of its group's mean (nanmean), its advantage 0. By hand:
+    group 1 scores [1, -, 0, -]: its baseline is 0.5 and the advantages [0.5, 0, -0.5, 0]; group 2 has no score."""
+    import torch
+
+    from hfllamarl.plugins.algorithms.aipo import AIPO
+
+    def sometimes(completions, **kw):
+        return [None if c == "?" else float(c) for c in completions]
+
+    def never(completions, **kw):
+        return [None] * len(completions)
+
+    runner = RewardRunner([sometimes, never])
+    total, per = call(runner, ["p"] * 8, ["1", "?", "0", "?", "?", "?", "?", "?"])
+    assert total == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # (the combined scores before filling)
+    filled = runner.fill_unscored(total, per, [4, 4])
+    assert filled == [1.0, 0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0]
+    advantages = AIPO(rho=4.0).advantages(torch.tensor(filled), 4)
+    assert advantages.tolist() == [0.5, 0.0, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert runner.counters()["reward_unscored"] == 6.0

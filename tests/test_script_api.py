@@ -47,3 +47,28 @@ def test_a_generator_rank_model_has_config_and_generation_config(tmp_path):
         on_generator.parameters()
     bare = GeneratorRankModel(model.config, str(tmp_path / "missing"))  # no generation_config.json: the default
     assert bare.generation_config.eos_token_id == model.config.eos_token_id
+
+
+def test_epoch_logging_train_metrics_and_an_early_stop_request(tmp_path, caplog):
+    """logging_strategy="epoch" logs at each pass's end (on_epoch_end, as transformers' Trainer); train_end returns
+    transformers' metric names, train_loss the mean step loss; a callback's early stop is named, not obeyed."""
+    from transformers import TrainerCallback
+
+    class StopAtOne(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    args = AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", logging_strategy="epoch", disable_tqdm=True,
+                           per_device_train_batch_size=8, num_generations=4)
+    reporter = Reporter(args, None, None, None, None, [StopAtOne()], max_steps=4, is_world_zero=True,
+                        batches_per_epoch=2)
+    reporter.train_begin()
+    with caplog.at_level("WARNING"):
+        for step, loss in zip(range(1, 5), (1.0, 2.0, 3.0, 6.0)):
+            reporter.step_begin()
+            reporter.step_end(step, {"loss": loss})
+    assert [h["step"] for h in reporter.state.log_history] == [2, 4]
+    assert sum("should_training_stop at step 1 of 4" in r.message for r in caplog.records) == 1
+    summary = reporter.train_end()
+    assert summary["train_loss"] == 3.0 and summary["epoch"] == 2.0
+    assert {"train_runtime", "train_samples_per_second", "train_steps_per_second"} <= set(summary)

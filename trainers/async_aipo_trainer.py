@@ -82,6 +82,10 @@ class AsyncAIPOTrainer:
                              "trainer ranks shard the policy with FSDP2 and send its weights to vLLM at every step. "
                              "Train LoRA adapters on a bf16 base (peft_config) instead.")
         self.args, self.topology = args, args.topology
+        from transformers.trainer_utils import enable_full_determinism, set_seed
+
+        # As transformers' Trainer: python, numpy and torch seeded on every process (dropout, reward functions)
+        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         # Plain python: the generator children start now, so that vLLM's import overlaps the set-up below.
         prestarted = self.topology.prestart_children(args.output_dir) if self.topology.role == "trainer" else None
         if prestarted is not None:

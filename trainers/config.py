@@ -204,7 +204,8 @@ class AsyncAIPOConfig(GRPOConfig):
 
     def __post_init__(self):
         changed = {f.name for f in fields(GRPOConfig) if f.name in _UNSUPPORTED and _differs(self, f)}
-        self._check_own_fields(changed)
+        batch_fields = changed & {"steps_per_generation", "generation_batch_size"}  # checked once the world is known
+        self._check_own_fields(changed - batch_fields)
         # On a machine without a GPU, train on the CPU as TRL users do with `use_cpu=True`.
         if not self.use_cpu:
             import torch
@@ -226,12 +227,24 @@ class AsyncAIPOConfig(GRPOConfig):
             tensor_parallel_size=self.generator_tensor_parallel_size,
             failure=self.generator_failure,
         )
+        self._check_generation_batch(batch_fields)
         super().__post_init__()
         self._check_dynamic_sampling()  # needs the topology (the trainer processes)
         try:  # a value the algorithm refuses (an unknown loss_type, ...) fails now, with TRL's aliases applied
             self.build_algorithm()
         except ValueError as exc:
             raise ValueError(f"AsyncAIPOConfig: algorithm {self.algorithm!r}: {exc}") from None
+
+    def _check_generation_batch(self, set_fields: set[str]) -> None:
+        """steps_per_generation / generation_batch_size set to what they mean here anyway (TRL derives the same
+        values from gradient_accumulation_steps) are accepted; any other value is refused."""
+        accumulation = self.gradient_accumulation_steps
+        meaning = {"steps_per_generation": accumulation,
+                   "generation_batch_size": self.per_device_train_batch_size * self.num_trainer_processes * accumulation}
+        for name in sorted(set_fields):
+            if getattr(self, name) != meaning[name]:
+                raise ValueError(f"AsyncAIPOConfig: `{name}`={getattr(self, name)}, but {_UNSUPPORTED[name]} "
+                                 f"({meaning[name]} here). Remove it.")
 
     def _check_training_loop(self) -> None:
         """The optimizer, scheduler and timeout fields the trainer ranks read, checked now rather than at step 1."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from hfllamarl.runtime.loading import hub_snapshot, looks_like_hub_id
+
 
 def resolve_model(model, args):
     """Return (local model directory, model object or None, model config).
@@ -22,17 +24,13 @@ def resolve_model(model, args):
         raise TypeError(f"model must be a path, a hub id or a PreTrainedModel, got {type(model).__name__}.{hint}")
     path = os.fspath(model)
     if not os.path.isdir(path):
-        if os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") != 1:
+        if not looks_like_hub_id(path):
             raise FileNotFoundError(
                 f"Model {path!r} does not exist: give the directory of a model saved with save_pretrained() "
                 "(it holds config.json and the weights), or a Hugging Face Hub id."
             )
         try:
-            from huggingface_hub import snapshot_download
-
-            # (chat_template.jinja: where transformers 5 saves a tokenizer's chat template)
-            path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.py",
-                                                           "*.jinja", "*.tiktoken"])
+            path = hub_snapshot(path)
         except Exception as exc:
             raise FileNotFoundError(
                 f"Model {model!r} is not a local directory and could not be fetched from the Hugging Face Hub "

@@ -208,6 +208,7 @@ class MultiTurn:
                 reason = str(comp.finish_reason or "length")
                 if reason == "length":
                     if n < asked or not self._room(r, {id(r): 1}):  # the completion or the context is full
+                        self._append_cut_turn(r)
                         self.finish(r, "length")
                     continue  # else its allowance is spent mid-turn: carried to the next tick
                 message = self.chat.parse(r.completion_ids[r.episode.turn_start:],
@@ -220,6 +221,20 @@ class MultiTurn:
                     self.finish(r, reason)
             active = self._call_tools(calling, allowance)
         return tokens
+
+    def _append_cut_turn(self, r: Rollout) -> None:
+        """A turn that the length limit cut after tool calls is still the rollout's last assistant message, as in
+        TRL (reward functions read `completions[i][-1]`). (A cut first turn is the completion's text itself.)"""
+        episode = r.episode
+        ids = r.completion_ids[episode.turn_start:]
+        if not ids or not episode.messages:
+            return
+        try:
+            message = self.chat.parse(ids, r.prompt_ids + r.completion_ids[:episode.turn_start], self.tools(episode))
+        except Exception:  # noqa: BLE001 - a cut tool call that does not parse: the turn's text
+            message = {"role": "assistant",
+                       "content": self.ex.encoder.tokenizer.decode(ids, skip_special_tokens=True)}
+        episode.messages.append(message)
 
     def _room(self, r: Rollout, allowance: dict) -> int:
         """How many tokens `r` may still sample this tick: its allowance, the completion length, the context."""

@@ -80,6 +80,12 @@ def validate_dataset(dataset, encoder: PromptEncoder, max_completion_length: int
         ValueError: a missing `prompt` column, an empty or malformed prompt, or a prompt that
             leaves no room for `max_completion_length` tokens; the message names the row.
     """
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise ValueError(
+            f"The data set is a {type(dataset).__name__} (streamed), which is not supported: the generators' schedule "
+            "picks prompts by row index (and a resume depends on it). Load it without streaming=True, or turn it "
+            "into a datasets.Dataset (Dataset.from_generator / Dataset.from_list)."
+        )
     columns = getattr(dataset, "column_names", None)
     if columns is None or "prompt" not in columns:
         raise ValueError(

@@ -55,6 +55,7 @@ class Reporter:
     def train_begin(self) -> None:
         self._start = time.perf_counter()
         self.control = self.handler.on_train_begin(self.args, self.state, self.control)
+        self.control = self.handler.on_epoch_begin(self.args, self.state, self.control)
 
     def step_begin(self) -> None:
         self.control = self.handler.on_step_begin(self.args, self.state, self.control)
@@ -68,12 +69,17 @@ class Reporter:
         if "loss" in metrics:
             self._losses.append(float(metrics["loss"]))
         self.control = self.handler.on_step_end(self.args, self.state, self.control)
+        epoch_ends = bool(self.batches_per_epoch) and step % self.batches_per_epoch == 0
+        if epoch_ends:  # (logging_strategy="epoch" logs here, as transformers' Trainer)
+            self.control = self.handler.on_epoch_end(self.args, self.state, self.control)
         self._check_stop(step)
         if self.control.should_log or step == self.state.max_steps:
             self.log(_mean_of(self._pending))
             self._pending = []
         due = self.control.should_save
         self.control.should_save = False
+        if epoch_ends and step < self.state.max_steps:
+            self.control = self.handler.on_epoch_begin(self.args, self.state, self.control)
         return due
 
     def log(self, logs: dict) -> None:

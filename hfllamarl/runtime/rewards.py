@@ -19,13 +19,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import math
 import os
 import time
 from collections.abc import Callable, Sequence
 
+from .loading import looks_like_hub_id
 from .prompts import is_conversational
 from hfllamarl.registry import PluginError, installed, load_plugin
+
+logger = logging.getLogger(__name__)
 
 
 class RewardFunctionError(RuntimeError):
@@ -60,6 +64,8 @@ def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_
             item = RewardModel(os.fspath(item), tokenizer, trust_remote_code=trust_remote_code, dtype=model_dtype)
         elif isinstance(item, PreTrainedModel):
             item = RewardModel(item, tokenizer, trust_remote_code=trust_remote_code, dtype=model_dtype)
+        elif isinstance(item, str) and item not in installed("rewards") and looks_like_hub_id(item):
+            item = _hub_reward_model(item, tokenizer, trust_remote_code, model_dtype)
         elif isinstance(item, str):
             try:
                 item = load_plugin("rewards", item)
@@ -67,13 +73,30 @@ def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_
                 if item in installed("rewards"):
                     raise
                 raise PluginError(f"{exc} A reward model is given as the local directory of a sequence-classification "
-                                  f"model saved with save_pretrained() (with config.json), or as a PreTrainedModel; "
-                                  f"{item!r} is neither.") from None
+                                  f"model saved with save_pretrained() (with config.json), its Hub id, or a "
+                                  f"PreTrainedModel; {item!r} is none of these.") from None
         if not callable(item):
             raise TypeError(f"reward_funcs items must be callables, plugin names, model directories or "
                             f"PreTrainedModels, got {type(item).__name__}")
         funcs.append(item)
     return funcs
+
+
+def _hub_reward_model(repo_id: str, tokenizer, trust_remote_code: bool, dtype):
+    """A reward model given by its Hub id (as TRL loads one), from its local snapshot."""
+    from .loading import hub_snapshot
+    from .reward_models import RewardModel, is_model_dir
+
+    try:
+        path = hub_snapshot(repo_id)
+    except Exception as exc:  # noqa: BLE001 - offline, unknown repository, ...: say both readings of the name
+        raise PluginError(f"reward function {repo_id!r} is not an installed reward plugin (installed: "
+                          f"{sorted(installed('rewards'))}), and as a Hub id of a reward model it could not be "
+                          f"fetched ({type(exc).__name__}: {exc}). Download the model first and pass its "
+                          "directory.") from None
+    if not is_model_dir(path):
+        raise PluginError(f"reward model {repo_id!r}: its Hub snapshot {path} has no config.json and weights.")
+    return RewardModel(path, tokenizer, trust_remote_code=trust_remote_code, dtype=dtype)
 
 
 def _unwrapped(fn: Callable) -> Callable:
@@ -107,6 +130,7 @@ class RewardRunner:
         self.on_error = on_error
         self.error_count = 0
         self.nonfinite_count = 0  # NaN/inf rewards, scored as None
+        self.unscored_count = 0  # completions no function scored (see fill_unscored)
         self._metrics: dict[str, list[float]] = {}  # what reward functions gave `log_metric` since the last drain
         self._extra: dict[str, list] = {}  # what they gave `log_extra` (completions-table columns)
 
@@ -146,6 +170,29 @@ class RewardRunner:
             total.append(float(sum(vals)) if vals else 0.0)
         return total, per_func
 
+    def fill_unscored(self, total: list[float], per_func: dict[str, list], group_sizes: list[int]) -> list[float]:
+        """A completion that every reward function scored None (or NaN) has no reward. As TRL (which makes it NaN
+        and leaves it out of its group's mean), it moves no baseline and gets no advantage: its reward becomes the
+        mean of its group's scored completions (0 when none of the group is scored). `total` is in group order,
+        `group_sizes` the groups' lengths. Counted as reward_unscored, with a warning."""
+        out, start, missing = list(total), 0, 0
+        for size in group_sizes:
+            idx = range(start, start + size)
+            unscored = {i for i in idx if per_func and all(scores[i] is None for scores in per_func.values())}
+            if unscored:
+                scored = [total[i] for i in idx if i not in unscored]
+                fill = sum(scored) / len(scored) if scored else 0.0
+                for i in unscored:
+                    out[i] = fill
+                missing += len(unscored)
+            start += size
+        if missing:
+            self.unscored_count += missing
+            logger.warning("%d of %d completions got no reward: every reward function returned None for them; "
+                           "they are left out of their groups' baselines and get advantage 0. Make at least one "
+                           "reward function score every completion.", missing, len(total))
+        return out
+
     def counters(self) -> dict[str, float]:
         """What each reward function reports through `.stats()` (e.g. math_sympy's timeouts), every number as
         `rewards/<function>/<key>`."""
@@ -162,6 +209,8 @@ class RewardRunner:
             out["reward_errors"] = float(self.error_count)
         if self.nonfinite_count:
             out["reward_nonfinite"] = float(self.nonfinite_count)
+        if self.unscored_count:
+            out["reward_unscored"] = float(self.unscored_count)
         return out
 
     def _call_all(self, kwargs: dict, n: int, scored: dict[str, list]) -> list[list[float | None]]:

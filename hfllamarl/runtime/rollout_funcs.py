@@ -108,19 +108,25 @@ class RolloutFuncRunner:
         missing = sorted(set(REQUIRED) - set(out))
         if missing:
             raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
+        if out["logprobs"] is None:
+            raise ValueError("rollout_func returned logprobs=None: the trainer's importance weight needs the log-prob "
+                             "each sampled token was drawn with (mu); return the engine's (trainer.vllm_generation"
+                             ".generate gives them).")
         n = len(prompts)
         for key in (*REQUIRED, "env_mask"):
             if key in out and len(out[key]) != n:
                 raise ValueError(f"rollout_func returned {len(out[key])} entries of {key!r} for {n} completions "
                                  f"({len(rows)} prompts x num_generations={num_generations}): one per completion.")
-        extras = {k: v for k, v in out.items() if k not in (*REQUIRED, "env_mask", "logprob_token_ids")}
+        extras = {k: v for k, v in out.items() if k not in REQUIRED}  # (as TRL: env_mask and the rest reach rewards)
         groups = []
         for p, (index, row) in enumerate(zip(indices, rows)):
             group = []
             for g in range(num_generations):
                 i = p * num_generations + g
                 columns = {k: v for k, v in row.items() if k != "prompt"}
-                columns.update({k: (v[i] if isinstance(v, list) else v) for k, v in extras.items()})
+                # (as TRL: a list shorter than the completions leaves the later ones without that field)
+                columns.update({k: (v[i] if isinstance(v, list) else v) for k, v in extras.items()
+                                if not isinstance(v, list) or i < len(v)})
                 group.append(self._rollout(out, i, row["prompt"], columns, int(index)))
             groups.append(group)
         return groups

@@ -171,6 +171,7 @@ class TrainerExecutor(Executor):
         rollouts = [r for g in groups for r in g.rollouts]  # what the batch generated (its rewards are logged)
         rewards_t0 = time.perf_counter()
         rewards, per_func = self._score(rollouts)
+        rewards = spec.rewards.fill_unscored(rewards, per_func, [len(g.rollouts) for g in groups])
         reward_seconds = time.perf_counter() - rewards_t0
         logged, extra = spec.rewards.drain(len(rollouts))  # TRL's log_metric / log_extra calls of this step
         trained, trained_rewards, sampling = groups, rewards, {}

@@ -168,7 +168,11 @@ def check_rows(path: str) -> tuple[dict, object]:
             tok.decode(r.completion_ids[a:b]) == tool_text(c) for (a, b), c in zip(spans, contents))
         tool_spans_ok &= all(r.versions[t] == r.versions[t - 1] for a, b in spans for t in range(max(a, 1), b))
     called = [r for r in rollouts if r.episode.tool_calls]
+    # sampled tokens after the last tool result: the rollout's last turn, which must be its last message (TRL)
+    after_tools = [r for r in called if _spans(r.env_mask, 0) and len(r.env_mask) > _spans(r.env_mask, 0)[-1][1]]
     return {
+        "last_turn_kept": all(r.episode.messages[-1]["role"] == "assistant" for r in after_tools),
+        "cut_after_tools": sum(r.finish_reason == "length" for r in after_tools),
         "rollouts": len(rollouts),
         "with_tool_calls": len(called),
         "tool_spans": tool_spans,
