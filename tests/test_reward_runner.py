@@ -230,10 +230,15 @@ def test_a_completion_no_function_scores_moves_no_baseline_and_gets_no_advantage
         return [None] * len(completions)
 
     runner = RewardRunner([sometimes, never])
-    total, per = call(runner, ["p"] * 8, ["1", "?", "0", "?", "?", "?", "?", "?"])
-    assert total == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # (the combined scores before filling)
-    filled = runner.fill_unscored(total, per, [4, 4])
+    completions = ["1", "?", "0", "?", "?", "?", "?", "?"]
+    total, per = call(runner, ["p"] * 8, completions)
+    assert total == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # (the combined scores, without groups)
+    filled, _ = runner(["p"] * 8, completions, [[1, 2]] * 8, {}, group_sizes=[4, 4])
     assert filled == [1.0, 0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0]
     advantages = AIPO(rho=4.0).advantages(torch.tensor(filled), 4)
     assert advantages.tolist() == [0.5, 0.0, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert runner.counters()["reward_unscored"] == 6.0
+    # decided on every function's own scores: a second function of the same name (None) hides no score
+    never.__name__ = "sometimes"
+    twins = RewardRunner([sometimes, never])
+    assert twins(["p"] * 2, ["1", "0"], [[1]] * 2, {}, group_sizes=[2])[0] == [1.0, 0.0]

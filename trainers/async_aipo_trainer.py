@@ -85,7 +85,10 @@ class AsyncAIPOTrainer:
         from transformers.trainer_utils import enable_full_determinism, set_seed
 
         # As transformers' Trainer: python, numpy and torch seeded on every process (dropout, reward functions)
-        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
+        if args.full_determinism:
+            enable_full_determinism(args.seed)
+        else:
+            set_seed(args.seed)
         # Plain python: the generator children start now, so that vLLM's import overlaps the set-up below.
         prestarted = self.topology.prestart_children(args.output_dir) if self.topology.role == "trainer" else None
         if prestarted is not None:

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 
@@ -128,22 +127,13 @@ class GeneratorRankModel:
 
 
 def save_metrics(trainer, split: str, metrics: dict, combined: bool = True) -> None:
-    """`{split}_results.json` in output_dir (and `all_results.json` updated with them), on the job's process 0."""
-    if not trainer.is_world_process_zero():
-        return
-    out = trainer.args.output_dir
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{split}_results.json"), "w", encoding="utf-8") as fh:
-        json.dump(metrics, fh, indent=4, sort_keys=True)
-    if combined:
-        path = os.path.join(out, "all_results.json")
-        merged = {}
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as fh:
-                merged = json.load(fh)
-        merged.update(metrics)
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(merged, fh, indent=4, sort_keys=True)
+    """`{split}_results.json` in output_dir (and `all_results.json` updated with them), on the job's process 0:
+    transformers' own `save_metrics`, the directory made first."""
+    from transformers.trainer_pt_utils import save_metrics as transformers_save_metrics
+
+    if trainer.is_world_process_zero():
+        os.makedirs(trainer.args.output_dir, exist_ok=True)
+    transformers_save_metrics(trainer, split, metrics, combined)
 
 
 def save_state(trainer) -> None:

@@ -25,7 +25,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from .loading import looks_like_hub_id
 from .prompts import is_conversational
 from hfllamarl.registry import PluginError, installed, load_plugin
 
@@ -43,6 +42,7 @@ def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_
     tokenizer or None per reward function, used by the reward models."""
     from transformers import PreTrainedModel
 
+    from .loading import looks_like_hub_id
     from .reward_models import RewardModel, is_model_dir
 
     if reward_funcs is None:
@@ -130,7 +130,7 @@ class RewardRunner:
         self.on_error = on_error
         self.error_count = 0
         self.nonfinite_count = 0  # NaN/inf rewards, scored as None
-        self.unscored_count = 0  # completions no function scored (see fill_unscored)
+        self.unscored_count = 0  # completions no function scored (see _fill_unscored)
         self._metrics: dict[str, list[float]] = {}  # what reward functions gave `log_metric` since the last drain
         self._extra: dict[str, list] = {}  # what they gave `log_extra` (completions-table columns)
 
@@ -151,10 +151,12 @@ class RewardRunner:
         return metrics, extra
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list[list[int]], columns: dict,
-                 trainer_state=None, scored: dict[str, list] | None = None,
+                 trainer_state=None, scored: dict[str, list] | None = None, group_sizes: list[int] | None = None,
                  ) -> tuple[list[float], dict[str, list[float | None]]]:
         """Return (combined reward per completion, each function's scores by name). `scored`: scores already
-        computed elsewhere (reward models, on the generator), by function name; those functions are not called."""
+        computed elsewhere (reward models, on the generator), by function name; those functions are not called.
+        A completion that every function scored None (or NaN) has no reward: 0, or with `group_sizes` (the
+        completions in group order) the mean of its group's scored ones (see `_fill_unscored`)."""
         n = len(completions)
         if prompts and is_conversational(prompts[0]):  # a multi-turn rollout's messages are already a list
             completions = [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]
@@ -164,28 +166,27 @@ class RewardRunner:
         per_func = {}
         for name, scores in zip(self.names, results):
             per_func[name] = scores
-        total = []
+        total: list[float | None] = []
         for i in range(n):
             vals = [w * s[i] for w, s in zip(self.weights, results) if s[i] is not None]
-            total.append(float(sum(vals)) if vals else 0.0)
-        return total, per_func
+            total.append(float(sum(vals)) if vals else None)
+        if group_sizes is not None:
+            return self._fill_unscored(total, group_sizes), per_func
+        return [0.0 if t is None else t for t in total], per_func
 
-    def fill_unscored(self, total: list[float], per_func: dict[str, list], group_sizes: list[int]) -> list[float]:
-        """A completion that every reward function scored None (or NaN) has no reward. As TRL (which makes it NaN
-        and leaves it out of its group's mean), it moves no baseline and gets no advantage: its reward becomes the
-        mean of its group's scored completions (0 when none of the group is scored). `total` is in group order,
-        `group_sizes` the groups' lengths. Counted as reward_unscored, with a warning."""
-        out, start, missing = list(total), 0, 0
+    def _fill_unscored(self, total: list[float | None], group_sizes: list[int]) -> list[float]:
+        """As TRL (which makes an unscored completion's reward NaN and leaves it out of its group's mean), an
+        unscored completion (None) moves no baseline and gets no advantage: its reward becomes the mean of its
+        group's scored completions (0 when none of the group is scored). Counted as reward_unscored, with a
+        warning."""
+        out, start = [], 0
         for size in group_sizes:
-            idx = range(start, start + size)
-            unscored = {i for i in idx if per_func and all(scores[i] is None for scores in per_func.values())}
-            if unscored:
-                scored = [total[i] for i in idx if i not in unscored]
-                fill = sum(scored) / len(scored) if scored else 0.0
-                for i in unscored:
-                    out[i] = fill
-                missing += len(unscored)
+            group = total[start:start + size]
+            scored = [t for t in group if t is not None]
+            fill = sum(scored) / len(scored) if scored else 0.0
+            out += [fill if t is None else t for t in group]
             start += size
+        missing = total.count(None)
         if missing:
             self.unscored_count += missing
             logger.warning("%d of %d completions got no reward: every reward function returned None for them; "

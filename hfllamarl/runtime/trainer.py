@@ -170,8 +170,7 @@ class TrainerExecutor(Executor):
         self._check_staleness(groups)
         rollouts = [r for g in groups for r in g.rollouts]  # what the batch generated (its rewards are logged)
         rewards_t0 = time.perf_counter()
-        rewards, per_func = self._score(rollouts)
-        rewards = spec.rewards.fill_unscored(rewards, per_func, [len(g.rollouts) for g in groups])
+        rewards, per_func = self._score(rollouts, [len(g.rollouts) for g in groups])
         reward_seconds = time.perf_counter() - rewards_t0
         logged, extra = spec.rewards.drain(len(rollouts))  # TRL's log_metric / log_extra calls of this step
         trained, trained_rewards, sampling = groups, rewards, {}
@@ -235,9 +234,11 @@ class TrainerExecutor(Executor):
             raise RuntimeError(f"trainer: a token of batch {groups[0].batch_index} was sampled {worst} policy versions "
                                f"ago, past max_staleness={self.spec.schedule.max_staleness}; the schedule is broken")
 
-    def _score(self, rollouts: list[Rollout]) -> tuple[list[float], dict]:
-        """Every rollout's combined reward and each reward function's scores (TRL's call)."""
-        return self.spec.rewards(**reward_arguments(rollouts), trainer_state=self.spec.trainer_state)
+    def _score(self, rollouts: list[Rollout], group_sizes: list[int]) -> tuple[list[float], dict]:
+        """Every rollout's combined reward (an unscored one: its group's mean) and each reward function's scores
+        (TRL's call)."""
+        return self.spec.rewards(**reward_arguments(rollouts), trainer_state=self.spec.trainer_state,
+                                 group_sizes=group_sizes)
 
     def _checked_grad_norm(self) -> float:
         """The gradients' norm (clipped to max_grad_norm); a NaN/inf one stops the step before the optimizer."""
