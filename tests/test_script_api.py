@@ -1,5 +1,7 @@
 """What scripts call on a trainer besides train(), checked against transformers' own Trainer where it has one."""
 
+import math
+
 import pytest
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -72,3 +74,31 @@ def test_epoch_logging_train_metrics_and_an_early_stop_request(tmp_path, caplog)
     summary = reporter.train_end()
     assert summary["train_loss"] == 3.0 and summary["epoch"] == 2.0
     assert {"train_runtime", "train_samples_per_second", "train_steps_per_second"} <= set(summary)
+
+
+@pytest.mark.parametrize("max_steps,save_steps", [(10, 4), (12, 4), (5, 0.5), (3, 500), (7, 1)])
+def test_the_steps_checkpointed_are_those_transformers_trainer_saves(tmp_path, max_steps, save_steps):
+    """save_strategy="steps": every save_steps steps (a fraction: a share of the run) and the last step, as
+    transformers' DefaultFlowCallback decides step by step; the generator asks the same question of its clock."""
+    from transformers.trainer_callback import DefaultFlowCallback, TrainerControl, TrainerState
+
+    from hfllamarl.runtime import checkpoint
+    from hfllamarl.runtime.schedule import Schedule
+    from hfllamarl.trainers.trainer_ranks import save_every
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", save_strategy="steps",
+                             save_steps=save_steps, use_cpu=True)
+    state = TrainerState(max_steps=max_steps)
+    state.save_steps = math.ceil(max_steps * save_steps) if save_steps < 1 else save_steps  # (as train() sets it)
+    flow, theirs = DefaultFlowCallback(), []
+    for step in range(1, max_steps + 1):
+        state.global_step = step
+        if flow.on_step_end(args, state, TrainerControl()).should_save:
+            theirs.append(step)
+    every = save_every(AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", save_steps=save_steps),
+                       max_steps)
+    ours = [step for step in range(1, max_steps + 1) if checkpoint.due(step, every, max_steps)]
+    assert ours == theirs and theirs[-1] == max_steps
+    schedule = Schedule(max_steps, max_staleness=2)  # the generator: the step complete at each of its ticks
+    assert [schedule.step_done(t) for t in range(schedule.num_ticks)
+            if checkpoint.due(schedule.step_done(t), every, max_steps)] == theirs

@@ -202,6 +202,8 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     assert proc.returncode == 0, tail(proc)
     assert "TRAINED global_step=5" in proc.stdout
     assert [h["step"] for h in step_logs(proc.stdout)] == [1, 2, 3, 4, 5]
+    # As transformers' Trainer, the last step is checkpointed too (5: not a multiple of save_steps).
+    assert {"checkpoint-2", "checkpoint-4", "checkpoint-5"} <= set(os.listdir(out)), os.listdir(out)
     # Evaluations split over both trainer ranks (3 prompts x 2): version 1's, carried in checkpoint 2 with the
     # generator's unsent output, and version 3's; version 2 was evaluated before the cut.
     line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
@@ -215,6 +217,21 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     # Steps 1-2 came from the checkpoint (trained once); step 3 was trained before the cut and again after.
     logged = [json.loads(line)["step"] for line in open(os.path.join(out, "trained_prompts-rank1.jsonl"))]
     assert logged.count(1) == logged.count(2) == 1 and logged.count(3) == 2, logged
+
+    # The finished run, resumed with a larger max_steps as under transformers' Trainer: from checkpoint-5, the last
+    # step, whose generator never sampled the batch a 7-step run holds in flight there (max_staleness=1); it is
+    # sampled first, under the checkpoint's policy (on-policy, staleness 0), and the data schedule goes on.
+    more = [*common[:1], "7", *common[2:], "--resume"]
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *more], nproc=3, timeout=400)
+    assert proc.returncode == 0 and "TRAINED global_step=7" in proc.stdout, tail(proc)
+    steps = step_logs(proc.stdout)
+    assert [h["step"] for h in steps] == [1, 2, 3, 4, 5, 6, 7]
+    assert steps[5]["staleness/max"] == 0 and steps[6]["staleness/max"] == 1, steps[5:]
+    assert_on_policy(steps[5])  # (step 7 trains a batch sampled one version behind, as in any run)
+    ranks = [trained_rows(out, 0), trained_rows(out, 1)]
+    for step in (6, 7):
+        assert sorted(ranks[0][step] + ranks[1][step]) == sorted(batch_rows(64, 8, step - 1, seed=0)), step
+    assert {"checkpoint-6", "checkpoint-7"} <= set(os.listdir(out)), os.listdir(out)
 
 
 def sequence_classifier(causal_lm: str, directory) -> str:

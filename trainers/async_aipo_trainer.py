@@ -40,6 +40,17 @@ from .trainer_ranks import eval_every, save_every
 logger = logging.getLogger(__name__)
 
 
+def run_length(rows: int, prompts: int, args) -> tuple[int, int]:
+    """(generation batches of the run, batches per pass over the data set), as TRL counts steps: an epoch is the
+    whole batches the data set fills (TRL's sampler drops a partial last one) and `num_train_epochs` a (possibly
+    fractional) number of them, rounded up; `max_steps` wins. A data set smaller than one batch (TRL refuses it)
+    is one batch a pass, its prompts repeated."""
+    per_epoch = max(1, rows // prompts)
+    if args.max_steps and args.max_steps > 0:
+        return args.max_steps, per_epoch
+    return max(1, math.ceil(args.num_train_epochs * (per_epoch if rows >= prompts else rows / prompts))), per_epoch
+
+
 class AsyncAIPOTrainer:
     """Asynchronous off-policy RL trainer with `GRPOTrainer`'s signature.
 
@@ -144,9 +155,7 @@ class AsyncAIPOTrainer:
         if self.eval_dataset is not None:
             validate_dataset(self.eval_dataset, encoder, args.max_completion_length, self.max_model_len)
         prompts = args.prompts_per_generation  # a generation batch: the step's prompts (+ dynamic sampling's extra)
-        self.batches_per_epoch = math.ceil(len(train_dataset) / prompts)
-        num_batches = args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(
-            args.num_train_epochs * len(train_dataset) / prompts)
+        num_batches, self.batches_per_epoch = run_length(len(train_dataset), prompts, args)
         self.schedule = Schedule(num_batches, args.max_staleness, args.generation_ticks, prompts)
         self.callbacks = callbacks
         self.model = None
@@ -173,13 +182,14 @@ class AsyncAIPOTrainer:
         topo = self.topology
         spec = self._generator_spec()
         resume = checkpoint.resolve(resume_from_checkpoint, self.args.output_dir)
-        start_tick, resume_dir = 0, None
+        start_tick, resume_dir, unsampled = 0, None, []
         if resume is not None:
             resume_dir, marker = resume
             checkpoint.check_resumable(resume_dir, marker, topo, self.args)
             if marker["step"] >= self.num_batches:  # a finished run: nothing to do, as transformers' Trainer
                 return self._finished(resume_dir, marker)
             start_tick = marker["tick"] + 1
+            spec.unsampled = unsampled = checkpoint.unsampled_batches(marker, self.schedule)  # (a longer run)
             # The generator starts from the checkpoint's policy: what it would hold at the next tick.
             spec.model_path = spec.tokenizer_path = resume_dir
             spec.initial_version, spec.resume_dir = marker["step"], resume_dir
@@ -206,7 +216,8 @@ class AsyncAIPOTrainer:
                 return TrainOutput(self.num_batches, 0.0, {})
             from .trainer_ranks import build_trainer_executor
 
-            run_job(build_trainer_executor(self, backend, resume_dir), backend, topo, self.schedule, start_tick)
+            run_job(build_trainer_executor(self, backend, resume_dir, unsampled), backend, topo, self.schedule,
+                    start_tick)
             summary = self._reporter.train_end()
             finished = True
             return TrainOutput(self.state.global_step, summary["train_loss"], summary)

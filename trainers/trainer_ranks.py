@@ -118,11 +118,12 @@ def prepare_reference(trainer, device: torch.device) -> torch.nn.Module:
     return ref
 
 
-def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> TrainerExecutor:
+def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
+                           unsampled: list[int] = ()) -> TrainerExecutor:
     """Shard the policy, build optimizer, scheduler and reporter; return the trainer executor.
 
     With `resume_dir`, the policy, optimizer, scheduler, RNG, state and unconsumed rollouts come from
-    that checkpoint."""
+    that checkpoint (`unsampled`: the batches the generator samples before the first tick, in the ledger)."""
     from transformers import get_scheduler
 
     args, topo = trainer.args, trainer.topology
@@ -166,7 +167,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         reporter.control.should_save = False  # checkpoints follow `every`, on every rank alike
         if step < trainer.num_batches:
             reporter.step_begin()
-        return checkpoint.due(step, every)
+        return checkpoint.due(step, every, trainer.num_batches)
 
     def on_save(step: int) -> None:
         directory = checkpoint.partial_dir(args.output_dir, step)
@@ -174,7 +175,8 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
         owing = holder["executor"].dispatch.owing_replicas() if holder["executor"].dispatch else set()
         checkpoint.commit(topo, args.output_dir, step, trainer.schedule.tick_of_step(step),
                           args.save_total_limit, checkpoint.job_signature(args),
-                          required=[checkpoint.generator_file(r, topo.num_replicas) for r in sorted(owing)])
+                          required=[checkpoint.generator_file(r, topo.num_replicas) for r in sorted(owing)],
+                          num_batches=trainer.num_batches)
         reporter.saved()
 
     spec = TrainerSpec(
@@ -201,7 +203,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None) -> T
     executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)
     if resume_dir:
-        checkpoint.load_trainer_side(trainer, executor, resume_dir)
+        checkpoint.load_trainer_side(trainer, executor, resume_dir, unsampled)
     reporter.train_begin()
     reporter.step_begin()
     return executor

@@ -39,8 +39,10 @@ MARKER = "hfllamarl.json"
 ADAPTERS = "adapters.pt"  # LoRA runs: the adapter weights (model.safetensors holds the merged policy)
 
 
-def due(step: int, save_steps: int) -> bool:
-    return save_steps > 0 and step > 0 and step % save_steps == 0
+def due(step: int, save_steps: int, last_step: int) -> bool:
+    """Whether trainer step `step` is checkpointed: every `save_steps` steps (0: never) and, as transformers'
+    Trainer does whenever it saves at all, the run's last step (a finished run can be resumed for more steps)."""
+    return save_steps > 0 and step > 0 and (step % save_steps == 0 or step == last_step)
 
 
 def partial_dir(output_dir: str, step: int) -> str:
@@ -169,6 +171,15 @@ def save_generator_side(executor, directory: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def unsampled_batches(marker: dict, schedule) -> list[int]:
+    """The batches a run of `schedule` has started by the checkpoint's tick that the run which wrote it never
+    sampled: none from a checkpoint in the middle of a run; from the last step of a shorter run (resumed with a
+    larger max_steps), its generator stopped with that run's last batch, and the s batches an uninterrupted run
+    would hold in flight (max_staleness = s) are sampled first, under the checkpoint's policy."""
+    ran = marker.get("num_batches") or schedule.num_batches
+    return list(range(ran, min(marker["tick"] + 1, schedule.num_batches)))
+
+
 def job_signature(args) -> dict:
     """The settings a checkpoint's step and tick mean something under: a resume must use the same."""
     return {"max_staleness": args.max_staleness, "num_generations": args.num_generations,
@@ -211,10 +222,10 @@ def remove_partial(output_dir: str) -> list[str]:
 
 
 def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: int | None,
-           job: dict | None = None, required: list[str] = ()) -> None:
+           job: dict | None = None, required: list[str] = (), num_batches: int | None = None) -> None:
     """Every rank: wait until all have written, then trainer rank 0 makes the checkpoint visible at once.
-    `job` (trainer rank 0's `job_signature`) goes into the marker; without every file of `required` (relative
-    paths) the checkpoint is dropped instead."""
+    `job` (trainer rank 0's `job_signature`) and `num_batches` (the run's length) go into the marker; without
+    every file of `required` (relative paths) the checkpoint is dropped instead."""
     import logging
 
     from hfllamarl.runtime.channels import bridge_barrier
@@ -231,7 +242,7 @@ def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: in
         with open(os.path.join(partial, MARKER), "w") as fh:
             json.dump({"step": step, "tick": tick, "world_size": topology.world_size,
                        "num_generators": topology.num_generators, "num_replicas": topology.num_replicas,
-                       "lost_replicas": sorted(topology.lost), "job": job or {}}, fh)
+                       "lost_replicas": sorted(topology.lost), "job": job or {}, "num_batches": num_batches}, fh)
         final = final_dir(output_dir, step)
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -295,8 +306,9 @@ def load_adapter_shards(model: torch.nn.Module, directory: str) -> None:
             local.copy_(saved[name][offset:offset + local.shape[0]])
 
 
-def load_trainer_side(trainer, executor, directory: str) -> None:
-    """After sharding and building the optimizer: restore optimizer, scheduler, RNG, state, inbox."""
+def load_trainer_side(trainer, executor, directory: str, unsampled: list[int] = ()) -> None:
+    """After sharding and building the optimizer: restore optimizer, scheduler, RNG, state, inbox (and the ledger,
+    with the `unsampled_batches` the generator samples first)."""
     from transformers.trainer_callback import TrainerState
 
     import torch.distributed.checkpoint as dcp
@@ -321,7 +333,8 @@ def load_trainer_side(trainer, executor, directory: str) -> None:
     executor.trained_rows = saved["trained_rows"]
     if getattr(executor, "group_filter", None) is not None:  # dynamic sampling's groups with signal not trained yet
         executor.group_filter.reserve = saved.get("reserve", [])
-    executor.dispatch_state = saved.get("dispatch", {})  # the ledger; `dispatch.stages` hands it to the Dispatch
+    # the ledger; `dispatch.stages` hands it to the Dispatch
+    executor.dispatch_state = dict(saved.get("dispatch", {}), unsampled=list(unsampled))
 
 
 def load_generator_side(executor, directory: str) -> None:

@@ -157,6 +157,9 @@ class Dispatch:
     def load_state(self, state: dict) -> None:
         self.assigned = state.get("assigned", {})
         self.losses, self.regenerated = state.get("losses", []), state.get("regenerated", 0)
+        for batch in state.get("unsampled", []):  # started before the resumed tick (`checkpoint.unsampled_batches`)
+            share = replica_share(self.prompts, self.live, batch)
+            self.assigned[batch] = {p: r for r, positions in share.items() for p in positions}
 
     def owing_replicas(self) -> set[int]:
         """Replicas the ledger says still owe positions of some batch (their generator state must be in a

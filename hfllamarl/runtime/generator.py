@@ -69,6 +69,7 @@ class GeneratorSpec:
     partial_rollout_tokens: int | None = None  # per-tick token budget of one completion (None: no partial rollouts)
     initial_version: int = 0  # the policy version of `model_path` (> 0 when resuming from a checkpoint)
     resume_dir: str | None = None
+    unsampled: list = field(default_factory=list)  # a resume's batches to sample before its first tick
     startup_timeout_s: float = 240.0  # how long the ranks wait for each other's start-up (vllm_server_timeout)
     reward_models: list = field(default_factory=list)  # `RewardModel`s scored here as each batch finishes
     eval_dataset: Any = None  # evaluation during training: a `datasets.Dataset` (or a saved one's path)
@@ -120,6 +121,18 @@ class GeneratorExecutor(Executor):
             from .multi_turn import MultiTurn
 
             self.agent = MultiTurn(spec.agent, self)
+        if spec.unsampled:
+            self._sample_unsampled(spec.unsampled)
+
+    def _sample_unsampled(self, batches: list[int]) -> None:
+        """Resumed from the last step of a shorter run (`checkpoint.unsampled_batches`): sample the batches an
+        uninterrupted run would have in flight, under the checkpoint's policy, to the end (as many rounds as a batch
+        takes, the same on every rank of the engine); they go to the trainer ranks with the first tick's rollouts."""
+        for batch in list(batches) + [None] * (self.spec.schedule.generation_ticks - 1):
+            if self.agent is not None:
+                self.pending += self.agent.tick(batch)
+            elif batch is not None or self.in_flight:
+                self.pending += self.generate_tick(batch)
 
     def _build_engine(self):
         spec, topo = self.spec, self.topology
@@ -173,12 +186,14 @@ class GeneratorExecutor(Executor):
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_due(self) -> bool:
-        return checkpoint.due(self.spec.schedule.step_done(self.tick), self.spec.save_steps)
+        schedule = self.spec.schedule
+        return checkpoint.due(schedule.step_done(self.tick), self.spec.save_steps, schedule.num_batches)
 
     def save_checkpoint(self) -> None:
         step = self.spec.schedule.step_done(self.tick)
         checkpoint.save_generator_side(self, checkpoint.partial_dir(self.spec.output_dir, step))
-        checkpoint.commit(self.topology, self.spec.output_dir, step, self.tick, self.spec.save_total_limit)
+        checkpoint.commit(self.topology, self.spec.output_dir, step, self.tick, self.spec.save_total_limit,
+                          num_batches=self.spec.schedule.num_batches)
 
     # ------------------------------------------------------------------ work
     def step(self) -> None:

@@ -1,8 +1,10 @@
 """Prompts: which dataset rows make up each generation batch, and how a row becomes token ids.
 
-Batch b takes rows `[b*P, (b+1)*P)` of an endless stream of epochs, each epoch a permutation of
-the dataset seeded by `(seed, epoch)`. The stream depends on nothing but the seed, so any rank,
-a resumed job included, can tell which prompts batch b holds.
+Each epoch is a permutation of the dataset seeded by `(seed, epoch)`, cut into the E = N // P whole
+batches of P prompts it fills (the rest of it is left out, as TRL's sampler drops a partial batch):
+batch b is batch b % E of epoch b // E. (A dataset of fewer than P rows is an endless stream of its
+epochs instead, P prompts a batch.) It depends on nothing but the seed, so any rank, a resumed job
+included, can tell which prompts batch b holds.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ def batch_rows(num_rows: int, prompts_per_batch: int, batch_index: int, seed: in
     """Dataset row indices of generation batch `batch_index`."""
     if num_rows <= 0:
         raise ValueError("the training dataset is empty")
+    per_epoch = num_rows // prompts_per_batch
+    if per_epoch:
+        epoch, k = divmod(batch_index, per_epoch)
+        return epoch_order(num_rows, epoch, seed, shuffle)[k * prompts_per_batch:(k + 1) * prompts_per_batch]
     start = batch_index * prompts_per_batch
     out: list[int] = []
     cache: dict[int, list[int]] = {}
