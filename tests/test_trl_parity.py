@@ -42,8 +42,10 @@ def test_a_trl_script_logs_what_trl_logs(tiny_model, tmp_path):
     assert results["hfllamarl"]["train_samples"] == 40 and results["hfllamarl"]["train_loss"] == pytest.approx(
         sum(h["loss"] for h in step_logs(procs["hfllamarl"].stdout)) / 2)
     assert "***** train metrics *****" in procs["hfllamarl"].stdout
-    state = json.load(open(tmp_path / "hfllamarl" / "trainer_state.json"))
-    assert state["global_step"] == 2 and [h["step"] for h in state["log_history"] if "reward" in h] == [1, 2]
+    # the callback's stop after step 2 of 4, obeyed by both trainers
+    for side in procs:
+        state = json.load(open(tmp_path / side / "trainer_state.json"))
+        assert state["global_step"] == 2 and [h["step"] for h in state["log_history"] if "reward" in h] == [1, 2]
     card = (tmp_path / "hfllamarl" / "README.md").read_text()
     assert "AsyncAIPOTrainer" in card and "digits" in card and "- test" in card, card
     saved = json.load(open(tmp_path / "hfllamarl" / "config.json"))

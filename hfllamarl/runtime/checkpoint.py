@@ -12,7 +12,8 @@
 - `hfllamarl/generator.pt` (with several replicas `generator-<replica>.pt`, one each): the batches the
   generator finished but has not sent yet, the batches it is still generating (partial rollouts: every
   token so far with its log-prob and version), its policy version;
-- `hfllamarl.json`, written last: the step and the tick. A directory without it is not a checkpoint.
+- `hfllamarl.json`, written last: the step and the tick (and the run's length, the layout and the settings a
+  resume must share). A directory without it is not a checkpoint.
 
 Every rank writes into `.checkpoint-<step>.partial`; after a barrier over the bridge, trainer rank 0
 renames it into place (atomic), then prunes to `save_total_limit`. A checkpoint lacking the state of a replica

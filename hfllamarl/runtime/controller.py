@@ -70,6 +70,8 @@ class ExecutorController:
             for stage in self.stages:
                 if isinstance(stage, Communicate):
                     stage.channel.communicate_with(executor)
+                    if executor.stopped:  # every rank learns it in the same channel of the same tick
+                        return
                 elif stage.role is None or stage.role == executor.role:
                     executor.step()
             if executor.checkpoint_due():

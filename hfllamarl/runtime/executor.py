@@ -16,6 +16,7 @@ class Executor:
     """Base class of the generator and trainer executors."""
 
     role: str = "executor"
+    stopped: bool = False  # the trainer ranks ended the run early (a callback's should_training_stop): no more ticks
 
     def init(self) -> None:
         """Called once before the first tick: build the model, the engine, the optimizer."""
@@ -41,6 +42,11 @@ class Executor:
 
     def save_checkpoint(self) -> None:
         """Called after a tick when `checkpoint_due()` said so."""
+
+    def stop_requested(self) -> bool:
+        """Called on every trainer rank first thing in every tick's weights channel: whether the run ends here
+        (the same answer on every trainer rank)."""
+        return False
 
     def close(self) -> None:
         """Called once after the last tick (and on the way out of an error)."""

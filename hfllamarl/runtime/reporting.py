@@ -49,7 +49,7 @@ class Reporter:
         self._pending: list[dict] = []
         self._start = None
         self._losses: list[float] = []  # every step's loss since train_begin (train_loss, as transformers' Trainer)
-        self._stop_warned = False
+        self._stop_said = False
         self._samples: dict | None = None  # log_completions: the newest step's samples (first trainer rank)
 
     def train_begin(self) -> None:
@@ -72,7 +72,6 @@ class Reporter:
         epoch_ends = bool(self.batches_per_epoch) and step % self.batches_per_epoch == 0
         if epoch_ends:  # (logging_strategy="epoch" logs here, as transformers' Trainer)
             self.control = self.handler.on_epoch_end(self.args, self.state, self.control)
-        self._check_stop(step)
         if self.control.should_log or step == self.state.max_steps:
             self.log(_mean_of(self._pending))
             self._pending = []
@@ -90,7 +89,6 @@ class Reporter:
         self.state.log_history.append(output)
         self.control = self.handler.on_log(self.args, self.state, self.control, logs)
         self.control.should_log = False
-        self._check_stop(self.state.global_step)
         if self._samples is not None and self.state.is_world_process_zero:
             log_completions(self.args, self.state.global_step, self._samples)
             self._samples = None
@@ -110,16 +108,15 @@ class Reporter:
     def saved(self) -> None:
         self.control = self.handler.on_save(self.args, self.state, self.control)
 
-    def _check_stop(self, step: int) -> None:
-        """A callback that sets `control.should_training_stop` before the last step (an early stop) is not obeyed:
-        every process of the job runs the schedule's ticks in lockstep. Say so, once, rather than go on silently."""
-        if self.control.should_training_stop and step < self.state.max_steps and not self._stop_warned:
-            self._stop_warned = True
-            logger.warning(
-                "a callback set control.should_training_stop at step %d of %d: AsyncAIPOTrainer does not stop early "
-                "(the generator ranks run the same %d steps in lockstep); training goes on to the last step. Set "
-                "max_steps (or num_train_epochs) to the length you want.", step, self.state.max_steps,
-                self.state.max_steps)
+    def stop_requested(self) -> bool:
+        """A callback set `control.should_training_stop` before the last step: as transformers' Trainer, the run
+        ends after this step (the trainer ranks agree at the next tick and tell the generator ranks)."""
+        stop = bool(self.control.should_training_stop) and 0 < self.state.global_step < self.state.max_steps
+        if stop and not self._stop_said:
+            self._stop_said = True
+            logger.info("a callback ended training at step %d of %d (control.should_training_stop)",
+                        self.state.global_step, self.state.max_steps)
+        return stop
 
     def train_end(self) -> dict:
         """The metrics `train()` returns, as transformers' Trainer names them (train_loss: the mean loss of the

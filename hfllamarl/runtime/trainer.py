@@ -52,6 +52,7 @@ class TrainerSpec:
     pad_token_id: int
     device: torch.device
     on_step: Callable[[int, dict], bool] = lambda step, metrics: False  # returns: is a checkpoint due
+    should_stop: Callable[[], bool] = lambda: False  # a callback asked to end the run (should_training_stop)
     save_checkpoint: Callable[[int], None] = lambda step: None  # writes this rank's part, then commits
     trainer_state: Any = None
     weights: Any = None  # what the weight sync sends (`state_dict()`); None: the policy itself (LoRA: merged)
@@ -432,6 +433,11 @@ class TrainerExecutor(Executor):
     def checkpoint_due(self) -> bool:
         due, self._save_due = self._save_due, False
         return due
+
+    def stop_requested(self) -> bool:
+        """Whether a callback on any trainer rank asked to end the run after the last step (transformers' Trainer
+        stops there); the trainer ranks agree, then the weights channel tells the generator ranks."""
+        return _all_max([1.0 if self.spec.should_stop() else 0.0])[0] > 0
 
     def save_checkpoint(self) -> None:
         self.spec.save_checkpoint(self.version)

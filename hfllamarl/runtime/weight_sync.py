@@ -78,7 +78,9 @@ class WeightsChannel:
     weights the generator has not seen, else None; the generator executor's
     `put_input("policy_weights", (version, weights_iterator))` loads them. With a `dispatch`
     (`hfllamarl.runtime.dispatch.Dispatch`), the trainer ranks first agree on the live replicas and the
-    generator executor is told them (`put_input("replicas", live)`).
+    generator executor is told them (`put_input("replicas", live)`). When the trainer executors'
+    `stop_requested()` (agreed over the trainer ranks) says the run ends here, no weights are sent: the header
+    says stop, and every rank's executor is marked `stopped` (the controller leaves the loop).
     """
 
     name = POLICY_WEIGHTS
@@ -92,18 +94,23 @@ class WeightsChannel:
         start = time.perf_counter()
         topo = self.topology
         if topo.role == "trainer":
-            out = executor.get_output(POLICY_WEIGHTS)
+            stop = executor.stop_requested()  # (the trainer ranks agree on it)
+            out = None if stop else executor.get_output(POLICY_WEIGHTS)
             live = self.dispatch.begin_tick(executor) if self.dispatch is not None else topo.live_replicas
             if topo.rank == 0:
-                header = {"version": None if out is None else out[1], "live": live}
+                header = {"version": None if out is None else out[1], "live": live, "stop": stop}
                 settle([w for r in live for g in topo.replica_ranks(r)
                         for w in start_send_object(topo, header, g, f"channel '{POLICY_WEIGHTS}/header'")])
+            executor.stopped = stop
             ready = time.perf_counter()
             if out is not None:
                 self.backend.targets = [r for r in live if r not in topo.lost]
                 self.backend.send(out[0])
         else:
             header = recv_object(topo, 0, f"channel '{POLICY_WEIGHTS}/header'")
+            if header.get("stop"):
+                executor.stopped = True
+                return
             if self.dispatch is not None:
                 executor.put_input(REPLICAS, header["live"])
             ready = time.perf_counter()

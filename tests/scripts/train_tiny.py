@@ -55,6 +55,17 @@ class KillAt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class StopAt(TrainerCallback):
+    """Ends training at the end of a given step, as a user's callback does (control.should_training_stop)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
 class SignalRankAt(TrainerCallback):
     """`STEP:RANK:SIGNAL`: at the end of that step, trainer rank 0 sends SIGNAL to the job's rank RANK (a generator
     child of this process, or a rank started by a launcher on this machine) and writes its pid to
@@ -152,6 +163,7 @@ def main():
     p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True)")
     p.add_argument("--signal-rank-at", default=None, help="STEP:RANK:SIGNAL: trainer rank 0 signals that rank then")
     p.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL this process (and so the job) at this step")
+    p.add_argument("--stop-at-step", type=int, default=0, help="a callback ends training at this step")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters on q_proj and v_proj")
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the reference model")
@@ -204,6 +216,8 @@ def main():
             trainer.add_callback(KillAt(a.kill_at_step))
         if a.signal_rank_at:
             trainer.add_callback(SignalRankAt(a.signal_rank_at, a.output_dir))
+        if a.stop_at_step:
+            trainer.add_callback(StopAt(a.stop_at_step))
         out = trainer.train(resume_from_checkpoint=True if a.resume else None)
         # what open-r1's grpo.py does after train(), on every process (a generator rank included)
         trainer.log_metrics("train", dict(out.metrics, train_samples=a.rows))

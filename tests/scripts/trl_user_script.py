@@ -1,5 +1,6 @@
 """A TRL user script run unchanged by both trainers: `--trainer trl` runs TRL's GRPOTrainer, `--trainer hfllamarl`
-AsyncAIPOTrainer (only the class names differ). Its reward function uses TRL's `log_metric` and `log_extra`.
+AsyncAIPOTrainer (only the class names differ). Its reward function uses TRL's `log_metric` and `log_extra`; a
+callback ends the 4-step run after step 2 (control.should_training_stop).
 
     python tests/scripts/trl_user_script.py MODEL_DIR OUTPUT_DIR --trainer trl|hfllamarl
 """
@@ -8,6 +9,7 @@ import argparse
 import json
 
 from datasets import Dataset
+from transformers import TrainerCallback
 
 
 def digits(completions, log_metric=None, log_extra=None, **kwargs):
@@ -15,6 +17,12 @@ def digits(completions, log_metric=None, log_extra=None, **kwargs):
     log_metric("digits/any", sum(s > 0 for s in scores) / len(scores))
     log_extra("digit_count", [sum(c.isdigit() for c in text) for text in completions])
     return scores
+
+
+class StopAfterTwo(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= 2:
+            control.should_training_stop = True
 
 
 def main():
@@ -25,14 +33,15 @@ def main():
     p.add_argument("--push", action="store_true", help="also push_to_hub (HF_HUB_OFFLINE=1 makes the upload fail)")
     a = p.parse_args()
     rows = [{"prompt": f"{i % 10}{(i + 3) % 10}?"} for i in range(40)]
-    common = dict(output_dir=a.out, max_steps=2, per_device_train_batch_size=8, num_generations=4,
+    common = dict(output_dir=a.out, max_steps=4, per_device_train_batch_size=8, num_generations=4,
                   max_completion_length=6, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none",
                   bf16=False, use_cpu=True, log_completions=True, num_completions_to_print=1, seed=0)
     if a.trainer == "trl":
         from trl import GRPOConfig as Config, GRPOTrainer as Trainer
     else:
         from hfllamarl import AsyncAIPOConfig as Config, AsyncAIPOTrainer as Trainer
-    trainer = Trainer(model=a.model, reward_funcs=digits, args=Config(**common), train_dataset=Dataset.from_list(rows))
+    trainer = Trainer(model=a.model, reward_funcs=digits, args=Config(**common), train_dataset=Dataset.from_list(rows),
+                      callbacks=[StopAfterTwo()])
     result = trainer.train()
     trainer.accelerator.print("TRAINING DONE")
     # what open-r1's grpo.py does after train()

@@ -18,6 +18,7 @@ import torch
 from hfllamarl.runtime.channels import Channel, ChannelKind
 from hfllamarl.runtime.controller import fail
 from hfllamarl.runtime.engine import build_engine, loader_boxes, verify_against_disk
+from hfllamarl.runtime.executor import Executor
 from hfllamarl.runtime.fsdp import full_state_dict, shard_model
 from hfllamarl.runtime.hf_export import export_weights
 from hfllamarl.runtime.topology import init_topology
@@ -26,7 +27,7 @@ from hfllamarl.runtime.weight_sync import WeightsChannel, build_backend
 PROMPT = [7, 14, 5, 18]  # "3+1="
 
 
-class Offer:  # the trainer side of the weights channel: offers version 1 once
+class Offer(Executor):  # the trainer side of the weights channel: offers version 1 once
     def __init__(self, model):
         self.model = model
 
@@ -34,7 +35,7 @@ class Offer:  # the trainer side of the weights channel: offers version 1 once
         return self.model, 1
 
 
-class Receiver:  # the generator side: loads what arrives
+class Receiver(Executor):  # the generator side: loads what arrives
     def __init__(self, llm):
         self.llm, self.version = llm, 0
 
