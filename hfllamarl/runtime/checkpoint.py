@@ -225,8 +225,9 @@ def remove_partial(output_dir: str) -> list[str]:
 def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: int | None,
            job: dict | None = None, required: list[str] = (), num_batches: int | None = None) -> None:
     """Every rank: wait until all have written, then trainer rank 0 makes the checkpoint visible at once.
-    `job` (trainer rank 0's `job_signature`) and `num_batches` (the run's length) go into the marker; without
-    every file of `required` (relative paths) the checkpoint is dropped instead."""
+    `job` (trainer rank 0's `job_signature`) and `num_batches` (the run's length) go into the marker, which trainer
+    rank 0 writes (the generator ranks pass none of these); without every file of `required` (relative paths)
+    the checkpoint is dropped instead."""
     import logging
 
     from hfllamarl.runtime.channels import bridge_barrier

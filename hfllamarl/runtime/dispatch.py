@@ -75,9 +75,13 @@ class Dispatch:
             del self.assigned[batch]
         batch = self.schedule.generator_batch(tick)
         if batch is not None:
-            share = replica_share(self.prompts, self.live, batch)
-            self.assigned[batch] = {p: r for r, positions in share.items() for p in positions}
+            self._assign(batch)
         return list(self.live)
+
+    def _assign(self, batch: int) -> None:
+        """Record which live replica generates each position of `batch` (as the replicas split it themselves)."""
+        share = replica_share(self.prompts, self.live, batch)
+        self.assigned[batch] = {p: r for r, positions in share.items() for p in positions}
 
     def agree(self, tick: int, extra=None) -> list:
         """Every trainer rank's view of the lost replicas (and `extra`) to all: the union is lost from now on (each
@@ -158,8 +162,7 @@ class Dispatch:
         self.assigned = state.get("assigned", {})
         self.losses, self.regenerated = state.get("losses", []), state.get("regenerated", 0)
         for batch in state.get("unsampled", []):  # started before the resumed tick (`checkpoint.unsampled_batches`)
-            share = replica_share(self.prompts, self.live, batch)
-            self.assigned[batch] = {p: r for r, positions in share.items() for p in positions}
+            self._assign(batch)
 
     def owing_replicas(self) -> set[int]:
         """Replicas the ledger says still owe positions of some batch (their generator state must be in a

@@ -192,8 +192,7 @@ class GeneratorExecutor(Executor):
     def save_checkpoint(self) -> None:
         step = self.spec.schedule.step_done(self.tick)
         checkpoint.save_generator_side(self, checkpoint.partial_dir(self.spec.output_dir, step))
-        checkpoint.commit(self.topology, self.spec.output_dir, step, self.tick, self.spec.save_total_limit,
-                          num_batches=self.spec.schedule.num_batches)
+        checkpoint.commit(self.topology, self.spec.output_dir, step, self.tick, self.spec.save_total_limit)
 
     # ------------------------------------------------------------------ work
     def step(self) -> None:
