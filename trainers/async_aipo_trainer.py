@@ -25,6 +25,7 @@ from transformers.trainer_utils import TrainOutput
 from hfllamarl.runtime import checkpoint
 from hfllamarl.runtime.controller import run_job
 from hfllamarl.runtime.generator import GeneratorExecutor, GeneratorSpec
+from hfllamarl.runtime.moe import aux_loss_coef
 from hfllamarl.runtime.preflight import check_generator
 from hfllamarl.runtime.prompts import PromptEncoder, validate_dataset
 from hfllamarl.runtime.reward_models import RewardModel
@@ -131,6 +132,7 @@ class AsyncAIPOTrainer:
         self.algorithm = args.build_algorithm()
         self.model_path, model_obj, model_config = resolve_model(model, args)
         self.model_config = model_config
+        self.router_aux_loss_coef = aux_loss_coef(model_config, args.router_aux_loss_coef)  # MoE: as TRL adds it
         self._model_obj = model_obj
         check_generator(model_config, use_cpu=args.use_cpu, dtype=self._generator_dtype(),
                         tensor_parallel_size=args.generator_tensor_parallel_size, model_impl=args.vllm_model_impl)

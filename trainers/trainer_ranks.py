@@ -200,6 +200,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
         padding_free=args.padding_free,
         pad_to_multiple_of=args.pad_to_multiple_of,
         tools=trainer.agent.uses_tools,
+        router_aux_loss_coef=trainer.router_aux_loss_coef,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)

@@ -76,7 +76,8 @@ def _targets(rollouts: list[Rollout], starts: list[int], T: int) -> torch.Tensor
 def pad_batch(rollouts: list[Rollout], pad_id: int, device, multiple_of: int | None = None) -> dict:
     """One sequence per row: prompts left-padded and completions right-padded, so every completion starts at
     the same column. Returns input_ids / attention_mask / position_ids `[B, W]` (W = P + T, rounded up to
-    `multiple_of`), `targets` `[B, T]` and the loss side (`_loss_side`)."""
+    `multiple_of`), token_mask (the attention mask: 1 at real tokens), `targets` `[B, T]` and the loss side
+    (`_loss_side`)."""
     out = _loss_side(rollouts, pad_id)
     B, T = out["completion_ids"].shape
     P = out["prompt_ids"].shape[1]
@@ -88,7 +89,7 @@ def pad_batch(rollouts: list[Rollout], pad_id: int, device, multiple_of: int | N
         input_ids[i, P - p:P + c] = torch.tensor(r.prompt_ids + r.completion_ids)
         attn[i, P - p:P + c] = 1
     position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)
-    out.update(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+    out.update(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, token_mask=attn,
                targets=_targets(rollouts, [i * W + P for i in range(B)], T))
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in out.items()}
 
@@ -114,7 +115,7 @@ def pack_batch(rollouts: list[Rollout], pad_id: int, device, multiple_of: int | 
     """Sequences end to end in rows of width W (the longest sequence, rounded up to `multiple_of`), position ids
     restarting at 0 for each; a row's tail is padding, numbered as a sequence of its own so that it attends to
     nothing real. No attention mask: transformers finds the sequences from the position ids. Same keys as
-    `pad_batch` (attention_mask None)."""
+    `pad_batch` (attention_mask None; token_mask `[rows, W]` marks the real tokens)."""
     out = _loss_side(rollouts, pad_id)
     T = out["completion_ids"].shape[1]
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
@@ -122,6 +123,7 @@ def pack_batch(rollouts: list[Rollout], pad_id: int, device, multiple_of: int | 
     rows = pack_rows(lengths, W)
     input_ids = torch.full((len(rows), W), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), W), dtype=torch.long)
+    token_mask = torch.zeros((len(rows), W), dtype=torch.long)
     starts = [0] * len(rollouts)
     for row, members in enumerate(rows):
         col = 0
@@ -132,7 +134,8 @@ def pack_batch(rollouts: list[Rollout], pad_id: int, device, multiple_of: int | 
             starts[i] = row * W + col + len(r.prompt_ids)
             col += n
         position_ids[row, col:] = torch.arange(W - col)
-    out.update(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
+        token_mask[row, :col] = 1
+    out.update(input_ids=input_ids, attention_mask=None, position_ids=position_ids, token_mask=token_mask,
                targets=_targets(rollouts, starts, T))
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in out.items()}
 
@@ -160,10 +163,13 @@ def _lm_head_at(model, positions: torch.Tensor):
         handle.remove()
 
 
-def completion_logprobs(model, batch: dict, sampling: Sampling | float, entropy: bool = False):
+def completion_logprobs(model, batch: dict, sampling: Sampling | float, entropy: bool = False,
+                        router_logits: list | None = None):
     """log pi of every completion token, `[B, T]` (0 past each completion's end), under the distribution vLLM
     samples from (`sampling`: its transforms, or just a temperature). With `entropy`, also that distribution's
-    entropy at every completion position, `[B, T]`, without gradient (TRL's `entropy` metric)."""
+    entropy at every completion position, `[B, T]`, without gradient (TRL's `entropy` metric). Given a list as
+    `router_logits`, the forward also records an MoE model's routers' logits into it (one tensor per layer, over
+    the input's rows x columns: `hfllamarl.runtime.moe`)."""
     if not isinstance(sampling, Sampling):
         sampling = Sampling(temperature=float(sampling))
     tokens = batch["completion_ids"]  # [B, T]
@@ -174,9 +180,13 @@ def completion_logprobs(model, batch: dict, sampling: Sampling | float, entropy:
     empty = positions.numel() == 0
     if empty:  # the forward still runs (FSDP2's collectives must match on every rank): one position, weighed 0
         positions = batch["targets"].new_zeros(1)
+    routers = {} if router_logits is None else {"output_router_logits": True}
     with _lm_head_at(model, positions) as head:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"], use_cache=False).logits
+        outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        position_ids=batch["position_ids"], use_cache=False, **routers)
+    logits = outputs.logits
+    if routers:
+        router_logits.extend(outputs.router_logits)
     logits = logits.reshape(-1, logits.shape[-1])
     if not head["fired"]:
         logits = logits[positions]

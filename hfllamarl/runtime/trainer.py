@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hfllamarl.losses import StepShape
 
 from .batching import completion_logprobs, pack_batch, packing_agrees, pad_batch
+from .moe import balancing_loss_fn
 from .episodes import reward_arguments, tool_counts, tool_metrics
 from .executor import Executor, wait_for_startup
 from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
@@ -68,6 +69,7 @@ class TrainerSpec:
     padding_free: bool = True  # pack micro-batches without padding (`hfllamarl.runtime.batching`) if the model allows
     pad_to_multiple_of: int | None = None  # round the micro-batch's width up to a multiple of this
     tools: bool = False  # tool calling (tools / environment_factory): log TRL's tools/* metrics
+    router_aux_loss_coef: float = 0.0  # an MoE policy's load-balancing loss weight, as TRL resolves it (moe.py)
 
 
 class TrainerExecutor(Executor):
@@ -89,6 +91,8 @@ class TrainerExecutor(Executor):
         self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
         self.channel_seconds = 0.0  # this tick's time in the channels, before `step`
         self.packed = False  # micro-batches packed without padding (decided by `init` on the real model)
+        self.balancing = (balancing_loss_fn(spec.model)  # (router logits, token mask) -> an MoE's aux loss
+                          if spec.router_aux_loss_coef else None)
         self._tick_started = time.perf_counter()  # when this tick began (`set_step`): a step's wall time
 
     @property
@@ -279,7 +283,8 @@ class TrainerExecutor(Executor):
                 batch["mask"] = batch["mask"] * keep[:, None]
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(k == steps - 1)  # reduce-scatter once per optimizer step
-            raw, entropy = completion_logprobs(model, batch, spec.sampling, entropy=True)
+            routers = [] if self.balancing else None
+            raw, entropy = completion_logprobs(model, batch, spec.sampling, entropy=True, router_logits=routers)
             logprobs, outside = within_support(raw, batch["mask"], spec.sampling)
             chunk_advantages = advantages[k * mb:(k + 1) * mb].to(spec.device)
             ref = None
@@ -291,6 +296,10 @@ class TrainerExecutor(Executor):
             kwargs = dict(extra, **({"ref_logprobs": ref} if ref is not None else {}))
             loss, m = checked_loss(spec.algorithm, spec.algorithm.loss(logprobs, batch["behavior_logprobs"],
                                                                        chunk_advantages, batch["mask"], **kwargs))
+            if routers is not None:  # TRL's MoE load-balancing loss over the micro-batch's tokens, weighted
+                aux = self.balancing(routers, batch["token_mask"])
+                loss = loss + spec.router_aux_loss_coef * aux
+                m["aux_loss"] = float(aux.detach())
             m["is_ratio/outside_support_frac"] = float(outside.sum()) / max(float(batch["mask"].sum()), 1.0)
             m["entropy"] = float((entropy * batch["mask"]).sum()) / max(float(batch["mask"].sum()), 1.0)
             # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
