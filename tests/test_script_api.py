@@ -106,3 +106,65 @@ def test_the_steps_checkpointed_are_those_transformers_trainer_saves(tmp_path, m
     schedule = Schedule(max_steps, max_staleness=2)  # the generator: the step complete at each of its ticks
     assert [schedule.step_done(t) for t in range(schedule.num_ticks)
             if checkpoint.due(schedule.step_done(t), every, max_steps)] == theirs
+
+
+def test_early_stopping_callback_stops_where_transformers_trainer_would(tmp_path):
+    """EarlyStoppingCallback with metric_for_best_model: after each evaluation the best metric is updated as
+    transformers' `Trainer._determine_best_metric` does (after on_evaluate); the run stops at the same evaluation;
+    the callback's patience counter is saved in trainer_state.json and, on resume
+    (restore_callback_states_from_checkpoint), given back to the run's callback; the best checkpoint survives
+    save_total_limit."""
+    from types import SimpleNamespace
+
+    from transformers import EarlyStoppingCallback
+    from transformers.trainer_callback import TrainerControl, TrainerState
+    from transformers.trainer_utils import rotate_checkpoints
+
+    from hfllamarl.runtime import checkpoint
+
+    rewards = [0.2, 0.5, 0.4, 0.5, 0.45, 0.6]  # eval_reward at versions 1..6: best 0.5 at 2, then 3 evaluations worse
+    args = AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", disable_tqdm=True, save_steps=1,
+                           save_total_limit=1, metric_for_best_model="reward", eval_strategy="steps", eval_steps=1,
+                           restore_callback_states_from_checkpoint=True)
+    assert args.greater_is_better  # (TrainingArguments: a metric not ending in "loss")
+    # transformers: on_evaluate, then _determine_best_metric
+    theirs = SimpleNamespace(args=args, state=TrainerState(), callback=EarlyStoppingCallback(early_stopping_patience=3))
+    their_stop = their_best = None
+    for version, value in enumerate(rewards, 1):
+        theirs.state.global_step = version
+        control = TrainerControl()
+        theirs.callback.on_evaluate(args, theirs.state, control, metrics={"eval_reward": value})
+        Trainer._determine_best_metric(theirs, {"eval_reward": value}, None)
+        if control.should_training_stop and their_stop is None:
+            their_stop, their_best = version, (theirs.state.best_metric, theirs.state.best_global_step)
+
+    reporter = Reporter(args, None, None, None, None, [EarlyStoppingCallback(early_stopping_patience=3)], max_steps=9,
+                        is_world_zero=True)
+    reporter.train_begin()
+    ours = None
+    for version, value in enumerate(rewards, 1):
+        reporter.step_begin()
+        reporter.step_end(version, {"loss": 0.0})
+        reporter.evaluate({"eval_reward": value, "eval_policy_version": version})
+        (tmp_path / f"checkpoint-{version}").mkdir()
+        (tmp_path / f"checkpoint-{version}" / checkpoint.MARKER).write_text("{}")
+        reporter.note_checkpoint(version, saving=True)
+        rotate_checkpoints(str(tmp_path), 1, best_model_checkpoint=reporter.state.best_model_checkpoint)
+        if version == 3:
+            reporter.save_state(str(tmp_path / "trainer_state.json"))
+        if reporter.stop_requested():
+            ours = version
+            break
+    assert ours == their_stop == 5 and their_best == (0.5, 2)
+    assert (reporter.state.best_metric, reporter.state.best_global_step) == their_best
+    assert reporter.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-5"]
+    # a resume from version 3: the callback has seen one worse evaluation, so two more stop the run
+    resumed = Reporter(args, None, None, None, None, [EarlyStoppingCallback(early_stopping_patience=3)],
+                       max_steps=9, is_world_zero=True)
+    resumed.restore(TrainerState.load_from_json(str(tmp_path / "trainer_state.json")))
+    early = [cb for cb in resumed.handler.callbacks if isinstance(cb, EarlyStoppingCallback)]
+    assert len(early) == 1 and early[0].early_stopping_patience_counter == 1
+    assert (resumed.state.best_metric, resumed.state.best_global_step) == (0.5, 2)
+    with pytest.raises(KeyError, match="metric_for_best_model='reward': the evaluation has no 'eval_reward'"):
+        resumed.evaluate({"eval_accuracy": 1.0})

@@ -171,12 +171,13 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
 
     def on_save(step: int) -> None:
         directory = checkpoint.partial_dir(args.output_dir, step)
+        reporter.note_checkpoint(step, saving=True)
         checkpoint.save_trainer_side(trainer, holder["executor"], step, directory)
         owing = holder["executor"].dispatch.owing_replicas() if holder["executor"].dispatch else set()
         checkpoint.commit(topo, args.output_dir, step, trainer.schedule.tick_of_step(step),
                           args.save_total_limit, checkpoint.job_signature(args),
                           required=[checkpoint.generator_file(r, topo.num_replicas) for r in sorted(owing)],
-                          num_batches=trainer.num_batches)
+                          num_batches=trainer.num_batches, keep=reporter.state.best_model_checkpoint)
         reporter.saved()
 
     spec = TrainerSpec(

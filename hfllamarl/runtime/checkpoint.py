@@ -143,7 +143,7 @@ def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
              checkpoint_id=os.path.join(directory, "hfllamarl", "optimizer"))
     if rank == 0:
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(directory, "scheduler.pt"))
-        trainer.state.save_to_json(os.path.join(directory, "trainer_state.json"))
+        trainer._reporter.save_state(os.path.join(directory, "trainer_state.json"))
     torch.save({"python": random.getstate(), "torch": torch.get_rng_state()},
                os.path.join(directory, f"rng_state_{rank}.pth"))
     dispatch = executor.dispatch.state() if getattr(executor, "dispatch", None) is not None else {}
@@ -223,11 +223,12 @@ def remove_partial(output_dir: str) -> list[str]:
 
 
 def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: int | None,
-           job: dict | None = None, required: list[str] = (), num_batches: int | None = None) -> None:
+           job: dict | None = None, required: list[str] = (), num_batches: int | None = None,
+           keep: str | None = None) -> None:
     """Every rank: wait until all have written, then trainer rank 0 makes the checkpoint visible at once.
     `job` (trainer rank 0's `job_signature`) and `num_batches` (the run's length) go into the marker, which trainer
     rank 0 writes (the generator ranks pass none of these); without every file of `required` (relative paths)
-    the checkpoint is dropped instead."""
+    the checkpoint is dropped instead. `keep`: a checkpoint `save_total_limit` does not delete (the best one)."""
     import logging
 
     from hfllamarl.runtime.channels import bridge_barrier
@@ -249,9 +250,10 @@ def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: in
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(partial, final)
-        if save_total_limit:
-            for _, old in list_checkpoints(output_dir)[:-save_total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
+        if save_total_limit:  # transformers' rotation: the newest and the best (metric_for_best_model) stay
+            from transformers.trainer_utils import rotate_checkpoints
+
+            rotate_checkpoints(output_dir, save_total_limit, best_model_checkpoint=keep)
     bridge_barrier(topology, f"checkpoint {step} committed")
 
 
@@ -324,10 +326,7 @@ def load_trainer_side(trainer, executor, directory: str, unsampled: list[int] = 
     rng = torch.load(os.path.join(directory, f"rng_state_{rank}.pth"), weights_only=False)
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
-    loaded = TrainerState.load_from_json(os.path.join(directory, "trainer_state.json"))
-    state = trainer.state
-    state.global_step, state.log_history, state.epoch = loaded.global_step, loaded.log_history, loaded.epoch
-    state.num_input_tokens_seen = loaded.num_input_tokens_seen
+    trainer._reporter.restore(TrainerState.load_from_json(os.path.join(directory, "trainer_state.json")))
     with open(os.path.join(directory, "hfllamarl", f"trainer-{rank}.pt"), "rb") as fh:
         saved = pickle.load(fh)
     executor.inbox = saved["inbox"]

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import (
     CallbackHandler,
     DefaultFlowCallback,
+    ExportableState,
     PrinterCallback,
     ProgressCallback,
     TrainerControl,
@@ -34,7 +36,9 @@ class Reporter:
         default.append(PrinterCallback if args.disable_tqdm else ProgressCallback)
         self.handler = CallbackHandler(default + list(callbacks or []), model, processing_class, optimizer, scheduler)
         self.args = args
-        self.state = TrainerState()
+        self.control = TrainerControl()
+        # EarlyStoppingCallback & co.: their state goes into each checkpoint's trainer_state.json, as transformers'
+        self.state = TrainerState(stateful_callbacks=self._stateful())
         self.state.max_steps = max_steps
         self.batches_per_epoch = batches_per_epoch  # optimizer steps per pass over the dataset (state.epoch)
         if batches_per_epoch:
@@ -45,7 +49,6 @@ class Reporter:
         self.state.save_steps = args.save_steps
         self.state.is_world_process_zero = is_world_zero
         self.state.is_local_process_zero = is_world_zero
-        self.control = TrainerControl()
         self._pending: list[dict] = []
         self._start = None
         self._losses: list[float] = []  # every step's loss since train_begin (train_loss, as transformers' Trainer)
@@ -100,6 +103,78 @@ class Reporter:
         self.control = self.handler.on_log(self.args, self.state, self.control, dict(metrics))
         self.control = self.handler.on_evaluate(self.args, self.state, self.control, metrics=dict(metrics))
         self.control.should_log = self.control.should_evaluate = False
+        self._track_best(metrics)
+
+    def _track_best(self, metrics: dict) -> None:
+        """As transformers' Trainer after an evaluation (after `on_evaluate`, so EarlyStoppingCallback compares with
+        the best before it): `metric_for_best_model` updates `state.best_metric`, and when checkpoints are saved
+        `best_global_step` (here: the policy version evaluated, which may be older than the step it arrives at) and
+        `best_model_checkpoint` (once that step's checkpoint exists; `save_total_limit` never deletes it)."""
+        name = self.args.metric_for_best_model
+        if name is None:
+            return
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise KeyError(f"metric_for_best_model={name!r}: the evaluation has no {key!r}; its metrics are "
+                           f"{sorted(metrics)}. Set metric_for_best_model to one of them.")
+        value, best = float(metrics[key]), self.state.best_metric
+        if best is not None and not (value > best if self.args.greater_is_better else value < best):
+            return
+        self.state.best_metric = value
+        if str(getattr(self.args.save_strategy, "value", self.args.save_strategy)) in ("steps", "epoch"):
+            self.state.best_global_step = int(metrics.get("eval_policy_version", self.state.global_step))
+            self.note_checkpoint(self.state.best_global_step)
+
+    def note_checkpoint(self, step: int, saving: bool = False) -> None:
+        """The checkpoint of `step` is being saved (`saving`), or may have been saved before an evaluation found its
+        policy the best: it is `best_model_checkpoint` if it is the best step's."""
+        from hfllamarl.runtime.checkpoint import final_dir
+
+        path = final_dir(self.args.output_dir, step)
+        if step and step == self.state.best_global_step and (saving or os.path.isdir(path)):
+            self.state.best_model_checkpoint = path
+
+    def _stateful(self) -> list:
+        return [cb for cb in self.handler.callbacks + [self.control] if isinstance(cb, ExportableState)]
+
+    def save_state(self, path: str) -> None:
+        """trainer_state.json, with the callbacks' states as of now (`ExportableState`, as transformers saves them)."""
+        states: dict = {}
+        for cb in self._stateful():
+            name = type(cb).__name__
+            if name in states:
+                states[name] = (states[name] if isinstance(states[name], list) else [states[name]]) + [cb.state()]
+            else:
+                states[name] = cb.state()
+        self.state.stateful_callbacks = states
+        self.state.save_to_json(path)
+
+    def restore(self, loaded: TrainerState) -> None:
+        """A resume: the checkpoint's state, and (`restore_callback_states_from_checkpoint`) its callbacks' states,
+        each given to a new callback of its class as transformers' Trainer does."""
+        state = self.state
+        state.global_step, state.log_history, state.epoch = loaded.global_step, loaded.log_history, loaded.epoch
+        state.num_input_tokens_seen = loaded.num_input_tokens_seen
+        state.best_metric, state.best_global_step = loaded.best_metric, loaded.best_global_step
+        state.best_model_checkpoint = loaded.best_model_checkpoint
+        if not self.args.restore_callback_states_from_checkpoint:
+            return
+        missing = []
+        for name, data in (loaded.stateful_callbacks or {}).items():
+            current = [cb for cb in self.handler.callbacks + [self.control] if type(cb).__name__ == name]
+            if not current:
+                missing.append(name)
+            for cb, saved in zip(current, data if isinstance(data, list) else [data]):
+                new = type(cb)(**saved.get("args", {}))
+                for attribute, value in saved.get("attributes", {}).items():
+                    setattr(new, attribute, value)
+                if isinstance(cb, TrainerControl):
+                    self.control = new
+                else:
+                    self.handler.callbacks[self.handler.callbacks.index(cb)] = new
+        if missing:
+            logger.warning("the checkpoint holds the state of callbacks this run does not have: %s (ignored)",
+                           ", ".join(missing))
 
     def set_samples(self, samples: dict | None) -> None:
         """log_completions: the samples of the step just trained, shown at the next log."""
