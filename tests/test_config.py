@@ -75,6 +75,14 @@ def test_defaults_and_derived_sizes():
     ({"optim": "adamw_torch_8bit"}, "optim='adamw_torch_8bit' is not supported"),
     ({"optim": "adafactor"}, "optim='adafactor' is not supported"),
     ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "reduce_lr_on_plateau"),
+    ({"ignore_data_skip": True}, "goes on exactly where the checkpoint left the data schedule"),
+    ({"enable_jit_checkpoint": True}, "one on SIGTERM is not supported"),
+    ({"skip_memory_metrics": False}, "memory tracker is not run"),
+    ({"save_on_each_node": True}, "shared file system"),
+    ({"debug": "underflow_overflow"}, "debugging hooks are not installed"),
+    ({"bf16_full_eval": True}, "in generator_dtype"),
+    ({"accelerator_config": {"split_batches": True}}, "no Accelerate data loader"),
+    ({"ddp_backend": "nccl"}, "ddp_backend='nccl' is not supported: the ranks talk over gloo"),
 ])
 def test_bad_settings_are_explained(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -117,3 +125,30 @@ def test_generation_batch_fields_set_to_what_they_mean_here_are_accepted():
         assert c.completions_per_step == 16 and c.steps_per_generation == 2 and c.generation_batch_size == 16
     with pytest.raises(ValueError, match=r"`generation_batch_size`=32, but a generation batch is .* \(16 here\)"):
         make(per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=2, generation_batch_size=32)
+
+
+def test_every_grpo_config_field_is_read_refused_or_explained():
+    """Each field of the installed TRL's GRPOConfig is read somewhere in the package, refused when set
+    (`UNSUPPORTED`), or listed with why nothing here reads it (`NOT_READ_HERE`): a field a new TRL adds fails
+    this test until it is placed. The lists name real fields only, and no field is in both."""
+    import re
+    from pathlib import Path
+
+    from hfllamarl.trainers.config_fields import NOT_READ_HERE, UNSUPPORTED
+
+    root = Path(__file__).resolve().parent.parent
+    tables = root / "trainers" / "config_fields.py"
+    source = "\n".join(p.read_text() for d in ("hfllamarl", "trainers", "plugins") for p in (root / d).rglob("*.py")
+                       if p != tables)
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert set(UNSUPPORTED) <= names and set(NOT_READ_HERE) <= names
+    assert not set(UNSUPPORTED) & set(NOT_READ_HERE)
+    unplaced = sorted(n for n in names - set(UNSUPPORTED) - set(NOT_READ_HERE)
+                      if not re.search(rf"\b{n}\b", source))
+    assert not unplaced, f"GRPOConfig fields nothing reads, refuses or explains: {unplaced}"
+    read_anyway = sorted(n for n in NOT_READ_HERE if re.search(rf"(args|config|self|a)\.{n}\b", source))
+    assert not read_anyway, f"listed as not read, but read: {read_anyway}"
+
+
+def test_empty_values_of_unset_fields_are_not_a_setting():
+    make(debug=[], fsdp=[], vllm_structured_outputs_regex="")  # ("", [] and None all mean unset)

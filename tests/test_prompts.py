@@ -54,6 +54,11 @@ def test_missing_prompt_column(encoder):
         validate_dataset(Dataset.from_dict({"question": ["1+1="]}), encoder, 4, 64)
 
 
+def test_image_prompts_are_refused(encoder):
+    with pytest.raises(ValueError, match="an 'image' column: image prompts .vision-language policies. are not supported"):
+        validate_dataset(Dataset.from_dict({"prompt": ["1+1="], "image": [None]}), encoder, 4, 64)
+
+
 def test_empty_and_too_long_prompts_name_the_row(encoder):
     with pytest.raises(ValueError, match="Row 1 .* empty prompt"):
         validate_dataset(Dataset.from_dict({"prompt": ["1+1=", ""]}), encoder, 4, 64)

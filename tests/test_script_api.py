@@ -168,3 +168,70 @@ def test_early_stopping_callback_stops_where_transformers_trainer_would(tmp_path
     assert (resumed.state.best_metric, resumed.state.best_global_step) == (0.5, 2)
     with pytest.raises(KeyError, match="metric_for_best_model='reward': the evaluation has no 'eval_reward'"):
         resumed.evaluate({"eval_accuracy": 1.0})
+
+
+def test_remove_unused_columns_keeps_the_columns_trls_trainer_keeps(tmp_path):
+    """remove_unused_columns=True: the columns left are those TRL's GRPOTrainer leaves (transformers'
+    `_remove_unused_columns` with GRPOTrainer's signature columns), so reward functions see the same; False: all."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hfllamarl.trainers.async_aipo_trainer import _used_columns
+
+    data = Dataset.from_dict({"prompt": ["1+1="], "answer": ["2"], "level": [3]})
+    for remove in (True, False):
+        args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, remove_unused_columns=remove)
+        trl = SimpleNamespace(args=args, _signature_columns=None, model=None)
+        trl._set_signature_columns_if_needed = lambda: GRPOTrainer._set_signature_columns_if_needed(trl)
+        theirs = Trainer._remove_unused_columns(trl, data)
+        assert _used_columns(data, args).column_names == theirs.column_names == (
+            ["prompt"] if remove else ["prompt", "answer", "level"])
+
+
+@pytest.mark.parametrize("strategy,eval_steps,delay", [("steps", 2, 3), ("steps", 1, 0), ("steps", 3, 7.5),
+                                                        ("epoch", None, 2)])
+def test_evaluations_wait_for_eval_delay_as_transformers_trainer(tmp_path, strategy, eval_steps, delay):
+    """The policy versions the generator evaluates are the steps DefaultFlowCallback asks an evaluation at."""
+    from types import SimpleNamespace
+
+    from transformers.trainer_callback import DefaultFlowCallback, TrainerControl, TrainerState
+
+    from hfllamarl.runtime.generator import GeneratorExecutor
+    from hfllamarl.runtime.schedule import Schedule
+    from hfllamarl.trainers.trainer_ranks import eval_delay, eval_every
+
+    steps, per_epoch = 12, 3
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", eval_strategy=strategy, eval_steps=eval_steps,
+                             eval_delay=delay, use_cpu=True)
+    state = TrainerState(max_steps=steps)
+    state.eval_steps = eval_steps
+    flow, theirs = DefaultFlowCallback(), []
+    for step in range(1, steps + 1):
+        state.global_step, state.epoch = step, step / per_epoch
+        control = TrainerControl()
+        flow.on_step_end(args, state, control)
+        if strategy == "epoch" and step % per_epoch == 0:
+            flow.on_epoch_end(args, state, control)
+        if control.should_evaluate:
+            theirs.append(step)
+    spec = SimpleNamespace(eval_every=eval_every(args, steps, per_epoch), eval_delay=eval_delay(args, per_epoch),
+                           schedule=Schedule(steps + 1, 0))
+    ours = []
+    for version in range(1, steps + 1):
+        gen = SimpleNamespace(eval_dataset=[1], spec=spec, version=version, evaluated=version - 1, tick=version,
+                              topology=SimpleNamespace(replica=0), live=[0])
+        if GeneratorExecutor.eval_due(gen):
+            ours.append(version)
+    assert ours == theirs and (theirs or delay > steps)
+
+
+def test_num_input_tokens_seen_is_logged_when_asked(tmp_path):
+    for asked in ("all", "no"):
+        args = AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", disable_tqdm=True,
+                               include_num_input_tokens_seen=asked)
+        reporter = Reporter(args, None, None, None, None, [], max_steps=2, is_world_zero=True)
+        reporter.state.num_input_tokens_seen = 123  # (the trainer adds each step's prompt + completion tokens)
+        reporter.step_end(2, {"loss": 0.5})  # (the last step logs)
+        assert reporter.state.log_history[-1].get("num_input_tokens_seen") == (123 if asked == "all" else None)

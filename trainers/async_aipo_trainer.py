@@ -36,7 +36,7 @@ from hfllamarl.runtime.weight_sync import build_backend
 from .agent_setup import build_agent, check_dataset, placeholder_dataset, prepare_tokenizer, reward_weights
 from .config import AsyncAIPOConfig
 from .model_io import load_policy, resolve_model, save_for_generator
-from .trainer_ranks import eval_every, save_every
+from .trainer_ranks import eval_delay, eval_every, save_every
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +95,11 @@ class AsyncAIPOTrainer:
                              "Train LoRA adapters on a bf16 base (peft_config) instead.")
         self.args, self.topology = args, args.topology
         from transformers.trainer_utils import enable_full_determinism, set_seed
+        from transformers.utils import logging as hf_logging
 
-        # As transformers' Trainer: python, numpy and torch seeded on every process (dropout, reward functions)
+        # As transformers' Trainer: its log level (log_level / log_level_replica / log_on_each_node) on each process,
+        # and python, numpy and torch seeded on every process (dropout, reward functions)
+        hf_logging.set_verbosity(args.get_process_log_level())
         if args.full_determinism:
             enable_full_determinism(args.seed)
         else:
@@ -146,14 +149,14 @@ class AsyncAIPOTrainer:
         prepare_tokenizer(agent, processing_class, args)  # tools: a template that renders and parses tool calls
         if train_dataset is None:  # an environment's reset() writes the prompts (TRL)
             train_dataset = placeholder_dataset(agent, args, args.prompts_per_step)
-        self.train_dataset = train_dataset
+        self.train_dataset = train_dataset = _used_columns(train_dataset, args)
         self.max_model_len = args.vllm_max_model_length or getattr(model_config, "max_position_embeddings", None)
         if not self.max_model_len:
             raise ValueError("Cannot tell the model's context length; set vllm_max_model_length in AsyncAIPOConfig.")
         encoder = PromptEncoder(processing_class, args.chat_template_kwargs, agent.tools, agent.chat_template)
         check_dataset(agent, train_dataset)
         validate_dataset(train_dataset, encoder, args.max_completion_length, self.max_model_len)
-        self.eval_dataset = _eval_dataset(eval_dataset, args)
+        self.eval_dataset = _used_columns(_eval_dataset(eval_dataset, args), args)
         if self.eval_dataset is not None:
             validate_dataset(self.eval_dataset, encoder, args.max_completion_length, self.max_model_len)
         prompts = args.prompts_per_generation  # a generation batch: the step's prompts (+ dynamic sampling's extra)
@@ -365,6 +368,7 @@ class AsyncAIPOTrainer:
             eval_dataset=self.eval_dataset,
             eval_every=eval_every(a, self.num_batches, self.batches_per_epoch) if self.eval_dataset is not None else 0,
             eval_on_start=bool(a.eval_on_start),
+            eval_delay=eval_delay(a, self.batches_per_epoch),
             num_generations_eval=a.num_generations_eval or a.num_generations,
             agent=self.agent.spec,
         )
@@ -428,3 +432,13 @@ def _eval_dataset(dataset, args):
         raise ValueError("eval_dataset is evaluated during training, at eval_strategy's steps, and eval_strategy is "
                          "'no': set eval_strategy='steps' (with eval_steps) or 'epoch', or leave eval_dataset out.")
     return dataset
+
+
+def _used_columns(dataset, args):
+    """`remove_unused_columns=True`: as TRL's GRPOTrainer (through transformers' Trainer), only the columns it reads
+    (`prompt`, `image`, `images`) are kept, so reward functions get no other column."""
+    columns = getattr(dataset, "column_names", None)
+    if not args.remove_unused_columns or not columns or not hasattr(dataset, "remove_columns"):
+        return dataset
+    unused = [c for c in columns if c not in ("prompt", "image", "images")]
+    return dataset.remove_columns(unused) if unused else dataset

@@ -71,6 +71,15 @@ def eval_every(args, num_batches: int, batches_per_epoch: int | None = None) -> 
     return max(1, math.ceil(steps * num_batches)) if steps < 1 else int(steps)
 
 
+def eval_delay(args, batches_per_epoch: int | None = None) -> int:
+    """The first policy version evaluated (eval_on_start's aside), as transformers' DefaultFlowCallback reads
+    eval_delay: steps, or with eval_strategy="epoch" epochs."""
+    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    if strategy == "epoch" and batches_per_epoch:
+        return math.ceil(args.eval_delay * batches_per_epoch)
+    return math.ceil(args.eval_delay or 0)
+
+
 def prepare_policy(trainer, device: torch.device, resume_dir: str | None) -> None:
     """Shard the policy with FSDP2 and give each trainer rank its weights: read rank by rank from the model (or,
     on resume, the checkpoint) when it was built on the meta device; else from the object in memory."""
@@ -164,6 +173,10 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
         with open(prompts_log, "a") as fh:
             fh.write(json.dumps({"step": step, "rows": holder["executor"].trained_rows[-1]}) + "\n")
         reporter.step_end(step, metrics)
+        if args.torch_empty_cache_steps and step % args.torch_empty_cache_steps == 0:  # as transformers' Trainer
+            from accelerate.utils.memory import clear_device_cache
+
+            clear_device_cache()
         reporter.control.should_save = False  # checkpoints follow `every`, on every rank alike
         if step < trainer.num_batches:
             reporter.step_begin()

@@ -75,6 +75,7 @@ class GeneratorSpec:
     eval_dataset: Any = None  # evaluation during training: a `datasets.Dataset` (or a saved one's path)
     eval_every: int = 0  # evaluate every policy version that is a multiple of this (0: never)
     eval_on_start: bool = False  # also the starting policy (version 0)
+    eval_delay: int = 0  # no evaluation of a version below this (eval_delay), but for eval_on_start's
     num_generations_eval: int = 1
     agent: Any = None  # tools / environments / rollout_func: `hfllamarl.runtime.multi_turn.AgentSpec`
 
@@ -306,7 +307,8 @@ class GeneratorExecutor(Executor):
         `eval_on_start`) not evaluated yet, while the generator still samples (its results reach the trainer)."""
         spec = self.spec
         return (self.eval_dataset is not None and spec.eval_every > 0 and self.version > self.evaluated
-                and self.version % spec.eval_every == 0 and spec.schedule.generator_batch(self.tick) is not None
+                and self.version % spec.eval_every == 0 and (self.version >= spec.eval_delay or self.version == 0)
+                and spec.schedule.generator_batch(self.tick) is not None
                 and self.topology.replica == self.live[0])  # one replica evaluates: the first live one
 
     def evaluate(self) -> list[RolloutGroup]:

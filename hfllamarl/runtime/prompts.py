@@ -83,7 +83,7 @@ def validate_dataset(dataset, encoder: PromptEncoder, max_completion_length: int
     """Check every row before training starts; return the longest prompt in tokens.
 
     Raises:
-        ValueError: a missing `prompt` column, an empty or malformed prompt, or a prompt that
+        ValueError: a missing `prompt` column, an image column, an empty or malformed prompt, or a prompt that
             leaves no room for `max_completion_length` tokens; the message names the row.
     """
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
@@ -100,6 +100,11 @@ def validate_dataset(dataset, encoder: PromptEncoder, max_completion_length: int
         )
     if len(dataset) == 0:
         raise ValueError("The training dataset is empty.")
+    images = [c for c in ("image", "images") if c in columns]
+    if images:  # TRL feeds them to a vision-language policy; here they would only reach the reward functions
+        raise ValueError(f"The training dataset has an {images[0]!r} column: image prompts (vision-language policies) "
+                         "are not supported; the generator samples from the text prompt only. Remove the column (or "
+                         "rename it, if only your reward functions read it).")
     longest = 0
     for i, prompt in enumerate(dataset["prompt"]):
         try:

@@ -88,6 +88,8 @@ class Reporter:
         logs = dict(logs)
         if self.state.epoch is not None:  # as transformers' Trainer: the epoch with every log
             logs["epoch"] = self.state.epoch
+        if self.args.include_num_input_tokens_seen not in ("no", False, None):  # (prompt + completion tokens)
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         output = {**logs, "step": self.state.global_step}
         self.state.log_history.append(output)
         self.control = self.handler.on_log(self.args, self.state, self.control, logs)
