@@ -30,6 +30,29 @@ def test_weight_decay_spares_the_parameters_transformers_spares(tmp_path):
     assert any("norm" in n for n in spared) and any(n.endswith("bias") for n in spared)  # (the case is exercised)
 
 
+def test_adamw_torch_fused_is_the_fused_kernel_transformers_builds(tmp_path):
+    """optim="adamw_torch_fused" (transformers' default) builds the fused AdamW transformers' Trainer builds; its step
+    equals the default AdamW's to fp32 rounding."""
+    import torch
+
+    steps = []
+    for optim in ("adamw_torch_fused", "adamw_torch"):
+        torch.manual_seed(0)
+        model = tiny_llama()
+        args = AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", optim=optim, weight_decay=0.1)
+        optimizer = build_optimizer(model, args)
+        hf = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                                         optim=optim))
+        ours, theirs = optimizer.defaults["fused"], hf.create_optimizer().defaults["fused"]
+        assert bool(ours) == bool(theirs) == (optim == "adamw_torch_fused")
+        for p in model.parameters():
+            p.grad = torch.sin(torch.arange(p.numel(), dtype=torch.float32)).reshape(p.shape)
+        optimizer.step()
+        steps.append([p.detach().clone() for p in model.parameters()])
+    for fused, plain in zip(*steps):
+        assert torch.allclose(fused, plain, atol=1e-6, rtol=1e-5)
+
+
 def test_a_fraction_of_logging_steps_is_a_share_of_the_run(tmp_path):
     args = AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", logging_steps=0.25, disable_tqdm=True)
     reporter = Reporter(args, None, None, None, None, [], max_steps=10, is_world_zero=True)
