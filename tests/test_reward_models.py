@@ -106,3 +106,31 @@ def test_a_name_that_is_neither_a_plugin_nor_a_directory_is_tried_as_a_hub_rewar
     with pytest.raises(PluginError, match=r"(?s)'nobody/no-such-reward-model' is not an installed reward plugin .*"
                                           r"could not be fetched .*Download the model first"):
         resolve_reward_funcs("nobody/no-such-reward-model")
+
+
+def test_reward_models_are_loaded_with_model_init_kwargs_as_trl_loads_them(classifier, monkeypatch):
+    """TRL passes `model_init_kwargs` to a reward model's from_pretrained: dtype, attn_implementation, ... reach it
+    (not device_map: it runs on the generator's device), and `revision` picks the Hub snapshot, for the policy too.
+    (No hub here: snapshot_download is replaced by one that records what it is asked and returns the local model.)"""
+    import huggingface_hub
+
+    asked = []
+
+    def snapshot(repo_id, revision=None, **kwargs):
+        asked.append((repo_id, revision))
+        return classifier
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    init = {"dtype": "float64", "attn_implementation": "eager", "device_map": "auto", "revision": "v2"}
+    local, hub = resolve_reward_funcs([classifier, "someone/reward-model"], model_init_kwargs=init)
+    assert asked == [("someone/reward-model", "v2")]
+    for rm in (local, pickle.loads(pickle.dumps(hub))):  # (as sent to a generator)
+        rm.load()
+        assert rm._model.dtype == torch.float64 and rm._model.config._attn_implementation == "eager"
+        assert rm(prompts=["1+1="], completions=["2"]) == pytest.approx(alone(classifier, ["1+1=2"]), abs=1e-5)
+    from types import SimpleNamespace
+
+    from hfllamarl.trainers.model_io import resolve_model
+
+    path, _, _ = resolve_model("someone/policy", SimpleNamespace(model_init_kwargs=init, trust_remote_code=False))
+    assert asked[-1] == ("someone/policy", "v2") and path == classifier

@@ -128,7 +128,7 @@ class AsyncAIPOTrainer:
         self.agent = agent = build_agent(args, tools, environment_factory, rollout_func)
         user_funcs = [] if reward_funcs is None and agent.env_rewards else resolve_reward_funcs(
             reward_funcs, reward_processing_classes, trust_remote_code=args.trust_remote_code,
-            model_dtype=(args.model_init_kwargs or {}).get("dtype", "auto"))
+            model_init_kwargs=args.model_init_kwargs)
         self.reward_funcs = user_funcs + agent.env_rewards  # an environment's get_reward: a reward named after it
         self.rewards = RewardRunner(self.reward_funcs, reward_weights(args, len(user_funcs), agent),
                                     on_error=args.reward_errors)

@@ -30,7 +30,7 @@ def resolve_model(model, args):
                 "(it holds config.json and the weights), or a Hugging Face Hub id."
             )
         try:
-            path = hub_snapshot(path)
+            path = hub_snapshot(path, (args.model_init_kwargs or {}).get("revision"))
         except Exception as exc:
             raise FileNotFoundError(
                 f"Model {model!r} is not a local directory and could not be fetched from the Hugging Face Hub "

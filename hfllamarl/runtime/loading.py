@@ -34,11 +34,12 @@ def looks_like_hub_id(name: str) -> bool:
     return not os.path.exists(name) and not name.startswith((".", "/", "~")) and name.count("/") == 1
 
 
-def hub_snapshot(repo_id: str) -> str:
-    """The local directory of the Hugging Face Hub model `repo_id` (downloaded on first use; HUB_FILES only)."""
+def hub_snapshot(repo_id: str, revision: str | None = None) -> str:
+    """The local directory of the Hugging Face Hub model `repo_id` at `revision` (a branch, tag or commit;
+    `model_init_kwargs["revision"]`, as from_pretrained reads it), downloaded on first use (HUB_FILES only)."""
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(repo_id, allow_patterns=HUB_FILES)
+    return snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES)
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

@@ -31,11 +31,14 @@ class RewardModel:
         model: the directory of a model saved with `save_pretrained` (an
             `AutoModelForSequenceClassification` with one label is built from it), or a `PreTrainedModel`.
         processing_class: its tokenizer (default: loaded from the model's directory).
-        trust_remote_code, dtype: as for `from_pretrained` (`model_init_kwargs`).
+        trust_remote_code: as for `from_pretrained`.
+        init_kwargs: the rest of `from_pretrained`'s keyword arguments for a model given as a path (TRL's
+            `model_init_kwargs`: dtype, attn_implementation, ...); the device is the generator's, so `device_map`
+            is not passed, and `revision` chose the Hub snapshot already.
     """
 
     def __init__(self, model: Any, processing_class: Any = None, *, trust_remote_code: bool = False,
-                 dtype: Any = "auto"):
+                 init_kwargs: dict | None = None):
         from transformers import PreTrainedModel
 
         if isinstance(model, PreTrainedModel):
@@ -49,7 +52,8 @@ class RewardModel:
                              "save_pretrained() (holding config.json), nor a PreTrainedModel.")
         self.__name__ = os.path.basename(str(source).rstrip("/")) or "reward_model"
         self._tokenizer = processing_class
-        self.trust_remote_code, self.dtype = trust_remote_code, dtype
+        self.trust_remote_code = trust_remote_code
+        self.init_kwargs = {k: v for k, v in (init_kwargs or {}).items() if k not in ("device_map", "revision")}
         self.device = "cpu"
         self._ready = False  # loaded on its device, pad id set
 
@@ -67,7 +71,8 @@ class RewardModel:
             self._model.save_pretrained(directory)
         tokenizer = self.tokenizer()
         tokenizer.save_pretrained(directory)
-        copy = RewardModel(self.path or directory, None, trust_remote_code=self.trust_remote_code, dtype=self.dtype)
+        copy = RewardModel(self.path or directory, None, trust_remote_code=self.trust_remote_code,
+                           init_kwargs=self.init_kwargs)
         copy.__name__ = self.__name__
         copy._tokenizer_path = directory
         return copy
@@ -89,9 +94,7 @@ class RewardModel:
         from transformers import AutoModelForSequenceClassification
 
         if self._model is None:
-            kwargs = {"num_labels": 1, "trust_remote_code": self.trust_remote_code}
-            if self.dtype is not None:
-                kwargs["dtype"] = self.dtype
+            kwargs = {"trust_remote_code": self.trust_remote_code, **self.init_kwargs, "num_labels": 1}
             self._model = AutoModelForSequenceClassification.from_pretrained(self.path, **kwargs)
         tokenizer = self.tokenizer()
         # The model scores the last non-pad token: its pad id must be the tokenizer's.

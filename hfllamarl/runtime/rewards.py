@@ -36,10 +36,11 @@ class RewardFunctionError(RuntimeError):
 
 
 def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_code: bool = False,
-                         model_dtype="auto") -> list[Callable]:
-    """Turn a callable, a reward plugin name, a reward model (a directory or a `PreTrainedModel`), or a list
-    mixing them, into a list of callables. `processing_classes` (TRL's `reward_processing_classes`): one
-    tokenizer or None per reward function, used by the reward models."""
+                         model_init_kwargs: dict | None = None) -> list[Callable]:
+    """Turn a callable, a reward plugin name, a reward model (a directory, a Hub id or a `PreTrainedModel`), or a
+    list mixing them, into a list of callables. `processing_classes` (TRL's `reward_processing_classes`): one
+    tokenizer or None per reward function, used by the reward models; `model_init_kwargs`: what the reward models
+    given by name are loaded with (`from_pretrained`'s keyword arguments, as TRL loads them)."""
     from transformers import PreTrainedModel
 
     from .loading import looks_like_hub_id
@@ -61,11 +62,12 @@ def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_
     for item, tokenizer in zip(items, processing_classes):
         if isinstance(item, (str, os.PathLike)) and os.fspath(item) not in installed("rewards") \
                 and is_model_dir(os.fspath(item)):
-            item = RewardModel(os.fspath(item), tokenizer, trust_remote_code=trust_remote_code, dtype=model_dtype)
+            item = RewardModel(os.fspath(item), tokenizer, trust_remote_code=trust_remote_code,
+                               init_kwargs=model_init_kwargs)
         elif isinstance(item, PreTrainedModel):
-            item = RewardModel(item, tokenizer, trust_remote_code=trust_remote_code, dtype=model_dtype)
+            item = RewardModel(item, tokenizer, trust_remote_code=trust_remote_code)
         elif isinstance(item, str) and item not in installed("rewards") and looks_like_hub_id(item):
-            item = _hub_reward_model(item, tokenizer, trust_remote_code, model_dtype)
+            item = _hub_reward_model(item, tokenizer, trust_remote_code, model_init_kwargs)
         elif isinstance(item, str):
             try:
                 item = load_plugin("rewards", item)
@@ -82,13 +84,13 @@ def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_
     return funcs
 
 
-def _hub_reward_model(repo_id: str, tokenizer, trust_remote_code: bool, dtype):
+def _hub_reward_model(repo_id: str, tokenizer, trust_remote_code: bool, init_kwargs: dict | None):
     """A reward model given by its Hub id (as TRL loads one), from its local snapshot."""
     from .loading import hub_snapshot
     from .reward_models import RewardModel, is_model_dir
 
     try:
-        path = hub_snapshot(repo_id)
+        path = hub_snapshot(repo_id, (init_kwargs or {}).get("revision"))
     except Exception as exc:  # noqa: BLE001 - offline, unknown repository, ...: say both readings of the name
         raise PluginError(f"reward function {repo_id!r} is not an installed reward plugin (installed: "
                           f"{sorted(installed('rewards'))}), and as a Hub id of a reward model it could not be "
@@ -96,7 +98,7 @@ def _hub_reward_model(repo_id: str, tokenizer, trust_remote_code: bool, dtype):
                           "directory.") from None
     if not is_model_dir(path):
         raise PluginError(f"reward model {repo_id!r}: its Hub snapshot {path} has no config.json and weights.")
-    return RewardModel(path, tokenizer, trust_remote_code=trust_remote_code, dtype=dtype)
+    return RewardModel(path, tokenizer, trust_remote_code=trust_remote_code, init_kwargs=init_kwargs)
 
 
 def _unwrapped(fn: Callable) -> Callable:
