@@ -75,6 +75,19 @@ def test_unsupported_trainer_arguments(tiny_model, config, data):
                          args=GRPOConfig(output_dir="/tmp/x", use_cpu=True, report_to="none"))
 
 
+def test_an_evaluation_metric_that_does_not_exist_here_is_refused(tiny_model, tmp_path, data):
+    config = AsyncAIPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                             max_completion_length=4, report_to="none", max_steps=2, eval_strategy="steps",
+                             eval_steps=1, metric_for_best_model="eval_loss")
+    with pytest.raises(ValueError, match="metric_for_best_model='eval_loss': an evaluation here .* with no loss"):
+        AsyncAIPOTrainer(tiny_model, reward_funcs="math_sympy", args=config, train_dataset=data, eval_dataset=data)
+    ds = Dataset.from_list([dict(r, image=None) for r in successor_rows(16)])
+    with pytest.raises(ValueError, match="'image' column: image prompts"):
+        AsyncAIPOTrainer(tiny_model, reward_funcs="math_sympy", args=AsyncAIPOConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=4,
+            report_to="none", max_steps=2), train_dataset=ds)
+
+
 def test_single_process_accelerate_launch_is_detected(tmp_path):
     """`accelerate launch --num_processes 2` without a GPU starts one process: say how to launch instead."""
     script = tmp_path / "s.py"

@@ -431,6 +431,10 @@ def _eval_dataset(dataset, args):
     if strategy == "no":
         raise ValueError("eval_dataset is evaluated during training, at eval_strategy's steps, and eval_strategy is "
                          "'no': set eval_strategy='steps' (with eval_steps) or 'epoch', or leave eval_dataset out.")
+    if args.metric_for_best_model in ("loss", "eval_loss"):  # (other names are checked at the first evaluation)
+        raise ValueError(f"metric_for_best_model={args.metric_for_best_model!r}: an evaluation here samples and scores "
+                         "completions of the eval prompts, with no loss; use one of its metrics, e.g. 'reward' "
+                         "(eval_reward) or 'rewards/<function>/mean'.")
     return dataset
 
 
