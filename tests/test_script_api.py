@@ -258,3 +258,27 @@ def test_num_input_tokens_seen_is_logged_when_asked(tmp_path):
         reporter.state.num_input_tokens_seen = 123  # (the trainer adds each step's prompt + completion tokens)
         reporter.step_end(2, {"loss": 0.5})  # (the last step logs)
         assert reporter.state.log_history[-1].get("num_input_tokens_seen") == (123 if asked == "all" else None)
+
+
+@pytest.mark.parametrize("limit,best", [(1, None), (1, 2), (2, 3), (3, 5), (2, 6)])
+def test_checkpoint_rotation_is_transformers_and_keeps_pending_evaluations(tmp_path, limit, best):
+    """save_total_limit: the checkpoints left are those transformers' rotate_checkpoints leaves (the newest and the
+    best kept); a checkpoint whose evaluation has not arrived yet is kept too."""
+    from transformers.trainer_utils import rotate_checkpoints
+
+    from hfllamarl.runtime import checkpoint
+
+    def make(root):
+        for step in range(1, 7):
+            (root / f"checkpoint-{step}").mkdir(parents=True)
+            (root / f"checkpoint-{step}" / checkpoint.MARKER).write_text("{}")
+        return str(root / f"checkpoint-{best}") if best else None
+
+    keep = make(tmp_path / "ours")
+    checkpoint.prune(str(tmp_path / "ours"), limit, [keep])
+    rotate_checkpoints(str(tmp_path / "theirs"), limit, best_model_checkpoint=make(tmp_path / "theirs"))
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(p.name for p in (tmp_path / "theirs").iterdir())
+    pending = make(tmp_path / "pending")
+    checkpoint.prune(str(tmp_path / "pending"), limit, [pending, str(tmp_path / "pending" / "checkpoint-5")])
+    left = {p.name for p in (tmp_path / "pending").iterdir()}
+    assert {"checkpoint-5", "checkpoint-6"} <= left and len(left) == max(limit, 2 + (best not in (None, 5, 6)))

@@ -265,7 +265,7 @@ def test_trls_loss_settings_train_from_plain_python(tiny_model, family_model, tm
     """TRL's loss settings in a user script (`python script.py`), three jobs side by side, 3 steps each with
     samples up to 2 versions stale: every loss finite, and each setting's own metrics logged. With
     mask_truncated_completions on a random model (whose 4-token completions are all cut off) a step whose
-    completions are all truncated has no gradient at all."""
+    completions are all truncated has no gradient at all. Beside them, load_best_model_at_end (`check_best_model`)."""
     import threading
 
     reward_model = sequence_classifier(tiny_model, tmp_path / "reward_model")
@@ -280,6 +280,11 @@ def test_trls_loss_settings_train_from_plain_python(tiny_model, family_model, tm
         "aipo_dr_grpo": (family_model("llama"), ["--extra", json.dumps({
             "loss_type": "dr_grpo", "importance_sampling_level": "sequence", "off_policy_mask_threshold": 0.5,
             "mask_truncated_completions": True})]),
+        "best_model": (tiny_model, ["--steps", "4", "--max-staleness", "0", "--eval-rows", "6", "--save-steps", "1",
+                                    "--learning-rate", "2e-2", "--save-model", str(tmp_path / "best_model" / "final"),
+                                    "--extra", json.dumps({"eval_strategy": "steps", "eval_steps": 1,
+                                                           "save_total_limit": 1, "metric_for_best_model": "reward",
+                                                           "load_best_model_at_end": True})]),
     }
     procs = {}
 
@@ -295,6 +300,9 @@ def test_trls_loss_settings_train_from_plain_python(tiny_model, family_model, tm
         t.join()
     for name, proc in procs.items():
         assert proc.returncode == 0, (name, tail(proc))
+        if name == "best_model":
+            check_best_model(proc, tmp_path / name)
+            continue
         steps = step_logs(proc.stdout)
         assert [h["step"] for h in steps] == [1, 2, 3], name
         assert max(h["staleness/max"] for h in steps) == 2, name
@@ -321,3 +329,26 @@ def test_trls_loss_settings_train_from_plain_python(tiny_model, family_model, tm
             cut = [h for h in steps if h["completions/truncated_frac"] == 1.0]
             assert cut, [h["completions/truncated_frac"] for h in steps]
             assert all(h["grad_norm"] == 0.0 and h["loss"] == 0.0 for h in cut), cut
+
+
+def check_best_model(proc, out) -> None:
+    """load_best_model_at_end with metric_for_best_model="reward": the best evaluated version (versions 1-3 are
+    evaluated on-policy; the first of the highest eval_reward, as transformers' strict comparison picks) is
+    state.best_global_step; its checkpoint survives save_total_limit=1 beside the newest; the model save_model()
+    writes after train() holds that checkpoint's weights, not the final policy's."""
+    from safetensors.torch import load_file
+
+    line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
+    evals = [h for h in json.loads(line[len("LOG_HISTORY "):]) if "eval_reward" in h]
+    assert [h["eval_policy_version"] for h in evals] == [1, 2, 3], evals
+    best = int(max(evals, key=lambda h: (h["eval_reward"], -h["eval_policy_version"]))["eval_policy_version"])
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["best_global_step"] == best and state["best_metric"] == max(h["eval_reward"] for h in evals)
+    assert state["best_model_checkpoint"] == str(out / f"checkpoint-{best}")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted({f"checkpoint-{best}", "checkpoint-4"})
+    saved = load_file(str(out / "final" / "model.safetensors"))
+    chosen = load_file(str(out / f"checkpoint-{best}" / "model.safetensors"))
+    final = load_file(str(out / "checkpoint-4" / "model.safetensors"))
+    assert saved.keys() == chosen.keys()
+    assert all(torch.equal(saved[k], chosen[k]) for k in saved)
+    assert any(not torch.equal(saved[k], final[k]) for k in saved)  # (the final policy differs: not vacuous)

@@ -219,10 +219,12 @@ class AsyncAIPOTrainer:
                         self._model_obj, self.processing_class, where)
                 run_job(GeneratorExecutor(spec, topo), backend, topo, self.schedule, start_tick)
                 return TrainOutput(self.num_batches, 0.0, {})
-            from .trainer_ranks import build_trainer_executor
+            from .trainer_ranks import build_trainer_executor, load_best_model
 
             run_job(build_trainer_executor(self, backend, resume_dir, unsampled), backend, topo, self.schedule,
                     start_tick)
+            if self.args.load_best_model_at_end:
+                load_best_model(self)
             summary = self._reporter.train_end()
             finished = True
             return TrainOutput(self.state.global_step, summary["train_loss"], summary)

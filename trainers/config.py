@@ -259,11 +259,12 @@ class AsyncAIPOConfig(GRPOConfig):
         if self.vllm_server_timeout <= 0:
             raise ValueError("AsyncAIPOConfig: vllm_server_timeout (how long the ranks wait for each other's "
                              "start-up: the policy loaded, the vLLM engine up) must be > 0.")
-        if str(getattr(self.save_strategy, "value", self.save_strategy)) == "best" or self.load_best_model_at_end:
+        if str(getattr(self.save_strategy, "value", self.save_strategy)) == "best":
             raise ValueError(
-                "AsyncAIPOConfig: save_strategy='best' / load_best_model_at_end keep the checkpoint with the best "
-                "evaluation metric; evaluations here run on the generator at policy versions that need not be "
-                "checkpointed ones, so checkpoints are not chosen by a metric. Use save_strategy='steps' or 'epoch'.")
+                "AsyncAIPOConfig: save_strategy='best' saves when an evaluation finds a new best; evaluations here run "
+                "on the generator and reach the trainer a few steps after the version they evaluated, whose weights "
+                "are gone by then. Use save_strategy='steps' with save_steps equal to eval_steps (with "
+                "load_best_model_at_end=True the best of those checkpoints is kept and loaded at the end).")
         if self.vllm_model_impl not in ("vllm", "transformers"):
             raise ValueError(f"AsyncAIPOConfig: vllm_model_impl={self.vllm_model_impl!r}; it must be 'vllm' (vLLM's "
                              "own model code) or 'transformers' (vLLM's transformers backend), as in GRPOConfig.")

@@ -193,7 +193,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
         checkpoint.commit(topo, args.output_dir, step, trainer.schedule.tick_of_step(step),
                           args.save_total_limit, checkpoint.job_signature(args),
                           required=[checkpoint.generator_file(r, topo.num_replicas) for r in sorted(owing)],
-                          num_batches=trainer.num_batches, keep=reporter.state.best_model_checkpoint)
+                          num_batches=trainer.num_batches, keep=reporter.protected_checkpoints())
         reporter.saved()
 
     spec = TrainerSpec(
@@ -226,3 +226,23 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
     reporter.train_begin()
     reporter.step_begin()
     return executor
+
+
+def load_best_model(trainer) -> None:
+    """load_best_model_at_end, on every trainer rank after the last step (before `on_train_end`, as transformers'
+    Trainer): the policy of `state.best_model_checkpoint` replaces the final one in `trainer.model` (what
+    `save_model()` then writes); a LoRA policy gets that checkpoint's adapters (its base never changes). Every rank
+    holds the same best checkpoint (the evaluations' metrics are reduced over the ranks)."""
+    import logging
+
+    log = logging.getLogger(__name__)
+    best = trainer.state.best_model_checkpoint
+    if best is None or not os.path.isdir(best):
+        log.warning("load_best_model_at_end: no evaluated policy version has a checkpoint; the final policy is kept "
+                    "(save_steps equal to eval_steps checkpoints every evaluated version).")
+        return
+    log.info("Loading best model from %s (score: %s).", best, trainer.state.best_metric)
+    if is_peft(trainer.model):
+        checkpoint.load_adapter_shards(trainer.model, best)
+    else:
+        load_shards(trainer.model, best)

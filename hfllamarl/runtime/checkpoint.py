@@ -222,13 +222,24 @@ def remove_partial(output_dir: str) -> list[str]:
     return removed
 
 
+def prune(output_dir: str, save_total_limit: int, keep: list[str] = ()) -> None:
+    """Delete the oldest checkpoints until `save_total_limit` are left, never the newest nor one of `keep` (the best
+    one, and those whose evaluation has not arrived yet: `Reporter.protected_checkpoints`), as transformers'
+    `rotate_checkpoints` does with its best checkpoint (so a limit may be exceeded by the protected ones)."""
+    paths = [os.path.normpath(path) for _, path in list_checkpoints(output_dir)]
+    protected = set(paths[-1:]) | {os.path.normpath(p) for p in keep if p}
+    removable = [path for path in paths if path not in protected]
+    for old in removable[:max(len(paths) - max(save_total_limit, len(protected & set(paths))), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: int | None,
            job: dict | None = None, required: list[str] = (), num_batches: int | None = None,
-           keep: str | None = None) -> None:
+           keep: list[str] = ()) -> None:
     """Every rank: wait until all have written, then trainer rank 0 makes the checkpoint visible at once.
     `job` (trainer rank 0's `job_signature`) and `num_batches` (the run's length) go into the marker, which trainer
     rank 0 writes (the generator ranks pass none of these); without every file of `required` (relative paths)
-    the checkpoint is dropped instead. `keep`: a checkpoint `save_total_limit` does not delete (the best one)."""
+    the checkpoint is dropped instead. `keep`: checkpoints `save_total_limit` does not delete (`prune`)."""
     import logging
 
     from hfllamarl.runtime.channels import bridge_barrier
@@ -250,10 +261,8 @@ def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: in
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(partial, final)
-        if save_total_limit:  # transformers' rotation: the newest and the best (metric_for_best_model) stay
-            from transformers.trainer_utils import rotate_checkpoints
-
-            rotate_checkpoints(output_dir, save_total_limit, best_model_checkpoint=keep)
+        if save_total_limit:
+            prune(output_dir, save_total_limit, keep)
     bridge_barrier(topology, f"checkpoint {step} committed")
 
 

@@ -54,6 +54,7 @@ class Reporter:
         self._losses: list[float] = []  # every step's loss since train_begin (train_loss, as transformers' Trainer)
         self._stop_said = False
         self._samples: dict | None = None  # log_completions: the newest step's samples (first trainer rank)
+        self.last_evaluated = -1  # the newest policy version whose evaluation arrived
 
     def train_begin(self) -> None:
         self._start = time.perf_counter()
@@ -105,6 +106,7 @@ class Reporter:
         self.control = self.handler.on_log(self.args, self.state, self.control, dict(metrics))
         self.control = self.handler.on_evaluate(self.args, self.state, self.control, metrics=dict(metrics))
         self.control.should_log = self.control.should_evaluate = False
+        self.last_evaluated = max(self.last_evaluated, int(metrics.get("eval_policy_version", self.state.global_step)))
         self._track_best(metrics)
 
     def _track_best(self, metrics: dict) -> None:
@@ -136,6 +138,18 @@ class Reporter:
         if step and step == self.state.best_global_step and (saving or os.path.isdir(path)):
             self.state.best_model_checkpoint = path
 
+    def protected_checkpoints(self) -> list[str]:
+        """What `save_total_limit` must not delete: the best checkpoint and, while evaluations pick it
+        (metric_for_best_model), those of versions whose evaluation has not arrived yet (it comes a few steps
+        after the checkpoint; the last versions of a run are never evaluated, so their checkpoints stay)."""
+        from hfllamarl.runtime.checkpoint import list_checkpoints
+
+        keep = [self.state.best_model_checkpoint] if self.state.best_model_checkpoint else []
+        strategy = str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy))
+        if self.args.metric_for_best_model is not None and strategy != "no":
+            keep += [path for step, path in list_checkpoints(self.args.output_dir) if step > self.last_evaluated]
+        return keep
+
     def _stateful(self) -> list:
         return [cb for cb in self.handler.callbacks + [self.control] if isinstance(cb, ExportableState)]
 
@@ -159,6 +173,8 @@ class Reporter:
         state.num_input_tokens_seen = loaded.num_input_tokens_seen
         state.best_metric, state.best_global_step = loaded.best_metric, loaded.best_global_step
         state.best_model_checkpoint = loaded.best_model_checkpoint
+        self.last_evaluated = max([int(h["eval_policy_version"]) for h in loaded.log_history
+                                   if "eval_policy_version" in h] + [-1])
         if not self.args.restore_callback_states_from_checkpoint:
             return
         missing = []

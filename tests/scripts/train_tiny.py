@@ -165,6 +165,7 @@ def main():
     p.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL this process (and so the job) at this step")
     p.add_argument("--stop-at-step", type=int, default=0, help="a callback ends training at this step")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters on q_proj and v_proj")
+    p.add_argument("--save-model", default=None, help="after train(): trainer.save_model(this directory)")
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the reference model")
     p.add_argument("--algorithm", default="aipo", help="algorithm plugin name")
@@ -223,6 +224,8 @@ def main():
         trainer.log_metrics("train", dict(out.metrics, train_samples=a.rows))
         trainer.save_metrics("train", dict(out.metrics, train_samples=a.rows))
         trainer.save_state()
+        if a.save_model:
+            trainer.save_model(a.save_model)
         trainer.model.generation_config.eos_token_id = trainer.processing_class.eos_token_id
         if trainer.accelerator.is_main_process:
             trainer.create_model_card(dataset_name="successor", tags=["tiny"])
