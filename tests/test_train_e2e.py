@@ -281,6 +281,7 @@ def test_trls_loss_settings_train_from_plain_python(tiny_model, family_model, tm
             "loss_type": "dr_grpo", "importance_sampling_level": "sequence", "off_policy_mask_threshold": 0.5,
             "mask_truncated_completions": True})]),
         "best_model": (tiny_model, ["--steps", "4", "--max-staleness", "0", "--eval-rows", "6", "--save-steps", "1",
+                                    "--reward", "digits",  # (a reward a random policy earns unevenly: it moves)
                                     "--learning-rate", "2e-2", "--save-model", str(tmp_path / "best_model" / "final"),
                                     "--extra", json.dumps({"eval_strategy": "steps", "eval_steps": 1,
                                                            "save_total_limit": 1, "metric_for_best_model": "reward",
