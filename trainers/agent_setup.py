@@ -58,7 +58,8 @@ def build_agent(args, tools, environment_factory, rollout_func) -> Agent:
         agent.env_rewards = [EnvironmentReward(name) for name in reward_kinds(kinds)]
     agent.spec = AgentSpec(
         tools=tools, factories=factories, max_iterations=args.max_tool_calling_iterations,
-        tool_call_timeout_s=args.tool_call_timeout_s, reward_errors=args.reward_errors, rollout_func=rollout_func,
+        tool_call_timeout_s=args.tool_call_timeout_s, max_calls_per_turn=args.max_tool_calls_per_turn,
+        rollout_time_budget_s=args.rollout_time_budget_s, reward_errors=args.reward_errors, rollout_func=rollout_func,
         rollout_view={"args": args.to_dict()} if rollout_func is not None else {})
     return agent
 

@@ -152,6 +152,21 @@ class AsyncAIPOConfig(GRPOConfig):
         metadata={"help": "The longest one tool call (or an environment's get_reward) may run, in seconds. A call "
                   "still running then is abandoned and the model reads an error as its result; the rollout goes on."},
     )
+    max_tool_calls_per_turn: int = field(
+        default=8,
+        metadata={"help": "The most tool calls one assistant turn may make. A turn that asks for more runs none of them "
+                  "and ends its rollout there, as TRL ends one at max_tool_calling_iterations: that turn is the "
+                  "completion's last message and the reward functions score it as usual. Counted in "
+                  "tools/calls_refused and tools/ended_by_budget."},
+    )
+    rollout_time_budget_s: float | None = field(
+        default=None,
+        metadata={"help": "Wall-clock seconds the tool calls of one rollout may take in all, over all its turns. No "
+                  "call starts past it and the call running then is abandoned; the rollout ends at the turn that "
+                  "made them, as with max_tool_calls_per_turn (the turn's results are dropped). None: half of "
+                  "collective_timeout_s, a quarter when evaluations run (they share the generator's tick), so that "
+                  "tools never take more than half of it per tick; a larger value is refused."},
+    )
     reward_errors: str = field(
         default="raise",
         metadata={"help": "What a reward function that raises does: 'raise' stops the job with an error naming "
@@ -186,10 +201,34 @@ class AsyncAIPOConfig(GRPOConfig):
         self._check_generation_batch(batch_fields)
         super().__post_init__()
         self._check_dynamic_sampling()  # needs the topology (the trainer processes)
+        self._check_tool_budget()  # needs collective_timeout_s as set (ddp_timeout) and the eval strategy
         try:  # a value the algorithm refuses (an unknown loss_type, ...) fails now, with TRL's aliases applied
             self.build_algorithm()
         except ValueError as exc:
             raise ValueError(f"AsyncAIPOConfig: algorithm {self.algorithm!r}: {exc}") from None
+
+    def _check_tool_budget(self) -> None:
+        """Bound the tool work of one generator tick to `TOOL_SHARE` of collective_timeout_s (see `tool_tick_bound`)."""
+        cap, budget = self.max_tool_calls_per_turn, self.rollout_time_budget_s
+        if not _is_whole(cap) or cap < 1:
+            raise ValueError(f"AsyncAIPOConfig: max_tool_calls_per_turn={cap!r}; it must be a whole number >= 1 (to "
+                             "allow no tool call at all, set max_tool_calling_iterations=0).")
+        runs = 2 if str(getattr(self.eval_strategy, "value", self.eval_strategy)) != "no" else 1
+        share = TOOL_SHARE * self.collective_timeout_s
+        if budget is None:
+            self.rollout_time_budget_s = share / runs
+            return
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (math.isfinite(budget) and budget > 0):
+            raise ValueError(f"AsyncAIPOConfig: rollout_time_budget_s={budget!r}; it must be a number of seconds > 0, "
+                             "or None (derived from collective_timeout_s).")
+        worst, terms = tool_tick_bound(self.max_tool_calling_iterations, cap, self.tool_call_timeout_s, budget, runs)
+        if worst > share:
+            raise ValueError(
+                f"AsyncAIPOConfig: tool calls could take {worst:g} s of one generator tick ({terms}), more than "
+                f"{TOOL_SHARE:g} x collective_timeout_s={self.collective_timeout_s:g} = {share:g} s (the rest of it is "
+                "left for generation and the weight sync; past collective_timeout_s the job fails). Set "
+                f"rollout_time_budget_s <= {share / runs:g}, lower max_tool_calls_per_turn, tool_call_timeout_s or "
+                "max_tool_calling_iterations, or raise collective_timeout_s.")
 
     def _check_generation_batch(self, set_fields: set[str]) -> None:
         """steps_per_generation / generation_batch_size set to what they mean here anyway (TRL derives the same
@@ -470,6 +509,32 @@ class AsyncAIPOConfig(GRPOConfig):
     def prompts_per_generation(self) -> int:
         """Prompts the generator samples per step: the step's, plus dynamic sampling's extra ones."""
         return self.prompts_per_step + self.dynamic_sampling_extra_prompts
+
+
+# The share of collective_timeout_s that tool calls may take in one generator tick.
+TOOL_SHARE = 0.5
+
+
+def tool_tick_bound(iterations: int | None, calls_per_turn: int, call_timeout_s: float, budget_s: float,
+                    runs: int) -> tuple[float, str]:
+    """The longest tool calls can take in one generator tick, and the arithmetic as text.
+
+    Each rollout's turns run in a thread of their own, concurrently with the other rollouts' turns and the generate
+    calls, and no rollout waits for another's calls (`MultiTurn.run`): so a run of rollouts spends on tools at most
+    what one rollout may, beyond its generate calls. One rollout may spend the smaller of its budget and
+    max_tool_calling_iterations turns x (calls per turn x tool_call_timeout_s + 1 s for a stuck event loop; a
+    turn's synchronous calls run one after the other). A tick holds one run, two when an evaluation is due.
+    """
+    per_turn = calls_per_turn * call_timeout_s + 1.0
+    if iterations is None:
+        rollout, terms = budget_s, f"rollout_time_budget_s={budget_s:g}"
+    else:
+        rollout = min(budget_s, iterations * per_turn)
+        terms = (f"min(rollout_time_budget_s={budget_s:g}, max_tool_calling_iterations={iterations} x "
+                 f"(max_tool_calls_per_turn={calls_per_turn} x tool_call_timeout_s={call_timeout_s:g} + 1))")
+    if runs > 1:
+        terms += f" x {runs} (an evaluation runs in the same tick as training)"
+    return runs * rollout, terms
 
 
 def _is_whole(value) -> bool:

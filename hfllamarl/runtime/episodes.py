@@ -24,6 +24,10 @@ class Episode:
     tool_failures: int = 0  # raised, unknown tool, malformed call, or timed out (TRL's failures)
     tool_timeouts: int = 0
     iterations: int = 0  # tool-calling rounds so far (bounded by max_tool_calling_iterations)
+    tool_seconds: float = 0.0  # wall-clock its tool calls took so far (bounded by rollout_time_budget_s)
+    calls_refused: int = 0  # calls not run: past max_tool_calls_per_turn, or past the time budget
+    ended_by: str | None = None  # "calls_per_turn" or "time_budget" when a bound ended the rollout
+    abandoned: bool = False  # a call of this rollout was left running (its environment is not reused)
     turn_start: int = 0  # where the current assistant turn starts in completion_ids
     environment_name: Any = None  # the key of its factory (None for a single environment_factory)
     environment: Any = None  # generator: the live instance; sent to the trainer: its pickled copy (bytes)
@@ -117,16 +121,22 @@ def _scored(rollouts: list) -> dict[str, list]:
 
 
 def tool_counts(rollouts: list) -> dict[str, float]:
-    """This rank's tool calls, failures and timeouts (summed over the trainer ranks before `tool_metrics`)."""
+    """This rank's tool calls, failures, timeouts, calls refused and rollouts a bound ended (summed over the trainer
+    ranks before `tool_metrics`)."""
     episodes = [r.episode for r in rollouts if r.episode is not None]
     return {"tool_calls": float(sum(e.tool_calls for e in episodes)),
             "tool_failures": float(sum(e.tool_failures for e in episodes)),
-            "tool_timeouts": float(sum(e.tool_timeouts for e in episodes))}
+            "tool_timeouts": float(sum(e.tool_timeouts for e in episodes)),
+            "tool_calls_refused": float(sum(e.calls_refused for e in episodes)),
+            "tool_ended_by_budget": float(sum(e.ended_by is not None for e in episodes))}
 
 
 def tool_metrics(summed: dict[str, float], completions: float) -> dict[str, float]:
-    """TRL's tool metrics (calls per completion, failed share of calls), plus the timed-out share of calls."""
+    """TRL's tool metrics (calls per completion, failed share of calls), plus the timed-out share of calls, the calls
+    the per-turn and per-rollout bounds refused, and the completions those bounds ended (counts in the step)."""
     calls = summed["tool_calls"]
-    return {"tools/call_frequency": calls / max(completions, 1.0),
+    return {"tools/calls_refused": summed["tool_calls_refused"],
+            "tools/ended_by_budget": summed["tool_ended_by_budget"],
+            "tools/call_frequency": calls / max(completions, 1.0),
             "tools/failure_frequency": summed["tool_failures"] / calls if calls else 0.0,
             "tools/timeout_frequency": summed["tool_timeouts"] / calls if calls else 0.0}

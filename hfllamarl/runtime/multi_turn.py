@@ -9,13 +9,28 @@ with its own environment) goes through rounds on the engine's first rank:
 2. a turn that ended (end-of-turn or stop) is parsed with TRL's response template; if it calls tools (and
    `max_tool_calling_iterations` allows another round) the calls run, bounded in time
    (`hfllamarl.runtime.tool_calls`), and the tool results are appended as tokens (`tool_chat.ToolChat.suffix_ids`)
-   with env_mask 0; otherwise the rollout is finished;
+   with env_mask 0; otherwise the rollout is finished. Each rollout's calls run in a thread of their own: a
+   rollout whose results are in generates its next turn without waiting for another rollout's slow calls;
 3. a rollout whose allowance is spent stops for this tick and is carried, as a partial rollout, to the next
    one, where it continues under the newer weights.
 
 Every sampled token keeps its behaviour log-prob and the version that sampled it; tool tokens are context
 (log-prob 0, this tick's version, env_mask 0). A tool result that would not fit ends the rollout with the turn
-that called it, as TRL does. Tools, environments, get_reward and rollout_func run on the engine's first rank
+that called it, as TRL does.
+
+The policy chooses how many calls it makes and how slow they are, so each rollout's tool work is bounded
+(`max_tool_calls_per_turn`, `rollout_time_budget_s`). Past either bound the rollout ends exactly as TRL's
+`_tool_call_loop` ends one that `max_tool_calling_iterations` stops: the turn that asked for the calls is its
+last message (its `tool_calls` unanswered, no tool message after it), its tokens are the ones sampled (the turn
+ends with its end-of-turn token, so it is not truncated), and the reward functions, and `get_reward`, score that
+completion as they score any other. A turn with more calls than `max_tool_calls_per_turn` runs none of them (as
+TRL runs none of the calls of the turn past its last round); a turn the time budget cuts short keeps no result
+(the results of calls already made are dropped, as TRL drops tool results that would not fit). Both are counted
+(`Episode.calls_refused`, `Episode.ended_by`: logged as `tools/calls_refused`, `tools/ended_by_budget`).
+Since a rollout's own calls never take more than its budget, and no rollout waits for another's calls, one run
+of rollouts spends at most `rollout_time_budget_s` on tools beyond its generate calls.
+
+Tools, environments, get_reward and rollout_func run on the engine's first rank
 only; with tensor parallelism the other ranks follow its generate calls (`hfllamarl.runtime.lockstep`).
 """
 
@@ -32,6 +47,8 @@ from .lockstep import Lockstep
 from .rollout import UNFINISHED, InFlightBatch, Rollout, RolloutGroup
 from .tool_calls import ToolRunner, tool_name
 
+_GATHER_S = 0.1  # how long rollouts whose calls are done wait for the others' before generating without them
+
 
 @dataclass
 class AgentSpec:
@@ -41,6 +58,8 @@ class AgentSpec:
     factories: dict | None = None  # {environment name (None: the only one): factory}
     max_iterations: int | None = None  # max_tool_calling_iterations (None: no bound)
     tool_call_timeout_s: float = 60.0
+    max_calls_per_turn: int | None = None  # max_tool_calls_per_turn (None: no bound)
+    rollout_time_budget_s: float | None = None  # seconds of tool calls per rollout (None: no bound)
     reward_errors: str = "raise"
     rollout_func: Callable | None = None
     rollout_view: dict = field(default_factory=dict)  # what a rollout_func's `trainer` offers (see rollout_funcs)
@@ -196,31 +215,106 @@ class MultiTurn:
         allowance = {id(r): budget for r in work}
         for r in work:
             r.segments += 1  # one more tick this rollout was generated in
-        active, tokens = [r for r in work if self._room(r, allowance)], 0
-        while active:
-            requests = [(r.prompt_ids + r.completion_ids, 1, self._room(r, allowance)) for r in active]
-            outputs = self.lockstep.generate(self.generate_local, requests)
-            calling = []
-            for r, (_, _, asked), out in zip(active, requests, outputs):
-                comp = out.outputs[0]
-                n = r.append_sampled(comp, self.ex.version)
-                tokens, allowance[id(r)] = tokens + n, allowance[id(r)] - n
-                reason = str(comp.finish_reason or "length")
-                if reason == "length":
-                    if n < asked or not self._room(r, {id(r): 1}):  # the completion or the context is full
-                        self._append_cut_turn(r)
-                        self.finish(r, "length")
-                    continue  # else its allowance is spent mid-turn: carried to the next tick
-                message = self.chat.parse(r.completion_ids[r.episode.turn_start:],
-                                          r.prompt_ids + r.completion_ids[:r.episode.turn_start], self.tools(r.episode))
-                r.episode.messages.append(message)
-                bound = self.spec.max_iterations
-                if message.get("tool_calls") and (bound is None or r.episode.iterations < bound):
-                    calling.append((r, message["tool_calls"]))
-                else:
-                    self.finish(r, reason)
-            active = self._call_tools(calling, allowance)
+        active, tokens, pending = [r for r in work if self._room(r, allowance)], 0, {}
+        while active or pending:
+            if active:
+                tokens += self._generate(active, allowance, pending)
+            active = self._collect(pending, allowance)
         return tokens
+
+    def _generate(self, active: list[Rollout], allowance: dict, pending: dict) -> int:
+        """One generate call for `active`; each turn that ended is finished, or its tool calls are started (into
+        `pending`: future -> rollout). Returns the tokens sampled."""
+        requests = [(r.prompt_ids + r.completion_ids, 1, self._room(r, allowance)) for r in active]
+        outputs = self.lockstep.generate(self.generate_local, requests)
+        tokens = 0
+        for r, (_, _, asked), out in zip(active, requests, outputs):
+            comp = out.outputs[0]
+            n = r.append_sampled(comp, self.ex.version)
+            tokens, allowance[id(r)] = tokens + n, allowance[id(r)] - n
+            reason = str(comp.finish_reason or "length")
+            if reason == "length":
+                if n < asked or not self._room(r, {id(r): 1}):  # the completion or the context is full
+                    self._append_cut_turn(r)
+                    self.finish(r, "length")
+                continue  # else its allowance is spent mid-turn: carried to the next tick
+            message = self.chat.parse(r.completion_ids[r.episode.turn_start:],
+                                      r.prompt_ids + r.completion_ids[:r.episode.turn_start], self.tools(r.episode))
+            r.episode.messages.append(message)
+            bound, calls = self.spec.max_iterations, message.get("tool_calls")
+            if not calls or (bound is not None and r.episode.iterations >= bound):
+                self.finish(r, reason)
+                continue
+            over = self._over_bound(r.episode, len(calls))
+            if over:  # as TRL's last round: none of the turn's calls runs, the turn ends the rollout
+                r.episode.calls_refused += len(calls)
+                r.episode.ended_by = over
+                self.finish(r, reason)
+                continue
+            tools = {tool_name(t): t for t in self.tools(r.episode)}
+            pending[self.runner.submit(calls, tools, self._time_left(r.episode))] = r
+        return tokens
+
+    def _over_bound(self, episode: Episode, num_calls: int) -> str | None:
+        """Why a turn of `num_calls` calls may not run: too many calls, or the rollout's time budget is spent."""
+        cap = self.spec.max_calls_per_turn
+        if cap is not None and num_calls > cap:
+            return "calls_per_turn"
+        left = self._time_left(episode)
+        return "time_budget" if left is not None and left <= 0 else None
+
+    def _time_left(self, episode: Episode) -> float | None:
+        budget = self.spec.rollout_time_budget_s
+        return None if budget is None else budget - episode.tool_seconds
+
+    def _collect(self, pending: dict, allowance: dict) -> list[Rollout]:
+        """Wait for at least one rollout's tool calls (and, briefly, for the others: rollouts whose calls end together
+        generate together), append their results; returns the rollouts that go on generating in this tick."""
+        if not pending:
+            return []
+        import concurrent.futures as cf
+
+        rollouts = list(pending.values())
+        # Every turn ends by its bound (calls x timeout, or the rollout's budget); past that, a bug: fail loudly.
+        bound = max(self.runner.turn_bound(self.spec.max_calls_per_turn or 1 << 16, self._time_left(r.episode))
+                    for r in rollouts) + 10.0
+        done, rest = cf.wait(pending, timeout=bound, return_when=cf.FIRST_COMPLETED)
+        if not done:
+            raise RuntimeError(f"no tool-calling turn of {len(pending)} rollouts returned within {bound:.0f} s, past "
+                               "every turn's bound; the tool runner is stuck.")
+        if rest:
+            done |= cf.wait(rest, timeout=_GATHER_S)[0]
+        return [r for r in (self._apply(pending.pop(f), f.result(), allowance) for f in list(pending) if f in done)
+                if r is not None]
+
+    def _apply(self, r: Rollout, turn, allowance: dict) -> Rollout | None:
+        """Append a turn's tool results to `r` (None: the rollout ended or stops for this tick, else `r`)."""
+        episode = r.episode
+        results = turn.results
+        episode.tool_calls += len(results)
+        episode.tool_failures += sum(res.failed for res in results)
+        episode.tool_timeouts += sum(res.timed_out for res in results)
+        episode.tool_seconds += turn.seconds
+        if turn.over_budget:  # the budget ran out during the turn: it ends the rollout, keeping no result
+            episode.calls_refused += turn.refused
+            episode.abandoned = True  # (a call was abandoned or never started; either way the turn is cut)
+            episode.ended_by = "time_budget"
+            self.finish(r, "stop")
+            return None
+        episode.abandoned = episode.abandoned or any(res.timed_out for res in results)
+        messages = [res.message() for res in results]
+        suffix = self.chat.suffix_ids(messages)
+        if len(suffix) >= self._room(r, {id(r): len(suffix) + 1}):  # no room for the results and an answer
+            self.finish(r, "stop")
+            return None
+        r.completion_ids += suffix
+        r.behavior_logprobs += [0.0] * len(suffix)
+        r.versions += [self.ex.version] * len(suffix)
+        r.env_mask += [0] * len(suffix)
+        episode.messages += messages
+        episode.iterations += 1
+        episode.turn_start = len(r.completion_ids)
+        return r if self._room(r, allowance) else None
 
     def _append_cut_turn(self, r: Rollout) -> None:
         """A turn that the length limit cut after tool calls is still the rollout's last assistant message, as in
@@ -243,34 +337,6 @@ class MultiTurn:
         return max(0, min(allowance[id(r)], spec.max_completion_length - used,
                           spec.max_model_len - len(r.prompt_ids) - used))
 
-    def _call_tools(self, calling: list[tuple[Rollout, list]], allowance: dict) -> list[Rollout]:
-        """Run the tool calls of the rollouts in `calling` and append their results; returns the rollouts that go on
-        generating in this tick."""
-        if not calling:
-            return []
-        jobs = [(calls, {tool_name(t): t for t in self.tools(r.episode)}) for r, calls in calling]
-        go_on = []
-        for (r, _), results in zip(calling, self.runner.run(jobs)):
-            episode = r.episode
-            episode.tool_calls += len(results)
-            episode.tool_failures += sum(res.failed for res in results)
-            episode.tool_timeouts += sum(res.timed_out for res in results)
-            messages = [res.message() for res in results]
-            suffix = self.chat.suffix_ids(messages)
-            if len(suffix) >= self._room(r, {id(r): len(suffix) + 1}):  # no room for the results and an answer
-                self.finish(r, "stop")
-                continue
-            r.completion_ids += suffix
-            r.behavior_logprobs += [0.0] * len(suffix)
-            r.versions += [self.ex.version] * len(suffix)
-            r.env_mask += [0] * len(suffix)
-            episode.messages += messages
-            episode.iterations += 1
-            episode.turn_start = len(r.completion_ids)
-            if self._room(r, allowance):
-                go_on.append(r)
-        return go_on
-
     def finish(self, r: Rollout, reason: str) -> None:
         """The rollout is complete: its text, its environment's reward (scored here, next to the live environment),
         and the environment's pickled copy for the trainer ranks; the live instance goes back to the pool."""
@@ -286,7 +352,8 @@ class MultiTurn:
         if kind.has_reward:
             r.model_rewards[kind.class_name] = self._environment_reward(env, kind.class_name, r.row_index)
         episode.environment = snapshot(env)
-        self.pool.give_back(episode.environment_name, env)
+        if not episode.abandoned:  # a call left running could still change it, in the next rollout that took it
+            self.pool.give_back(episode.environment_name, env)
 
     def _environment_reward(self, env, class_name: str, row: int) -> float | None:
         result = self.runner.call("get_reward", env.get_reward, {})

@@ -10,7 +10,13 @@ and gives an error saying so.
 A synchronous tool runs in a daemon thread of its own, so one that hangs is left behind after its timeout
 (Python cannot stop a thread; it is counted in `abandoned`) while the rollout goes on. `async def` tools run
 on one event loop in a daemon thread under `asyncio.wait_for`; a coroutine that blocks the loop itself is
-abandoned together with its loop, and the next call gets a new loop. Rollouts run their calls concurrently.
+abandoned together with its loop, and the next call gets a new loop.
+
+Each rollout's turn runs in a thread of its own (`submit`), so rollouts run their calls concurrently and a slow
+rollout never holds back another one's next turn. A turn may carry a time budget (what is left of the rollout's
+`rollout_time_budget_s`): no call starts past it, and the call running when it runs out is abandoned then, as at
+its own timeout; the turn reports the calls it could not run (`TurnResult.refused`). So one turn never takes
+longer than the smaller of its budget and (calls x `timeout_s`, plus 1 s for a stuck event loop).
 Tool code is the user's; model output only chooses the tool and its arguments (never evaluated).
 """
 
@@ -34,11 +40,23 @@ class ToolResult:
     content: Any
     failed: bool = False
     timed_out: bool = False
+    over_budget: bool = False  # abandoned when the turn's time budget ran out (it gives the model no result)
 
     def message(self) -> dict:
         """TRL's tool message: text, or a list of content blocks as the tool returned it."""
         content = self.content if isinstance(self.content, list) else str(self.content)
         return {"role": "tool", "name": self.name, "content": content}
+
+
+@dataclass
+class TurnResult:
+    """One rollout's turn of calls: the results the model reads (TRL's order), how long the calls took, and, when
+    the time budget ran out (`over_budget`), how many calls gave no result (never started, or abandoned then)."""
+
+    results: list[ToolResult]
+    seconds: float = 0.0
+    refused: int = 0
+    over_budget: bool = False
 
 
 def _error(name: str, text: str, timed_out: bool = False) -> ToolResult:
@@ -54,7 +72,7 @@ def tool_name(fn: Callable) -> str:
 
 
 class ToolRunner:
-    """Runs tool calls with a time bound per call.
+    """Runs tool calls with a time bound per call, and optionally per turn.
 
     Args:
         timeout_s: the longest one call may run before it is abandoned and reported as failed.
@@ -67,30 +85,51 @@ class ToolRunner:
         self.abandoned = 0  # threads (or event loops) left running after a timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="hfllamarl-tools")
+
+    def submit(self, calls: list, tools: dict[str, Callable], budget_s: float | None = None
+               ) -> concurrent.futures.Future:
+        """Start one rollout's turn (its parsed tool calls, its tools by name) in a thread of its own; the future
+        gives its `TurnResult`. `budget_s`: the seconds this turn may take (None: only the per-call bound)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def target():
+            try:
+                future.set_result(self._run_turn(calls, tools, budget_s))
+            except BaseException as exc:  # a bug here, not a tool's failure: the caller re-raises it
+                future.set_exception(exc)
+
+        # One thread per turn, not a pool: a queue would make a turn wait for others before its budget starts.
+        threading.Thread(target=target, name="hfllamarl-tools-turn", daemon=True).start()
+        return future
 
     def run(self, jobs: list[tuple[list, dict[str, Callable]]]) -> list[list[ToolResult]]:
         """`jobs[i]` = (rollout i's parsed tool calls, its tools by name); returns each rollout's results, in TRL's
         order. Rollouts run concurrently; a rollout's synchronous calls run in order."""
-        futures = [self._pool.submit(self._run_rollout, calls, tools) for calls, tools in jobs]
-        # Each rollout waits at most timeout_s per call (plus a margin): never longer than that.
-        return [f.result() for f in futures]
+        futures = [self.submit(calls, tools) for calls, tools in jobs]
+        return [f.result(self.turn_bound(len(calls), None) + 5.0).results for f, (calls, _) in zip(futures, jobs)]
+
+    def turn_bound(self, num_calls: int, budget_s: float | None) -> float:
+        """The longest a turn of `num_calls` calls can take: its synchronous calls one after the other, its async
+        ones together (plus 1 s for a stuck event loop), never past its budget."""
+        bound = num_calls * self.timeout_s + 1.0
+        return bound if budget_s is None else min(bound, max(budget_s, 0.0))
 
     def call(self, name: str, fn: Callable, kwargs: dict) -> ToolResult:
         """One bounded call of `fn(**kwargs)` (sync or async) outside a tool-calling turn (e.g. `get_reward`)."""
         if is_async(fn):
-            return self._run_async([(name, fn, kwargs)])[0]
-        return self._run_sync(name, fn, kwargs)
+            return self._run_async([(name, fn, kwargs)], None)[0]
+        return self._run_sync(name, fn, kwargs, self.timeout_s)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
         loop, self._loop = self._loop, None
         if loop is not None:
             loop.call_soon_threadsafe(loop.stop)
 
     # ------------------------------------------------------------------ internals
-    def _run_rollout(self, calls: list, tools: dict[str, Callable]) -> list[ToolResult]:
-        results, pending_async = [], []
+    def _run_turn(self, calls: list, tools: dict[str, Callable], budget_s: float | None) -> TurnResult:
+        start = time.monotonic()
+        deadline = None if budget_s is None else start + budget_s
+        results, pending_async, refused = [], [], 0
         for call in calls:
             if not isinstance(call, dict) or call.get("type") != "function":
                 kind = call.get("type") if isinstance(call, dict) else type(call).__name__
@@ -105,12 +144,31 @@ class ToolRunner:
             elif is_async(fn):
                 pending_async.append((name, fn, function.get("arguments")))
             else:
-                results.append(self._run_sync(name, fn, function.get("arguments")))
+                limit = self._limit(deadline)
+                if limit <= 0:  # the budget is spent: this call is not started
+                    refused += 1
+                    continue
+                result = self._run_sync(name, fn, function.get("arguments"), limit)
+                if result.timed_out and limit < self.timeout_s:  # abandoned at the budget, not at its own bound
+                    refused += 1
+                else:
+                    results.append(result)
         if pending_async:
-            results += self._run_async(pending_async)
-        return results
+            if self._limit(deadline) <= 0:
+                refused += len(pending_async)
+            else:
+                for result in self._run_async(pending_async, deadline):
+                    if result.over_budget:
+                        refused += 1
+                    else:
+                        results.append(result)
+        return TurnResult(results, time.monotonic() - start, refused, over_budget=refused > 0)
 
-    def _run_sync(self, name: str, fn: Callable, arguments) -> ToolResult:
+    def _limit(self, deadline: float | None) -> float:
+        """How long the next call may run: its own bound, or what is left of the turn's budget if less."""
+        return self.timeout_s if deadline is None else min(self.timeout_s, deadline - time.monotonic())
+
+    def _run_sync(self, name: str, fn: Callable, arguments, limit: float) -> ToolResult:
         box: dict[str, Any] = {}
 
         def target():
@@ -121,19 +179,23 @@ class ToolRunner:
 
         worker = threading.Thread(target=target, name=f"hfllamarl-tool-{name}", daemon=True)
         worker.start()
-        worker.join(self.timeout_s)
+        worker.join(limit)
         if worker.is_alive():
-            self.abandoned += 1
+            with self._lock:
+                self.abandoned += 1
             return _error(name, f"Tool {name} did not finish within {self.timeout_s:g} s and was abandoned.", True)
         if "error" in box:
             return _error(name, str(box["error"]))
         return ToolResult(name, box.get("value"))
 
-    def _run_async(self, calls: list[tuple[str, Callable, Any]]) -> list[ToolResult]:
+    def _run_async(self, calls: list[tuple[str, Callable, Any]], deadline: float | None) -> list[ToolResult]:
+        """The calls together on the event loop; each ends at its own bound or at `deadline` (the turn's budget),
+        whichever comes first (then it is marked `over_budget`)."""
         loop = self._event_loop()
+        limit = self._limit(deadline)
 
         async def bounded(fn, arguments):
-            return await asyncio.wait_for(fn(**arguments), self.timeout_s)
+            return await asyncio.wait_for(fn(**arguments), limit)
 
         futures = []
         for name, fn, arguments in calls:
@@ -142,18 +204,24 @@ class ToolRunner:
             except BaseException as exc:  # e.g. arguments that are not a mapping
                 futures.append(exc)
         results = []
-        deadline = time.monotonic() + self.timeout_s + 1.0  # wait_for ends each call by then, unless the loop is stuck
+        # wait_for ends each call by `limit`, unless the loop itself is stuck: then 1 s later, or at the budget.
+        end = time.monotonic() + limit + 1.0
+        cut_at_deadline = deadline is not None and deadline < end
+        end = deadline if cut_at_deadline else end
         for (name, _, _), future in zip(calls, futures):
             if isinstance(future, BaseException):
                 results.append(_error(name, str(future)))
                 continue
             try:
-                results.append(ToolResult(name, future.result(max(deadline - time.monotonic(), 0.0))))
+                results.append(ToolResult(name, future.result(max(end - time.monotonic(), 0.0))))
             except (asyncio.TimeoutError, TimeoutError, concurrent.futures.TimeoutError):
-                if not future.done():  # the loop itself is stuck in the coroutine: leave it, start another
+                stuck = not future.done()
+                if stuck:  # the loop itself is stuck in the coroutine: leave it, start another
                     self._abandon_loop(loop)
-                results.append(_error(name, f"Tool {name} did not finish within {self.timeout_s:g} s and was "
-                                            "abandoned.", True))
+                result = _error(name, f"Tool {name} did not finish within {self.timeout_s:g} s and was abandoned.",
+                                True)
+                result.over_budget = limit < self.timeout_s or (stuck and cut_at_deadline)
+                results.append(result)
             except BaseException as exc:
                 results.append(_error(name, str(exc)))
         return results
