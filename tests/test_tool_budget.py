@@ -1,0 +1,238 @@
+"""The policy chooses how many tool calls it makes and how slow they are: one rollout's tool work is bounded per turn
+(`max_tool_calls_per_turn`) and over the rollout (`rollout_time_budget_s`), past either the rollout ends as TRL's
+`_tool_call_loop` ends one at `max_tool_calling_iterations`, and no rollout waits for another's calls.
+
+The policy here is scripted (the adversary's turns, as token ids of the real Qwen3 chat tokenizer), everything
+else is the runtime's own: `MultiTurn.run`, a real `ToolRunner` with real sleeping tools, the chat template and
+TRL's response parser, the environment pool and `get_reward`."""
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from hfllamarl import AsyncAIPOConfig
+from hfllamarl.runtime.episodes import completion, tool_counts, tool_metrics
+from hfllamarl.runtime.multi_turn import AgentSpec, MultiTurn
+from hfllamarl.runtime.tool_calls import ToolRunner
+
+SLEEP_S, CALLS, TIMEOUT_S = 0.5, 50, 1.0
+STARTED = []  # (tool, monotonic time) of every call that started, from any thread
+LOCK = threading.Lock()
+
+
+def slow(x: int) -> int:
+    """Wait, then echo.
+
+    Args:
+        x: A number.
+    """
+    with LOCK:
+        STARTED.append(("slow", time.monotonic()))
+    time.sleep(SLEEP_S)
+    return x
+
+
+def quick(x: int) -> int:
+    """Add one.
+
+    Args:
+        x: A number.
+    """
+    with LOCK:
+        STARTED.append(("quick", time.monotonic()))
+    return x + 1
+
+
+class Slow:
+    """An environment with one slow tool; its reward counts the calls that reached it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def reset(self, **row):
+        self.calls = 0
+
+    def slow(self, x: int) -> int:
+        """Wait, then echo.
+
+        Args:
+            x: A number.
+        """
+        self.calls += 1
+        time.sleep(SLEEP_S)
+        return x
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+def _turn(tool: str, count: int) -> str:
+    return "".join(f'<tool_call>\n{{"name": "{tool}", "arguments": {{"x": {i}}}}}\n</tool_call>'
+                   for i in range(count)) + "<|im_end|>"
+
+
+class Scripted(MultiTurn):
+    """The adversary: on a prompt saying "slow" it calls `slow` CALLS times in its first turn; on "quick" it calls
+    `quick` once per turn for three turns, then answers."""
+
+    def generate_local(self, requests):
+        tok = self.ex.encoder.tokenizer
+        outputs = []
+        for ids, _, _ in requests:
+            context = tok.decode(ids)
+            if "slow" in context.split("<|im_start|>user")[-1].split("<|im_end|>")[0]:
+                text = _turn("slow", CALLS)
+            else:
+                text = _turn("quick", 1) if context.count("<tool_response>") < 3 else "done<|im_end|>"
+            token_ids = tok.encode(text, add_special_tokens=False)
+            comp = SimpleNamespace(token_ids=token_ids, finish_reason="stop",
+                                   logprobs=[{t: SimpleNamespace(logprob=-0.1)} for t in token_ids])
+            outputs.append(SimpleNamespace(outputs=[comp]))
+        return outputs
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from hfllamarl.tools.tiny_chat import build_chat_tokenizer
+
+    return build_chat_tokenizer("qwen3")
+
+
+def _multi_turn(tokenizer, **spec_kw) -> Scripted:
+    spec = AgentSpec(tool_call_timeout_s=TIMEOUT_S, **spec_kw)
+    executor = SimpleNamespace(
+        topology=SimpleNamespace(replica_size=1, local_rank=0, num_generators=1, timeout=None),
+        encoder=SimpleNamespace(tokenizer=tokenizer), version=3,
+        spec=SimpleNamespace(chat_template_kwargs={"enable_thinking": False}, max_completion_length=8000,
+                             max_model_len=16000, partial_rollout_tokens=None))
+    return Scripted(spec, executor)
+
+
+def _run(mt: MultiTurn, prompts: list[str]) -> tuple[list, float]:
+    rollouts = [mt.start({"prompt": [{"role": "user", "content": p}]}, i) for i, p in enumerate(prompts)]
+    STARTED.clear()
+    start = time.monotonic()
+    mt.run(rollouts, 8000)
+    return rollouts, time.monotonic() - start
+
+
+def _ended_as_trl_ends_it(r, tokenizer) -> None:
+    """TRL's `_tool_call_loop` past its last round: the calling turn is the completion's last message, its tool calls
+    unanswered; the tokens are the sampled ones, ending with the end-of-turn token (not truncated); no tool token."""
+    messages = completion(r)
+    assert messages[-1]["role"] == "assistant" and len(messages[-1]["tool_calls"]) == CALLS
+    assert all(m["role"] == "assistant" for m in messages) and r.finish_reason == "stop"
+    assert r.completion_ids == tokenizer.encode(_turn("slow", CALLS), add_special_tokens=False)
+    assert r.completion_ids[-1] == tokenizer.eos_token_id and set(r.env_mask) == {1}
+
+
+def test_a_turn_of_too_many_calls_runs_none_and_ends_the_rollout(tokenizer):
+    mt = _multi_turn(tokenizer, tools=[slow, quick], max_calls_per_turn=8, rollout_time_budget_s=30.0)
+    (bad, good), seconds = _run(mt, ["slow", "quick"])
+    assert seconds < 1.0 and not [s for s in STARTED if s[0] == "slow"], (seconds, STARTED)
+    _ended_as_trl_ends_it(bad, tokenizer)
+    assert bad.episode.calls_refused == CALLS and bad.episode.tool_calls == 0
+    assert bad.episode.ended_by == "calls_per_turn"
+    # the other rollout of the batch is untouched: three turns answered, then its answer
+    assert [m.get("content") for m in completion(good) if m["role"] == "tool"] == ["1", "1", "1"]
+    assert completion(good)[-1]["content"] == "done" and good.episode.ended_by is None
+    metrics = tool_metrics(tool_counts([bad, good]), 2.0)
+    assert metrics["tools/calls_refused"] == CALLS and metrics["tools/ended_by_budget"] == 1.0
+    assert metrics["tools/call_frequency"] == 1.5  # the 3 calls that ran, per completion
+
+
+def test_a_turn_of_many_slow_calls_ends_within_the_rollouts_budget(tokenizer):
+    """50 calls of 0.5 s each (25 s in a row, each under its own 1 s bound): the 2 s budget ends the rollout in 2 s;
+    the rollout beside it goes on through its three turns meanwhile, without waiting for the slow one."""
+    budget = 2.0
+    mt = _multi_turn(tokenizer, factories={None: Slow}, tools=[quick], max_calls_per_turn=64,
+                     rollout_time_budget_s=budget)
+    (bad, good), seconds = _run(mt, ["slow", "quick"])
+    ran = mt._live(bad.episode)  # (finish() replaced it by its pickled copy: read that copy)
+    assert seconds < budget + 0.5, seconds
+    assert CALLS * SLEEP_S > 10 * budget  # without the budget the turn would have run for 25 s
+    _ended_as_trl_ends_it(bad, tokenizer)
+    assert bad.episode.ended_by == "time_budget" and budget <= bad.episode.tool_seconds < budget + 0.2
+    made = bad.episode.tool_calls
+    assert made == int(budget / SLEEP_S) - 1 or made == int(budget / SLEEP_S), made  # ~4 calls fit in 2 s
+    assert bad.episode.calls_refused == CALLS - made and ran.calls == made + 1  # +1: the one abandoned at the budget
+    # scored as usual: get_reward ran on its environment, which is not handed to another rollout (a call was left
+    # running in it)
+    assert bad.model_rewards["Slow"] == float(made + 1)
+    assert all(env is not ran for env in mt.pool.free.get(None, []))
+    # the other rollout finished its three quick turns long before the slow one's budget ran out
+    quick_times = [t for name, t in STARTED if name == "quick"]
+    assert len(quick_times) == 3 and max(quick_times) - min(quick_times) < 0.5, STARTED
+    assert completion(good)[-1]["content"] == "done" and good.episode.ended_by is None
+    metrics = tool_metrics(tool_counts([bad, good]), 2.0)
+    assert metrics["tools/calls_refused"] == CALLS - made and metrics["tools/ended_by_budget"] == 1.0
+    # the job is unharmed: the same runner answers the next call at once
+    assert mt.runner.call("quick", quick, {"x": 41}).content == 42
+
+
+def test_a_budget_cuts_async_calls_and_a_stuck_event_loop():
+    import asyncio
+
+    async def nap(x: int) -> int:
+        await asyncio.sleep(5)
+        return x
+
+    async def blocks_the_loop(x: int) -> int:
+        time.sleep(3)  # never yields: wait_for cannot end it
+        return x
+
+    async def add_one(x: int) -> int:
+        return x + 1
+
+    runner = ToolRunner(timeout_s=10.0)
+    call = [{"type": "function", "function": {"name": "nap", "arguments": {"x": i}}} for i in range(20)]
+    stuck = [{"type": "function", "function": {"name": "blocks_the_loop", "arguments": {"x": 1}}}]
+    tools = {"nap": nap, "blocks_the_loop": blocks_the_loop}
+    for calls in (call, stuck):
+        start = time.monotonic()
+        turn = runner.submit(calls, tools, budget_s=0.5).result(5)
+        assert time.monotonic() - start < 0.8 and turn.over_budget and turn.refused == len(calls) and not turn.results
+    assert runner.call("add_one", add_one, {"x": 1}).content == 2  # a new event loop serves what comes next
+
+
+def _make(**kw):
+    return AsyncAIPOConfig(output_dir="/tmp/hfllamarl-test-budget", report_to="none", per_device_train_batch_size=4,
+                           num_generations=2, **kw)
+
+
+def test_the_budget_defaults_to_a_share_of_the_collective_timeout_and_sums_that_pass_it_are_refused():
+    assert _make(collective_timeout_s=600).rollout_time_budget_s == 300  # half of it
+    assert _make(collective_timeout_s=600, eval_strategy="steps", eval_steps=2).rollout_time_budget_s == 150
+    assert _make().max_tool_calls_per_turn == 8
+    # 2 rounds x (4 calls x 100 s + 1) = 802 s <= 900: the rounds bound it even past a 1000 s budget
+    assert _make(rollout_time_budget_s=1000, max_tool_calling_iterations=2, max_tool_calls_per_turn=4,
+                 tool_call_timeout_s=100).rollout_time_budget_s == 1000
+    cases = [
+        (dict(rollout_time_budget_s=1000), "take 1000 s of one generator tick .rollout_time_budget_s=1000., more "
+         "than 0.5 x collective_timeout_s=1800 = 900 s"),
+        (dict(rollout_time_budget_s=1000, max_tool_calling_iterations=3, max_tool_calls_per_turn=4,
+              tool_call_timeout_s=100), r"take 1000 s .*min\(rollout_time_budget_s=1000, max_tool_calling_iterations=3 "
+         r"x \(max_tool_calls_per_turn=4 x tool_call_timeout_s=100 \+ 1\)\)"),
+        (dict(rollout_time_budget_s=200, collective_timeout_s=600, eval_strategy="steps", eval_steps=2),
+         r"take 400 s .*x 2 \(an evaluation runs in the same tick as training\)\), more than 0.5 x "
+         "collective_timeout_s=600 = 300 s.*Set rollout_time_budget_s <= 150"),
+        (dict(max_tool_calls_per_turn=0), "max_tool_calls_per_turn=0; it must be a whole number >= 1"),
+        (dict(max_tool_calls_per_turn=2.5), "max_tool_calls_per_turn=2.5"),
+        (dict(rollout_time_budget_s=0), "rollout_time_budget_s=0; it must be a number of seconds > 0"),
+        (dict(rollout_time_budget_s=float("inf")), "rollout_time_budget_s=inf"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            _make(**kw)
+
+
+def test_the_trainer_hands_the_bounds_to_the_generator():
+    from hfllamarl.trainers.agent_setup import build_agent
+
+    args = _make(max_tool_calls_per_turn=3, rollout_time_budget_s=12.5)
+    spec = build_agent(args, [quick], None, None).spec
+    assert (spec.max_calls_per_turn, spec.rollout_time_budget_s) == (3, 12.5)
+    assert json.loads(json.dumps(args.to_dict()))["rollout_time_budget_s"] == 12.5
