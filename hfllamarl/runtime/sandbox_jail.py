@@ -31,7 +31,7 @@ from typing import Any, Callable
 NOBODY = 65534
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 1 << 14, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 1 << 14, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 28, 38
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 1
 # mount_setattr shares the generic syscall table's number on x86_64 and aarch64 (Linux 5.12+).
@@ -145,8 +145,44 @@ def _mount_setattr(step: str, path: str, flags: int, attr_set: int, attr_clr: in
     _check(step, result, fail_step)
 
 
-def build_file_system(scratch: str, scratch_mb: int, max_files: int, fail_step: str | None) -> None:
+def hidden_paths(paths: list[str]) -> dict[str, list[str]]:
+    """Of ``paths`` (the interpreter's own directories), those uid 65534 cannot reach (``/root`` is mode 0700),
+    grouped by the topmost directory on their way that others may not search, e.g. ``{"/root": [...]}``."""
+    found: dict[str, list[str]] = {}
+    for path in sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)}):
+        parts, blocked = path.split("/")[1:], None
+        for i in range(1, len(parts) + 1):
+            ancestor = "/" + "/".join(parts[:i])
+            if not os.stat(ancestor).st_mode & 0o001:
+                blocked = ancestor
+                break
+        if blocked is not None and blocked != path:
+            kept = found.setdefault(blocked, [])
+            if not any(path.startswith(k + "/") for k in kept):
+                kept.append(path)
+    return found
+
+
+def reveal_interpreter(hidden: dict[str, list[str]], fail_step: str | None) -> None:
+    """As root, in a mount namespace of the call's own: covers each blocking directory with an empty tmpfs that
+    holds only bind mounts of the interpreter's directories, so uid 65534 can import what the job can (and sees
+    nothing else of, e.g., ``/root``)."""
+    _check("unshare_mount_ns", _LIBC.unshare(CLONE_NEWNS), fail_step)
+    _mount("make_mounts_private", None, "/", None, MS_REC | MS_PRIVATE, None, fail_step)
+    for blocked, paths in hidden.items():
+        fds = {p: _step("open_interpreter_dirs", fail_step, lambda p=p: os.open(p, os.O_PATH | os.O_DIRECTORY))
+               for p in paths}
+        _mount("cover_private_dir", "tmpfs", blocked, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755",
+               fail_step)
+        for path, fd in fds.items():
+            _step("bind_interpreter_dirs", fail_step, lambda p=path: os.makedirs(p, exist_ok=True))
+            _mount("bind_interpreter_dirs", f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, fail_step)
+            os.close(fd)
+
+
+def build_file_system(job: dict, fail_step: str | None) -> None:
     """Read-only view of everything but a capped tmpfs on ``scratch``; a fresh /proc; a tiny /dev/shm."""
+    scratch, scratch_mb, max_files = job["scratch"], job["scratch_mb"], job["max_files"]
     _mount("make_mounts_private", None, "/", None, MS_REC | MS_PRIVATE, None, fail_step)
     _mount("mount_scratch_tmpfs", "tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={scratch_mb}m,nr_inodes={max_files},mode=0700", fail_step)
@@ -188,10 +224,13 @@ def set_limits(limits: dict, fail_step: str | None) -> None:
         _step("set_rlimits", fail_step, lambda w=which, v=value: resource.setrlimit(w, (v, v)))
 
 
-def close_fds_but(keep: int) -> None:
-    """Closes every descriptor above 2 except ``keep`` (the reply pipe)."""
-    os.closerange(3, keep)
-    os.closerange(keep + 1, 1 << 20)
+def close_fds_but(keep: set[int]) -> None:
+    """Closes every descriptor above 2 except those in ``keep`` (the reply pipe, the interpreter's directories)."""
+    low = 3
+    for fd in sorted(keep):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 20)
 
 
 def block_sockets() -> None:
@@ -237,11 +276,10 @@ def _runner(fn: Callable | None, args: list, reply_fd: int, job: dict) -> None:
     fail = job.get("fail_step")
     try:
         _check("set_pdeathsig", _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), fail)
-        build_file_system(job["scratch"], job["scratch_mb"], job["max_files"], fail)
+        build_file_system(job, fail)
         drop_capabilities(fail)
         set_limits(job, fail)
         _step("chdir_scratch", fail, lambda: os.chdir(job["scratch"]))
-        close_fds_but(reply_fd)
     except IsolationError as exc:
         _isolation_exit(reply_fd, exc)
     os.environ.update(HOME=job["scratch"], TMPDIR=job["scratch"])
@@ -252,18 +290,21 @@ def child_main(fn: Callable | None, args: list, reply_fd: int, job: dict) -> Non
     """Entry of the forked child (never returns): isolation, then the call, per ``job["isolation"]``."""
     fail = job.get("fail_step")
     try:
-        close_fds_but(reply_fd)
+        close_fds_but({reply_fd})
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         os.close(null)
         _step("setsid", fail, os.setsid)
         _join_cgroups(job["cgroups"])
+        if job["hidden"] and job["isolation"] == "namespaces":
+            reveal_interpreter(job["hidden"], fail)
         uid, gid = _drop_user(fail)
         if job["isolation"] == "process":
             _check("set_pdeathsig", _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), fail)
             set_limits({**job, "max_processes": job["max_processes"] * job["parallel"]}, fail)
             _step("chdir_scratch", fail, lambda: os.chdir(job["scratch"]))
+            close_fds_but({reply_fd})
             _step("block_sockets", fail, block_sockets)
             os.environ.update(HOME=job["scratch"], TMPDIR=job["scratch"])
             _run_and_reply(fn, args, reply_fd)

@@ -135,6 +135,12 @@ class Server:
         self.base = tempfile.mkdtemp(prefix="hfllamarl-sandbox-")
         os.chmod(self.base, 0o711)  # uid 65534 must reach its scratch directory below
         self.cgroups = _Cgroups(os.getpid())
+        self.hidden: dict[str, list[str]] = {}
+        if self.isolation == "namespaces" and jail.runs_as_root():
+            import sys
+
+            self.hidden = jail.hidden_paths([*sys.path, sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                             sys.base_exec_prefix])
         self.calls: dict[int, _Call] = {}  # by reply fd
         self.queue: list[tuple[Any, list, float]] = []  # requests waiting for a free slot
         self.inbox = bytearray()
@@ -152,7 +158,7 @@ class Server:
         memory = (lim["memory_mb"] + lim["scratch_mb"] + 64) << 20
         cgroups = self.cgroups.create(self.counter, lim["max_processes"] + 2, memory)
         job = {**lim, "scratch": scratch, "cgroups": cgroups, "isolation": self.isolation, "fail_step": fail,
-               "server_pid": os.getpid(), "parallel": self.config["parallel"]}
+               "server_pid": os.getpid(), "parallel": self.config["parallel"], "hidden": self.hidden}
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:
