@@ -64,11 +64,13 @@ class _CapData(ctypes.Structure):
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
+# Bound at import (in the server): a call that replaces json.dumps does not change how its reply is written.
+_ENCODER = json.JSONEncoder(allow_nan=False)
 
 
 def write_frame(fd: int, obj: Any) -> None:
     """Writes one length-prefixed JSON frame to ``fd`` (blocking, whole)."""
-    data = json.dumps(obj, allow_nan=False).encode()
+    data = _ENCODER.encode(obj).encode()
     view = memoryview(len(data).to_bytes(4, "big") + data)
     while view:
         view = view[os.write(fd, view):]
@@ -253,7 +255,7 @@ def _run_and_reply(fn: Callable | None, args: list, reply_fd: int) -> None:
         value = "probe" if fn is None else fn(*args)
         try:
             frame = {"status": "ok", "value": value}
-            json.dumps(frame, allow_nan=False)
+            _ENCODER.encode(frame)
         except (TypeError, ValueError):
             frame = {"status": "error", "error": f"the result is not JSON data ({type(value).__name__})"}
     except BaseException as exc:  # noqa: BLE001 - reported to the parent; str(exc) may be huge, the type is not
