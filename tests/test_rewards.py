@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hfllamarl.plugins.rewards import _sandbox
+from hfllamarl.runtime import sandbox as _sandbox
 from hfllamarl.plugins.rewards.format import boxed_format, length, length_penalty
 from hfllamarl.plugins.rewards.gsm8k import gsm8k
 from hfllamarl.plugins.rewards.math_sympy import extract_answer, math_sympy, normalize_answer
@@ -298,24 +298,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sandbox_kills_a_stuck_worker_and_replaces_it():
-    # pbkdf2_hmac runs in C without checking for signals, like sympy stuck in a big power:
-    # the worker's soft SIGALRM deadline cannot stop it, so the parent must kill it.
-    worker = _sandbox.SandboxWorker(hashlib.pbkdf2_hmac)
+def test_sandbox_kills_a_call_stuck_in_c_at_its_deadline():
+    # pbkdf2_hmac runs in C without checking for signals, like sympy stuck in a big power: only a kill stops it.
+    worker = _sandbox.Sandbox("sandbox_targets:pbkdf2")
     try:
         assert worker.wait_ready(30)
-        assert len(worker.call("sha256", b"x", b"y", 1, timeout=5)) == 32
-        first = worker.pid
+        expected = hashlib.pbkdf2_hmac("sha256", b"x", b"y", 1).hex()
+        assert worker.call(1, timeout=5) == expected
+        server = worker.pid
         start = time.monotonic()
         with pytest.raises(_sandbox.SandboxTimeout):
-            worker.call("sha256", b"x", b"y", 10**9, timeout=0.5)
+            worker.call(10**9, timeout=0.5)
         assert time.monotonic() - start < 1.5
-        assert worker.pid != first and worker.starts == 2
-        assert not _alive(first)
-        assert len(worker.call("sha256", b"x", b"y", 1, timeout=30)) == 32
+        assert worker.pid == server and worker.starts == 1  # the call's process died, the server did not
+        assert worker.call(1, timeout=30) == expected
     finally:
         worker.close()
-    assert worker.pid is None
+    assert worker.pid is None and not _alive(server)
 
 
 def _orphan_worker_pid(script: str) -> int:
@@ -356,13 +355,13 @@ def test_idle_worker_exits_when_its_parent_dies():
 def test_busy_worker_exits_when_its_parent_dies():
     pid = _orphan_worker_pid(  # the worker is stuck in C when its parent dies
         "import hashlib, threading\n"
-        "from hfllamarl.plugins.rewards._sandbox import SandboxWorker\n"
-        "w = SandboxWorker(hashlib.pbkdf2_hmac, cpu_limit_s=1.0)\n"
+        "from hfllamarl.runtime.sandbox import Sandbox\n"
+        "w = Sandbox('sandbox_targets:pbkdf2')\n"
         "w.wait_ready(30)\n"
         "print(w.pid, flush=True)\n"
-        "w.call('sha256', b'x', b'y', 10**9, timeout=60)\n"
+        "w.call(10**9, timeout=60)\n"
     )
-    assert _wait_dead(pid, 20)  # its CPU-time limit (1 s) ends it
+    assert _wait_dead(pid, 10)  # its parent-death signal ends it, and its call's with it
 
 
 # -------------------------------------------------------------------------------- gsm8k

@@ -1,66 +1,30 @@
 """`python_sandbox`: a tool that runs model-written Python in a sandboxed process.
 
-The code is model output, so it never runs in the generator's process. It runs in a child process of
-the reward sandbox (`hfllamarl.plugins.rewards._sandbox.SandboxWorker`: a fresh interpreter, killed and
-replaced when it overruns) under these bounds:
+The code is model output, so it never runs in the generator's process. Each call runs in a fresh process of
+:class:`hfllamarl.runtime.sandbox.Sandbox` (fresh globals, fresh scratch directory, nothing left from other calls or
+rollouts) under these bounds:
 
-- time: `timeout_s` of wall clock per call (a soft deadline inside the child, then a kill), and a CPU-time
-  limit per call;
+- time: `timeout_s` of wall clock per call; at the deadline the call's whole process tree is killed;
 - memory: an address-space limit (`memory_mb`), so a huge allocation raises `MemoryError`;
-- network: the child moves itself into new user and network namespaces before it takes any code (no
-  interface but a down loopback: every connection fails). Where the kernel refuses namespaces, Python's
-  `socket` module is disabled instead (weaker: C extensions could still open sockets) and
-  `network_isolation()` says so;
-- files: the child works in a scratch directory of its own and may write at most 16 MiB per file. It is
-  not a file-system jail: code can read what the user running the job can read.
+- isolation `"namespaces"` (default): its own user, mount, network, pid and IPC namespaces; a read-only file system
+  but a 64 MiB tmpfs scratch directory (its working directory, removed after the call); no network at all; at most
+  32 processes. Where the kernel refuses namespaces the tool refuses to start and says why, unless `isolation=
+  "process"` is chosen (weaker, logged loudly at start). `network_isolation()` reports the mode in force.
+- It is not a read jail: code can read what the job's user (or uid 65534) can read.
 
-Each call starts from fresh globals; what it prints (stdout and stderr, at most `max_output_chars`) is the
-tool's result, with the traceback's last line when the code raises.
+What the code prints (stdout and stderr, at most `max_output_chars`) is the tool's result, with the traceback's last
+line when the code raises.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 
-from hfllamarl.plugins.rewards._sandbox import SandboxError, SandboxTimeout, SandboxWorker
-
-_FILE_SIZE_LIMIT = 16 << 20
-_STATE = {"network": "not isolated"}  # in the child: how the network was cut
-
-
-def _isolate() -> None:
-    """Runs once in the sandbox child, before any code: cut the network, move to a scratch directory."""
-    import ctypes
-    import os
-    import resource
-    import tempfile
-
-    uid, gid = os.getuid(), os.getgid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(0x10000000 | 0x40000000) == 0:  # CLONE_NEWUSER | CLONE_NEWNET
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-            try:
-                with open(f"/proc/self/{name}", "w") as fh:
-                    fh.write(text)
-            except OSError:
-                pass  # unmapped ids only change how files are owned in the scratch directory
-        _STATE["network"] = "namespace"
-    else:
-        import socket
-
-        def refuse(*args, **kwargs):
-            raise OSError("network access is disabled in the python sandbox")
-
-        for name in ("socket", "create_connection", "socketpair", "fromfd", "getaddrinfo"):
-            setattr(socket, name, refuse)
-        _STATE["network"] = "socket module disabled"
-    os.chdir(tempfile.mkdtemp(prefix="hfllamarl-python-"))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (_FILE_SIZE_LIMIT, _FILE_SIZE_LIMIT))
+from hfllamarl.runtime.sandbox import Sandbox, SandboxError, SandboxTimeout
 
 
 def _execute(code: str, max_chars: int) -> str:
-    """Runs in the sandbox child: `code` with fresh globals; returns what it printed (and its error)."""
+    """Runs in a sandboxed child: `code` with fresh globals; returns what it printed (and its error)."""
     import contextlib
     import io
     import traceback
@@ -69,34 +33,34 @@ def _execute(code: str, max_chars: int) -> str:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             exec(compile(code, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-        except BaseException as exc:  # the child's soft deadline is re-raised by the worker loop
-            if type(exc).__name__ == "_SoftTimeout":
-                raise
+        except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are output too
             lines = traceback.format_exception_only(type(exc), exc)
             out.write(lines[-1] if lines else type(exc).__name__)
-    text = out.getvalue()
-    return text if len(text) <= max_chars else text[:max_chars] + f"\n... ({len(text) - max_chars} more characters)"
+    return _cut(out.getvalue(), max_chars)
 
 
 class PythonSandbox:
-    """An environment with one tool, `python`; the sandbox processes are shared by every instance of a job.
+    """An environment with one tool, `python`; the sandbox server is shared by every instance of a job.
 
     Args:
         timeout_s: wall-clock bound of one call (keep it under the job's `tool_call_timeout_s`).
-        memory_mb: address-space limit of the sandbox process.
+        memory_mb: address-space limit of each process of a call.
         max_output_chars: longer output is cut.
-        workers: sandbox processes, so that a call stuck until its timeout does not hold up the others.
+        workers: calls that may run at once.
+        isolation: "namespaces" (default) or the weaker, opt-in "process" (see the module docstring).
     """
 
-    _pools: dict[tuple, queue.Queue] = {}
+    _sandboxes: dict[tuple, Sandbox] = {}
     _lock = threading.Lock()
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 2000,
-                 workers: int = 2):
+                 workers: int = 2, isolation: str = "namespaces"):
         if not timeout_s > 0 or memory_mb < 64 or workers < 1:
             raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64 and workers >= 1.")
+        if isolation not in ("namespaces", "process"):
+            raise ValueError(f"PythonSandbox isolation must be 'namespaces' or 'process', got {isolation!r}.")
         self.timeout_s, self.max_output_chars = float(timeout_s), int(max_output_chars)
-        self._key = (int(memory_mb), int(workers), max(1.0, 2 * float(timeout_s)))
+        self._key = (int(memory_mb), int(workers), max(1.0, 2 * float(timeout_s)), isolation)
 
     def reset(self, **row) -> None:
         """Called before each rollout with the dataset row; adds nothing to the prompt."""
@@ -110,44 +74,36 @@ class PythonSandbox:
         """
         if not isinstance(code, str):
             raise ValueError(f"code must be a string, got {type(code).__name__}")
-        pool = self._pool()
-        worker = pool.get()
         try:
-            return worker.call(("run", code, self.max_output_chars), timeout=self.timeout_s)
+            out = self._sandbox().call(code, self.max_output_chars, timeout=self.timeout_s)
         except SandboxTimeout:
             raise TimeoutError(f"the code ran longer than {self.timeout_s:g} s and was stopped") from None
         except SandboxError as exc:
             raise RuntimeError(f"the sandbox failed: {exc}") from None
-        finally:
-            pool.put(worker)
+        if not isinstance(out, str):
+            raise RuntimeError("the sandbox failed: its reply is not text")
+        return out if len(out) <= self.max_output_chars + 64 else _cut(out, self.max_output_chars)  # forged reply
 
     def network_isolation(self) -> str:
-        """How the sandbox cuts the network: 'namespace', or 'socket module disabled' where namespaces are refused."""
-        pool = self._pool()
-        worker = pool.get()
-        try:
-            return worker.call(("state",), timeout=60.0)
-        finally:
-            pool.put(worker)
+        """The isolation in force: 'namespaces' (no network at all) or 'process' (Python's socket module disabled)."""
+        sandbox = self._sandbox()
+        if not sandbox.wait_ready(sandbox.startup_timeout):
+            raise RuntimeError("the python sandbox did not start in time")
+        return sandbox.isolation
 
-    def _pool(self) -> queue.Queue:
+    def _sandbox(self) -> Sandbox:
         with PythonSandbox._lock:
-            pool = PythonSandbox._pools.get(self._key)
-            if pool is None:
-                memory_mb, workers, cpu_s = self._key
-                pool = queue.Queue()
-                for _ in range(workers):
-                    pool.put(SandboxWorker(_dispatch, warmup=_isolate, cpu_limit_s=cpu_s,
-                                           memory_limit_bytes=memory_mb << 20, startup_timeout=60.0))
-                PythonSandbox._pools[self._key] = pool
-            return pool
+            sandbox = PythonSandbox._sandboxes.get(self._key)
+            if sandbox is None:
+                memory_mb, workers, cpu_s, isolation = self._key
+                sandbox = Sandbox(f"{__name__}:_execute", isolation=isolation, parallel=workers,
+                                  memory_mb=memory_mb, cpu_limit_s=cpu_s, startup_timeout=60.0)
+                PythonSandbox._sandboxes[self._key] = sandbox
+            return sandbox
 
 
-def _dispatch(request: tuple):
-    """The sandbox worker's one function: ("run", code, max_chars), or ("state",) for the network isolation."""
-    if request[0] == "state":
-        return _STATE["network"]
-    return _execute(*request[1:])
+def _cut(text: str, max_chars: int) -> str:
+    return text if len(text) <= max_chars else text[:max_chars] + f"\n... ({len(text) - max_chars} more characters)"
 
 
 def run_python(code: str) -> str:

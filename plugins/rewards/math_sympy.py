@@ -22,8 +22,8 @@ Grading, per completion:
    when the other side has no finite decimal form); numbers in a base; a choice letter or a word
    as gold.
 4. Otherwise ask math-verify (LaTeX parser only) and sympy in a sandboxed worker process
-   (:mod:`._sandbox`): numbers by value under the same rules, then symbolic equality, tuples,
-   intervals, unordered sets, matrices (elementwise, in order, for decimals). An interval or set
+   (:mod:`hfllamarl.runtime.sandbox`: a fresh isolated process per call): numbers by value
+   under the same rules, then symbolic equality, tuples, intervals, unordered sets, matrices (elementwise, in order, for decimals). An interval or set
    as gold is not matched by an inequality (math-verify's rule); the other way round it is.
 
 Security: model text is never evaluated as Python. It goes only through
@@ -46,6 +46,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import re
 import threading
 import time
@@ -62,10 +63,10 @@ from ._answer import (
 )
 from ._numbers import as_number, base_number_verdict, numbers_close, rounded_to_own_digits
 from ._normalize import CHOICE_RE, WORDS_RE, normalize_answer, unescape_commands
-from ._sandbox import SandboxError, SandboxTimeout, SandboxWorker
+from hfllamarl.runtime.sandbox import Sandbox, SandboxError, SandboxTimeout
 
 __all__ = [
-    "extract_answer", "math_sympy", "normalize_answer", "reset_stats", "shutdown", "stats",
+    "configure", "extract_answer", "math_sympy", "normalize_answer", "reset_stats", "shutdown", "stats",
     "warmup",
 ]
 
@@ -219,11 +220,24 @@ def _worker_warmup() -> None:
 
 # ------------------------------------------------------------------------ reward function
 
-_WORKER = SandboxWorker(_worker_equivalent, warmup=_worker_warmup)
+_WORKER = Sandbox(f"{__name__}:_worker_equivalent", warmup=f"{__name__}:_worker_warmup", isolation="namespaces",
+                  parallel=min(2, os.cpu_count() or 1), memory_mb=4096)
+
+
+def configure(isolation: str = "namespaces") -> None:
+    """Chooses the grader's sandbox isolation ("namespaces", or the weaker opt-in "process"); restarts it."""
+    global _WORKER
+    if isolation != _WORKER.requested_isolation:
+        _WORKER.close()
+        _WORKER = Sandbox(_WORKER.fn, warmup=_WORKER.warmup, isolation=isolation, parallel=_WORKER.parallel,
+                          memory_mb=4096)
+        _STARTED[0] = False
+
+
 _LOCK = threading.Lock()
 _STATS = {"calls": 0, "samples": 0, "timeouts": 0, "worker_errors": 0}
 _STARTED = [False]  # whether a worker has ever been ready (first start is not budgeted)
-atexit.register(_WORKER.close)
+atexit.register(lambda: _WORKER.close())
 
 
 def stats() -> dict[str, int]:
@@ -333,3 +347,4 @@ math_sympy.stats = stats  # type: ignore[attr-defined]
 math_sympy.reset_stats = reset_stats  # type: ignore[attr-defined]
 math_sympy.warmup = warmup  # type: ignore[attr-defined]
 math_sympy.shutdown = shutdown  # type: ignore[attr-defined]
+math_sympy.configure = configure  # type: ignore[attr-defined]

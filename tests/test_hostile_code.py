@@ -1,0 +1,296 @@
+"""Hostile model code against both sandboxes (the python tool, and the grader's sandbox reached through a parser's
+eval), with real processes: each attack is contained and the next normal call still answers correctly."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hfllamarl.runtime.sandbox import Sandbox, SandboxError, SandboxTimeout, SandboxUnavailable
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+
+TIMEOUT_S = 2.0
+
+
+class ToolRunner:
+    """The python tool: output as text; its errors as the tool raises them."""
+
+    name = "tool"
+
+    def __init__(self):
+        from hfllamarl.plugins.environments.python_sandbox import PythonSandbox
+
+        self.box = PythonSandbox(timeout_s=TIMEOUT_S, memory_mb=512, max_output_chars=100_000)
+        self.sandbox = self.box._sandbox()
+
+    def run(self, code: str) -> str:
+        try:
+            return self.box.python(textwrap.dedent(code))
+        except TimeoutError as exc:
+            raise SandboxTimeout(str(exc)) from None
+        except RuntimeError as exc:
+            raise SandboxError(str(exc)) from None
+
+
+class GraderRunner:
+    """The grader's sandbox (math_sympy's warm-up and limits) calling a function that executes model text."""
+
+    name = "grader"
+
+    def __init__(self):
+        self.sandbox = Sandbox("sandbox_targets:run_code", warmup="hfllamarl.plugins.rewards.math_sympy:_worker_warmup",
+                               parallel=2, memory_mb=4096)
+
+    def run(self, code: str) -> str:
+        return self.sandbox.call(textwrap.dedent(code), timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module", params=["tool", "grader"])
+def box(request):
+    runner = ToolRunner() if request.param == "tool" else GraderRunner()
+    assert runner.sandbox.wait_ready(60)
+    assert runner.sandbox.isolation == "namespaces"
+    yield runner
+    runner.sandbox.close()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` on the host (walks /proc's parent links)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parents[int(entry)] = int(fields[1])
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier}
+        found += frontier
+    return found
+
+
+def assert_unharmed(box) -> None:
+    assert box.run("print(6 * 7)") == "42\n"
+    assert descendants(box.sandbox.pid) == []
+
+
+def test_a_pickle_on_the_reply_channel_is_never_unpickled(box):
+    marker = Path(tempfile.mkdtemp()) / "pwned"
+    code = f"""
+    import os, pickle, stat
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch {marker}",))
+    payload = pickle.dumps(Evil())
+    for fd in range(3, 256):
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.write(fd, len(payload).to_bytes(4, "big") + payload)
+        except OSError:
+            pass
+    os._exit(0)
+    """
+    with pytest.raises(SandboxError, match="malformed reply"):
+        box.run(code)
+    time.sleep(0.2)
+    assert not marker.exists()
+    shutil.rmtree(marker.parent)
+    assert_unharmed(box)
+
+
+def test_a_fork_bomb_is_capped_and_leaves_nothing(box):
+    code = """
+    import os, time
+    made = 0
+    for _ in range(300):
+        try:
+            if os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+            made += 1
+        except OSError:
+            pass
+    print(made)
+    """
+    made = int(box.run(code))
+    assert 0 < made < 32  # RLIMIT_NPROC of the call (32, the call itself included)
+    assert_unharmed(box)
+
+
+def test_a_setsid_child_does_not_outlive_the_call(box):
+    code = """
+    import os, time
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            time.sleep(60)
+        os._exit(0)
+    time.sleep(60)
+    """
+    start = time.monotonic()
+    with pytest.raises(SandboxTimeout):
+        box.run(code)
+    assert time.monotonic() - start < TIMEOUT_S + 1.5
+    assert descendants(box.sandbox.pid) == []  # the server answered after the namespace was gone
+    assert_unharmed(box)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_writes_outside_scratch_are_refused(box):
+    import hfllamarl
+
+    ckpt = Path(tempfile.mkdtemp()) / "checkpoint-10"  # world-writable: only the sandbox stands in the way
+    ckpt.mkdir()
+    os.chmod(ckpt.parent, 0o777)
+    os.chmod(ckpt, 0o777)
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(b"weights")
+    os.chmod(weights, 0o666)
+    package_init = Path(hfllamarl.__file__)
+    home = Path(os.path.expanduser("~"))
+    before = {p: _digest(p) for p in (weights, package_init)}
+    targets = [weights, ckpt / "optimizer.pt", package_init, package_init.parent / "evil.py", home / ".bashrc-evil",
+               Path("/tmp/hfllamarl-evil")]
+    code = f"""
+    import ctypes, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    print("remount", libc.mount(None, b"/", None, 32 | 4096, None), ctypes.get_errno())  # MS_REMOUNT|MS_BIND
+    for target in {[str(t) for t in targets]!r}:
+        try:
+            with open(target, "ab") as fh:
+                fh.write(b"pwned")
+            print("WROTE", target)
+        except OSError as exc:
+            print("refused", target, exc.errno)
+    open("fine.txt", "w").write("scratch is writable")
+    print(open("fine.txt").read())
+    """
+    out = box.run(code)
+    assert "WROTE" not in out and out.count("refused") == len(targets), out
+    assert "remount -1" in out and "scratch is writable" in out, out
+    assert {p: _digest(p) for p in before} == before
+    assert not any(t.exists() for t in targets[1:2] + targets[3:])
+    shutil.rmtree(ckpt.parent)
+    assert_unharmed(box)
+
+
+def test_filling_the_disk_gives_enospc_and_scratch_is_removed(box):
+    code = """
+    import errno, os
+    print(os.getcwd())
+    try:
+        for i in range(1000):
+            with open(f"big{i}", "wb") as fh:
+                fh.write(b"x" * (8 << 20))
+    except OSError as exc:
+        print("bytes", errno.errorcode[exc.errno])
+    try:
+        for i in range(100000):
+            open(f"f{i}", "w").close()
+    except OSError as exc:
+        print("inodes", errno.errorcode[exc.errno], i < 600)
+    """
+    out = box.run(code).split("\n")
+    scratch = Path(out[0])
+    assert out[1:3] == ["bytes ENOSPC", "inodes ENOSPC True"], out
+    assert not scratch.exists()
+    assert_unharmed(box)
+
+
+def test_state_does_not_leak_from_one_call_to_the_next(box):
+    module = ("hfllamarl.plugins.environments.python_sandbox" if box.name == "tool"
+              else "hfllamarl.plugins.rewards.math_sympy")
+    first = f"""
+    import builtins, json, importlib
+    builtins.leaked = 1
+    json.dumps = lambda *a, **k: "hacked"
+    m = importlib.import_module("{module}")
+    m.hacked = True
+    open("note.txt", "w").write("from call 1")
+    print("edited")
+    """
+    second = f"""
+    import builtins, json, importlib, os
+    m = importlib.import_module("{module}")
+    print(hasattr(builtins, "leaked"), json.dumps(1), hasattr(m, "hacked"), os.path.exists("note.txt"))
+    """
+    assert box.run(first) == "edited\n"
+    assert box.run(second) == "False 1 False False\n"
+    assert_unharmed(box)
+
+
+@pytest.fixture
+def listener():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.setblocking(False)
+    yield server
+    server.close()
+
+
+def test_no_connection_reaches_the_host(box, listener):
+    port = listener.getsockname()[1]
+    connect = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=1); print('connected')"
+    code = f"""
+    import ctypes, socket, struct, subprocess, sys
+    try:
+        import _socket
+        s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+        s.settimeout(1)
+        s.connect(("127.0.0.1", {port}))
+        print("connected _socket")
+    except OSError as exc:
+        print("_socket", exc.errno)
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.socket(2, 1, 0)
+    addr = struct.pack("=HH4s8x", 2, socket.htons({port}), bytes([127, 0, 0, 1]))
+    print("ctypes", libc.connect(fd, addr, len(addr)), ctypes.get_errno())
+    run = subprocess.run([sys.executable, "-c", {connect!r}], capture_output=True, text=True, timeout=5)
+    print("subprocess", run.returncode, run.stdout.strip() or run.stderr.strip().splitlines()[-1])
+    """
+    out = box.run(code)
+    assert "connected" not in out, out
+    assert "ctypes -1 101" in out and "_socket 101" in out and "subprocess 1" in out, out  # ENETUNREACH
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    assert_unharmed(box)
+
+
+def test_a_failed_isolation_step_fails_closed():
+    marker = Path(tempfile.mkdtemp())
+    os.chmod(marker, 0o777)
+    code = f"open('{marker}/ran', 'w').write('x'); print('ran')"
+    broken = Sandbox("sandbox_targets:run_code", _test_fail_step="call:make_tree_read_only")
+    try:
+        assert broken.wait_ready(30)
+        with pytest.raises(SandboxError, match="make_tree_read_only.*did not run"):
+            broken.call(code, timeout=10)
+    finally:
+        broken.close()
+    unavailable = Sandbox("sandbox_targets:run_code", _test_fail_step="unshare")
+    try:
+        with pytest.raises(SandboxUnavailable, match=r"'unshare' failed.*isolation='process'"):
+            unavailable.wait_ready(30)
+        with pytest.raises(SandboxUnavailable):
+            unavailable.call(code, timeout=10)
+    finally:
+        unavailable.close()
+    assert not (marker / "ran").exists()
+    shutil.rmtree(marker)
