@@ -401,3 +401,31 @@ def test_a_rank_frozen_after_the_last_checkpoint(family_model, tmp_path):
         name = "rank 0 (trainer 0)" if victim == 0 else "rank 1 (generator 0)"
         assert name in tail and "stopped answering" in tail, (case, tail)
         assert not orphans(str(tmp_path / f"{launch}-{victim}")), case
+
+
+def test_a_rank_hung_in_its_exit_is_named_after_the_collective_timeout_and_a_clean_exit_is_not_slowed():
+    """Ranks started bare that only join the job and exit (collective_timeout_s=4, so a silent rank would be found
+    after 10 s of silence, the heartbeat's floor). A rank whose interpreter cannot exit (a non-daemon thread that never
+    ends; its heartbeat goes on) is named by the other after collective_timeout_s, which exits non-zero and kills it;
+    two ranks that exit cleanly do so with code 0, the end-of-job rendezvous taking a moment (seen: 0.3-0.5 s on a
+    loaded machine, load average 18 on 2 cores), not a timeout."""
+    script = str(SCRIPTS / "exit_rendezvous.py")
+    clean = launch_bare(2, [script, "clean"], env={})
+    hung = launch_bare(2, [script, "hung"], env={})
+    outs = {}
+    for name, procs in (("clean", clean), ("hung", hung)):
+        try:
+            outs[name] = [p.communicate(timeout=60) for p in procs] + [time.time()]
+        finally:
+            for p in procs:
+                p.kill()
+    survivor, victim = hung
+    err = outs["hung"][0][1]
+    assert survivor.returncode == 1 and victim.returncode == -9, (survivor.returncode, victim.returncode, err[-2000:])
+    last = err.strip().splitlines()[-1]
+    assert "rank 1 (generator 0) did not reach the end of the job within 4 s (collective_timeout_s)" in last, err[-2000:]
+    assert [p.returncode for p in clean] == [0, 0], outs["clean"][0][1][-2000:]
+    met = [float(line.split()[1]) for out, _ in outs["clean"][:2] for line in out.splitlines()
+           if line.startswith("MET ")]
+    # (well under the 4 s a missing rank would be waited for, and the 10 s of silence that would name one)
+    assert len(met) == 2 and max(met) < 2.0, met
