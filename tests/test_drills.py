@@ -27,11 +27,11 @@ BOUND_S = TIMEOUT_S + 30
 NAMES = {"trainer0": "rank 0 (trainer 0)", "trainer1": "rank 1 (trainer 1)", "generator": "generator 0)"}
 
 
-def start(model: str, out: str, launch: str, extra=()) -> subprocess.Popen:
+def start(model: str, out: str, launch: str, extra=(), nproc: int = 3) -> subprocess.Popen:
     args = [str(SCRIPTS / "train_tiny.py"), model, out, "--steps", "200", "--report-to", "none",
             "--timeout", str(TIMEOUT_S), *extra]
     if launch == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_addr", "127.0.0.1",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), *args]
     else:
         cmd = [sys.executable, *args]
@@ -326,3 +326,106 @@ def test_a_lost_generator_replica_is_survived_or_named(tiny_model, tmp_path):
         if trainers == 1:
             assert sorted(epoch) == list(range(ROWS)), name  # one epoch: every prompt exactly once
         assert not orphans(str(tmp_path / name)), name
+
+
+# ---------------------------------------------------------------------------- a rank frozen after the last step
+EXIT_STEPS = 2  # the last step is checkpointed (checkpoint.due): the freeze comes right after that checkpoint
+
+
+def exit_drill(model: str, out: str, launch: str, victim: int, results: dict) -> None:
+    """Run a 2-step job (1 trainer + 1 generator) whose rank `victim` is SIGSTOPped right after the last checkpoint
+    is committed; record how long the job took to end after that and what it printed last."""
+    proc = start(model, out, launch, extra=["--steps", str(EXIT_STEPS), "--stop-after-checkpoint",
+                                            f"{EXIT_STEPS}:{victim}", "--num-generators", "1"], nproc=2)
+    marker = os.path.join(out, "victim.pid")
+    try:
+        deadline = time.monotonic() + 600
+        while not os.path.exists(marker) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert os.path.exists(marker), (launch, victim, proc.communicate(timeout=60)[1][-3000:] if proc.poll() is not
+                                        None else "the job never reached its last checkpoint")
+        signalled = time.monotonic() - (time.time() - os.path.getmtime(marker))
+        pid = int(open(marker).read())
+        frozen = psutil.Process(pid)
+        if launch == "python" and victim == 0:  # the frozen parent is the user's process: its children must end
+            kids = [p for p in psutil.Process(proc.pid).children(recursive=True) if belongs_to(p, out)]
+            while any(alive(p) for p in kids) and time.monotonic() - signalled < BOUND_S + 30:
+                time.sleep(0.2)
+            ended = None if any(alive(p) for p in kids) else time.monotonic() - signalled
+            proc.kill()
+            _, err = proc.communicate(timeout=60)
+            code = None
+        else:
+            try:
+                _, err = proc.communicate(timeout=max(signalled + BOUND_S + 30 - time.monotonic(), 1))
+                ended, code = time.monotonic() - signalled, proc.returncode
+            except subprocess.TimeoutExpired:  # the job hangs: record it, then end it
+                ended, code = None, None
+                for p in psutil.Process(proc.pid).children(recursive=True):
+                    p.kill()
+                proc.kill()
+                _, err = proc.communicate(timeout=60)
+        results[(launch, victim)] = {"seconds": ended, "code": code, "err": err,
+                                     "victim_left": alive(frozen) and not (launch == "python" and victim == 0)}
+    finally:
+        for p in psutil.Process(os.getpid()).children(recursive=True):
+            if belongs_to(p, out):
+                p.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_a_rank_frozen_after_the_last_checkpoint(family_model, tmp_path):
+    """SIGSTOP right after the last checkpoint (a 2-step job, 1 trainer + 1 generator), every rank, under torchrun
+    and plain python: the survivor ends within collective_timeout_s + 30 s of the signal, non-zero, its last lines
+    naming the frozen rank, and no process of the job is left (a frozen rank under torchrun is killed by the survivor;
+    the frozen trainer of a plain-python job is the user's process: its generator child ends, the parent stays).
+    Four jobs side by side."""
+    cases = [(launch, victim) for launch in ("torchrun", "python") for victim in (0, 1)]
+    results: dict = {}
+    threads = [threading.Thread(target=exit_drill, args=(family_model("llama"), str(tmp_path / f"{c[0]}-{c[1]}"), *c,
+                                                         results)) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print({case: r["seconds"] for case, r in results.items()})
+    for case in cases:
+        launch, victim = case
+        r = results.get(case)
+        assert r is not None, f"{case}: the drill itself failed"
+        tail = "\n".join(r["err"].strip().splitlines()[-12:])
+        assert r["seconds"] is not None and r["seconds"] < BOUND_S, (case, r["seconds"], tail)
+        assert r["code"] != 0 and not r["victim_left"], (case, r["code"], tail)
+        name = "rank 0 (trainer 0)" if victim == 0 else "rank 1 (generator 0)"
+        assert name in tail and "stopped answering" in tail, (case, tail)
+        assert not orphans(str(tmp_path / f"{launch}-{victim}")), case
+
+
+def test_a_rank_hung_in_its_exit_is_named_after_the_collective_timeout_and_a_clean_exit_is_not_slowed():
+    """Ranks started bare that only join the job and exit (collective_timeout_s=4, so a silent rank would be found
+    after 10 s of silence, the heartbeat's floor). A rank whose interpreter cannot exit (a non-daemon thread that never
+    ends; its heartbeat goes on) is named by the other after collective_timeout_s, which exits non-zero and kills it;
+    two ranks that exit cleanly do so with code 0, the end-of-job rendezvous taking a moment (seen: 0.3-0.5 s on a
+    loaded machine, load average 18 on 2 cores), not a timeout."""
+    script = str(SCRIPTS / "exit_rendezvous.py")
+    clean = launch_bare(2, [script, "clean"], env={})
+    hung = launch_bare(2, [script, "hung"], env={})
+    outs = {}
+    for name, procs in (("clean", clean), ("hung", hung)):
+        try:
+            outs[name] = [p.communicate(timeout=60) for p in procs] + [time.time()]
+        finally:
+            for p in procs:
+                p.kill()
+    survivor, victim = hung
+    err = outs["hung"][0][1]
+    assert survivor.returncode == 1 and victim.returncode == -9, (survivor.returncode, victim.returncode, err[-2000:])
+    last = err.strip().splitlines()[-1]
+    assert "rank 1 (generator 0) did not reach the end of the job within 4 s (collective_timeout_s)" in last, err[-2000:]
+    assert [p.returncode for p in clean] == [0, 0], outs["clean"][0][1][-2000:]
+    met = [float(line.split()[1]) for out, _ in outs["clean"][:2] for line in out.splitlines()
+           if line.startswith("MET ")]
+    # (well under the 4 s a missing rank would be waited for, and the 10 s of silence that would name one)
+    assert len(met) == 2 and max(met) < 2.0, met

@@ -226,6 +226,8 @@ class AsyncAIPOTrainer:
             if self.args.load_best_model_at_end:
                 load_best_model(self)
             summary = self._reporter.train_end()
+            if topo.mode == "single":  # the children are done too (one frozen or dead after the last step: raised)
+                topo.liveness.finish()
             finished = True
             return TrainOutput(self.state.global_step, summary["train_loss"], summary)
         except BaseException:

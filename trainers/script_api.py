@@ -59,15 +59,16 @@ class JobAccelerator:
 
 
 def end(trainer) -> None:
-    """`trainer.end()`: the job's processes are done with each other (call it last): stop the heartbeats and
-    release this process's world and bridge groups, as transformers' `Trainer.end` destroys its process group."""
+    """`trainer.end()`: the job's processes are done with each other (call it last): release this process's world
+    and bridge groups, as transformers' `Trainer.end` destroys its process group, then meet the other ranks at the
+    end of the job and stop the heartbeats (`Liveness.finish`; under a launcher it happens at exit otherwise)."""
     import torch.distributed as dist
 
     topo = trainer.topology
-    topo.liveness.stop()
     topo.drop_bridge()
     if dist.is_initialized():
         dist.destroy_process_group()
+    topo.liveness.finish()  # (after the teardown, which the watchdog still watches: the end-of-job rendezvous)
 
 
 def hub_model_id(trainer) -> str:

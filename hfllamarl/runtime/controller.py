@@ -112,4 +112,5 @@ def run_job(executor: Executor, backend, topology, schedule: Schedule, start_tic
         raise error from exc
     finally:
         executor.close()
-    topology.liveness.mark_done()
+    # (no "done" yet: this rank's heartbeat and watchdog run on until the end-of-job rendezvous, `Liveness.finish`,
+    # so that a rank frozen or dead after the last step is found like one mid-run)

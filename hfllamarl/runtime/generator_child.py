@@ -39,6 +39,7 @@ def main(spec_path: str) -> int:
     spec = job["spec"]
     backend = build_backend(spec.weight_sync_backend, topo, **spec.weight_sync_options)
     run_job(GeneratorExecutor(spec, topo), backend, topo, spec.schedule, start_tick=job.get("start_tick", 0))
+    topo.liveness.finish()  # the parent is done with this child too (or it froze or died: named, exit non-zero)
     return 0
 
 

@@ -80,6 +80,7 @@ STORE_CALL_S = 4.0  # the longest one look at the store may take
 # or killed while starting is still named well within the start-up budget, vllm_server_timeout).
 STARTING_SLACK = 4
 STARTUP = "start-up"  # the rendezvous every executor reaches once it has started (`executor.wait_for_startup`)
+END = "end of the job"  # the rendezvous every rank reaches once it is done with the others (`Liveness.finish`)
 
 
 def _reached(what: str) -> str:
@@ -162,6 +163,8 @@ class Liveness:
         self._frozen: list[int] = []  # the ranks the last verdict found silent
         self.culprit: int | None = None  # the rank the last verdict names
         self._ended: set[int] = set()  # lost ranks (of another replica) whose processes this rank ended
+        self._acted = threading.Event()  # `_act` ran (the watchdog and `finish` may both find a verdict)
+        self._act_lock = threading.Lock()
 
     # ---------------------------------------------------------------- keys
     def _key(self, kind: str, rank: int) -> str:
@@ -234,6 +237,51 @@ class Liveness:
                 thread.join(timeout=STORE_CALL_S + 2)
         self._threads = []
 
+    def finish(self) -> None:
+        """The end-of-job rendezvous, the last thing a rank does with the others (after `train()`, the user's
+        `save_model`, process-group teardown: at interpreter exit under a launcher, `trainer.end()`, the end of a
+        generator child, the end of a single-process `train()`): say so, wait until every other rank says so too,
+        then mark this rank done and stop beating. Until then the heartbeat and the watchdog run, so a rank that
+        freezes or dies after the last step is found as one mid-run is; a rank that still beats and never arrives
+        (hung, e.g. in a collective's teardown or a non-daemon thread) is named after `collective_timeout_s`, the
+        bound of any collective. Either way this rank acts as the watchdog does (`_act`: under a launcher it exits
+        non-zero naming that rank, after killing it if it runs here; a single-process parent kills its children
+        and raises). Ranks already done (a resumed, finished run) and lost replicas are not waited for."""
+        if not self._threads or self.failing.is_set():  # not started, done already, or failing: nothing to meet
+            self.stop()
+            return
+        topo = self.topology
+        kind, deadline = _reached(END), time.monotonic() + topo.timeout_s
+        keys = {r: (self._key(kind, r), self._key("done", r)) for r in self._others()}
+        try:
+            timed(lambda: self._locked(lambda c: c.set(self._key(kind, topo.rank), "1")), STORE_CALL_S)
+        except Exception:  # (the store's silence is the watchdog's to judge)
+            pass
+        while True:
+            if self.verdict_cause is not None:  # the watchdog acted: a launched rank is exiting in that thread
+                if topo.mode == "single":
+                    raise PeerLostError(f"{topo.describe(topo.rank)} stops because {self.verdict_cause}")
+                time.sleep(0.2)
+                continue
+            try:
+                missing = timed(lambda: self._locked(lambda c: [r for r, k in keys.items() if not c.check([k[0]])
+                                                                and not c.check([k[1]])]), STORE_CALL_S)
+            except Exception:
+                missing = None
+            if missing is not None:
+                missing = [r for r in missing if topo.replica_of(r) not in topo.lost]
+                if not missing:
+                    break
+                if time.monotonic() > deadline:
+                    self.culprit = missing[0]
+                    self._act(f"{', '.join(topo.describe(r) for r in missing)} did not reach the end of the job "
+                              f"within {topo.timeout_s:.0f} s (collective_timeout_s) of this rank, and still runs: "
+                              "it hangs (or works on alone for longer than that bound: raise collective_timeout_s).",
+                              frozen=missing)
+            time.sleep(0.05)  # (a clean exit waits for the last rank's mark: look often, the store answers at once)
+        self.mark_done()
+        self._linger()  # (the store's host stays until the others have seen every rank arrive)
+
     def mark_done(self) -> None:
         """This rank finished normally (it is not lost when its heartbeat stops)."""
         try:
@@ -281,7 +329,7 @@ class Liveness:
             pending = [r for r in self._others() if r not in done and r not in failed]
             if not set(pending) - set(self._stale(beats, done)) - set(self._ended_peers()):
                 return
-            time.sleep(0.5)
+            time.sleep(0.1)  # (at the end of a clean job the others are done within moments: no need to wait long)
 
     def announce_joining(self) -> None:
         """A generator child is about to join the bridge (its parent waits for this before it does)."""
@@ -480,11 +528,17 @@ class Liveness:
             return None
         return PeerLostError(f"{self.topology.describe(self.topology.rank)} stops because {verdict}")
 
-    def _act(self, verdict: str) -> None:
-        """The watchdog's decision: this job cannot go on."""
+    def _act(self, verdict: str, frozen: list[int] | None = None) -> None:
+        """The watchdog's decision: this job cannot go on (`frozen`: the ranks to end, if not the verdict's)."""
         topo = self.topology
         me = topo.describe(topo.rank)
         message = f"{me} stops because {verdict}"
+        with self._act_lock:  # (once: the watchdog and `finish` may both get here)
+            if self._acted.is_set():
+                return
+            self._acted.set()
+            if frozen is not None:
+                self._frozen = frozen
         self.verdict_cause = verdict
         if topo.mode == "single":
             # The user's process (maybe a notebook) stays: kill the children, whose sockets closing fails the

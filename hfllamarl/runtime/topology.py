@@ -445,7 +445,18 @@ def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool,
         # From here on this rank's failures are reported to the others, and theirs watched for.
         topo.liveness.start()
         _report_uncaught_exceptions(topo)
+        if topo.mode == "launcher":
+            _meet_at_exit(topo)
     return topo
+
+
+def _meet_at_exit(topo: Topology) -> None:
+    """A launched rank's interpreter exit waits for the other ranks to exit too (`Liveness.finish`, bounded, watched):
+    a rank that freezes or dies after the last step, in the script's `save_model` or in its own teardown, is named
+    and its process ended, instead of a launcher waiting for it forever. (A generator child calls it itself.)"""
+    import atexit
+
+    atexit.register(lambda: topo.liveness.finish())
 
 
 def _report_uncaught_exceptions(topo: Topology) -> None:

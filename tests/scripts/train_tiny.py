@@ -131,6 +131,33 @@ def kill_inside_checkpoint(step):
     checkpoint.commit = commit_or_die
 
 
+def stop_after_checkpoint(step: int, rank: int, output_dir: str):
+    """SIGSTOP the job's rank `rank` right after checkpoint `step` is committed (every rank has passed the commit's
+    last barrier): that rank stops itself, or (plain python) the trainer stops its generator child, which runs no
+    user script. The victim's pid goes to OUTPUT_DIR/victim.pid first."""
+    import signal
+
+    from hfllamarl.runtime import checkpoint
+
+    commit = checkpoint.commit
+
+    def commit_then_stop(topology, output_dir_, at_step, *args, **kwargs):
+        commit(topology, output_dir_, at_step, *args, **kwargs)
+        if at_step != step:
+            return
+        if topology.rank == rank:
+            victim = os.getpid()
+        elif topology.mode == "single" and rank in dict(topology._children):
+            victim = dict(topology._children)[rank].pid
+        else:
+            return
+        with open(os.path.join(output_dir, "victim.pid"), "w") as fh:
+            fh.write(str(victim))
+        os.kill(victim, signal.SIGSTOP)
+
+    checkpoint.commit = commit_then_stop
+
+
 def generator_raises(spec: str):
     """`TICK:REPLICA`: the generator ranks of that replica raise at that tick (a replica that fails on its own)."""
     tick, replica = map(int, spec.split(":"))
@@ -171,6 +198,8 @@ def main():
     p.add_argument("--algorithm", default="aipo", help="algorithm plugin name")
     p.add_argument("--partial-rollout-tokens", type=int, default=None, help="per-tick token budget of a completion")
     p.add_argument("--kill-in-checkpoint", type=int, default=0, help="SIGKILL while this step's checkpoint is written")
+    p.add_argument("--stop-after-checkpoint", default=None,
+                   help="STEP:RANK: SIGSTOP that rank right after checkpoint STEP is committed")
     p.add_argument("--generator-raises", default=None, help="TICK:REPLICA: that replica's ranks raise at that tick")
     p.add_argument("--verify-weight-sync", action="store_true", help="check every sync against vLLM's own loader")
     p.add_argument("--timeout", type=float, default=60, help="collective_timeout_s")
@@ -185,6 +214,9 @@ def main():
     a = p.parse_args()
     if a.kill_in_checkpoint:
         kill_inside_checkpoint(a.kill_in_checkpoint)
+    if a.stop_after_checkpoint:
+        stop_step, stop_rank = map(int, a.stop_after_checkpoint.split(":"))
+        stop_after_checkpoint(stop_step, stop_rank, a.output_dir)
     if a.generator_raises:
         generator_raises(a.generator_raises)
     rewards = [{"digits": digits, "flat_zero": flat_zero}.get(a.reward, a.reward)] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))

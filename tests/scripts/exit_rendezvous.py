@@ -1,0 +1,30 @@
+"""Two ranks started bare (RANK/WORLD_SIZE/MASTER_*: rank 0 trains, rank 1 generates) that only join the job and
+exit, with collective_timeout_s=4: `clean` both exit at once; `hung` rank 1 never gets through its interpreter's exit
+(a non-daemon thread that never ends, while its heartbeat goes on). Prints `MET <seconds>`: how long the job's own
+exit handler (the end-of-job rendezvous, registered when the job starts) took, from the last handler registered
+after it to the first registered before it.
+
+    python tests/scripts/exit_rendezvous.py clean|hung
+"""
+
+import atexit
+import sys
+import threading
+import time
+
+from hfllamarl.runtime.topology import init_topology
+
+MARKS = {}
+
+
+def main() -> None:
+    atexit.register(lambda: print(f"MET {time.monotonic() - MARKS['before']:.3f}", flush=True))  # (runs after it)
+    topo = init_topology(num_generator_processes=1, timeout_s=4.0, use_cpu=True)
+    topo.liveness.rendezvous("start-up", 60)  # (both ranks up: a rank still starting is judged more slowly)
+    if sys.argv[1] == "hung" and topo.rank == 1:
+        threading.Thread(target=time.sleep, args=(3600,), name="never-ends").start()  # (not a daemon)
+    atexit.register(lambda: MARKS.setdefault("before", time.monotonic()))  # (runs before it)
+
+
+if __name__ == "__main__":
+    main()
