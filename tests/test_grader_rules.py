@@ -221,4 +221,6 @@ HOSTILE_GRADING = [
 def test_grading_is_bounded_on_hostile_answers(gold, completion):
     start = time.monotonic()
     out = math_sympy(prompts=None, completions=[completion], answer=[gold])
-    assert time.monotonic() - start < 2.5 and out[0] in (0.0, 1.0)
+    settings = math_sympy.configure()
+    bound = settings["sample_budget_s"] / settings["workers"] + settings["sample_timeout_s"] + 0.5
+    assert time.monotonic() - start < bound and out[0] in (0.0, 1.0, None)  # None: ran out of time, unscored
