@@ -149,3 +149,12 @@ def test_one_worker_and_several_give_the_same_scores():
     module.configure(workers=3)
     three = math_sympy(prompts=None, completions=completions, answer=golds)
     assert one == three == [1.0 if k % 3 else 0.0 for k in range(40)] + [None]
+
+
+def test_unscored_totals_reach_the_log_as_the_newest_total():
+    """counters() reports running totals; a log line covering several steps shows the newest, not a mean."""
+    from hfllamarl.runtime.reporting import _mean_of
+
+    rows = [{"rewards/math_sympy/unscored": 1.0, "reward_unscored": 1.0, "loss": 1.0},
+            {"rewards/math_sympy/unscored": 4.0, "reward_unscored": 2.0, "loss": 3.0}]
+    assert _mean_of(rows) == {"rewards/math_sympy/unscored": 4.0, "reward_unscored": 2.0, "loss": 2.0}
