@@ -66,7 +66,6 @@ def test_a_check_that_times_out_is_unscored_and_its_group_keeps_its_scores():
     in time, wrong. The tower scores None (the old grader scored it 0.0), the others keep their verdicts;
     through the trainer's RewardRunner the tower moves no baseline and gets advantage 0 (TRL's NaN rule),
     and the counts reach the step's metrics."""
-    module.configure(sample_timeout_s=0.5)  # the tower times out either way; this only keeps the test short
     group = [r"\boxed{5}", r"The answer is $\boxed{\sqrt{25}}$.", SLOW, r"\boxed{6}"]
     other = [r"\boxed{\frac{6}{2}}", r"\boxed{3}", r"\boxed{2+2}", r"\boxed{1}"]
     before = math_sympy.stats()
@@ -105,7 +104,6 @@ def test_the_budget_scales_with_the_batch_and_a_spent_budget_leaves_completions_
 
 
 def test_more_than_one_percent_unscored_is_one_warning_naming_the_setting(caplog):
-    module.configure(sample_timeout_s=0.5)
     fine = [rf"\boxed{{{k}}}" for k in range(98)]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         math_sympy(prompts=None, completions=fine + [SLOW, SLOW], answer=[str(k) for k in range(98)] + ["1", "2"])
@@ -144,7 +142,7 @@ def test_bad_settings_are_refused(kwargs, match):
 def test_one_worker_and_several_give_the_same_scores():
     completions = [rf"\boxed{{({k})+1}}" for k in range(40)] + [SLOW]
     golds = [str(k + 1 if k % 3 else k) for k in range(40)] + ["1"]
-    module.configure(workers=1, sample_timeout_s=0.5)
+    module.configure(workers=1)
     one = math_sympy(prompts=None, completions=completions, answer=golds)
     module.configure(workers=3)
     three = math_sympy(prompts=None, completions=completions, answer=golds)

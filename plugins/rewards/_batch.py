@@ -23,6 +23,7 @@ from ._sandbox import SandboxError, SandboxTimeout
 __all__ = ["BUDGET_SPENT", "BatchOutcome", "SAMPLE_TIMEOUT", "WORKER_ERROR", "run_checks"]
 
 MIN_CALL_S = 0.05  # less time than this left: the check is not started (it could not finish)
+_CUT_SHORT_FRACTION = 0.75  # a check that timed out with less of its own bound was cut short by the deadline
 _JOIN_MARGIN_S = 1.0  # a call overruns its timeout by milliseconds (kill and reap); this is plenty
 
 
@@ -37,8 +38,8 @@ class BatchOutcome:
     Attributes:
         results: The worker's answer, or None when the check did not finish.
         failures: None for a finished check; else why not: ``SAMPLE_TIMEOUT`` (it ran out of its own
-            ``sample_timeout_s``), ``BUDGET_SPENT`` (cut short, or never started, because the batch's
-            deadline came) or ``WORKER_ERROR`` (the worker raised or crashed).
+            ``sample_timeout_s``, or of at least three quarters of it), ``BUDGET_SPENT`` (cut shorter,
+            or never started, because the batch's deadline came) or ``WORKER_ERROR`` (the worker raised or crashed).
     """
 
     results: list[Any]
@@ -103,7 +104,10 @@ def _drain(worker: Any, jobs: Sequence[tuple], queue: deque, outcome: BatchOutco
             outcome.failures[index] = None
             settled = True
         except SandboxTimeout:
-            outcome.failures[index] = SAMPLE_TIMEOUT if budget == sample_timeout_s else BUDGET_SPENT
+            # cut short by the deadline only when it left the check well under its own bound (a thread's
+            # wait for its worker eats a little of the last check's share on a loaded machine)
+            cut = budget < _CUT_SHORT_FRACTION * sample_timeout_s
+            outcome.failures[index] = BUDGET_SPENT if cut else SAMPLE_TIMEOUT
         except SandboxError:
             outcome.failures[index] = WORKER_ERROR
 
@@ -112,11 +116,20 @@ def _wait_until_ready(worker: Any, deadline: float) -> None:
     """A worker may be booting a replacement for one killed after a timeout or crash, in this call or an
     earlier one (about a second): wait for it here (before a thread's first check and after a failed
     one), within the batch's deadline, so its start is not charged to the next check's own timeout.
-    Workers without ``wait_ready`` are not waited for."""
+    Workers without ``wait_ready`` are not waited for. The wait runs in a helper thread joined with the
+    deadline's timeout: ``wait_ready`` may first queue behind another reward call's check on the same
+    worker, and this call must not wait past its deadline for that."""
     wait_ready = getattr(worker, "wait_ready", None)
-    if wait_ready is None:
+    remaining = deadline - time.monotonic()
+    if wait_ready is None or remaining <= 0:
         return
-    try:
-        wait_ready(max(deadline - time.monotonic(), 0.0))
-    except SandboxError:
-        pass  # the next call reports it as an error of its own
+
+    def wait() -> None:
+        try:
+            wait_ready(remaining)
+        except SandboxError:
+            pass  # the next call reports it as an error of its own
+
+    helper = threading.Thread(target=wait, name="hfllamarl-grader-ready", daemon=True)
+    helper.start()
+    helper.join(remaining)

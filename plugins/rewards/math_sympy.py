@@ -259,8 +259,13 @@ _RETIRED_STARTS = [0]  # worker starts of workers replaced by configure()
 _STARTED = [False]  # whether the workers have ever been ready (their first start is not budgeted)
 
 
+def _distinct_workers() -> list:
+    """Each worker object once (one sandbox taking concurrent calls may fill every slot)."""
+    return list({id(w): w for w in _WORKERS}.values())
+
+
 def _close_workers() -> None:
-    for worker in _WORKERS:
+    for worker in _distinct_workers():
         worker.close()
 
 
@@ -297,7 +302,7 @@ def configure(*, sample_timeout_s: float | None = None, sample_budget_s: float |
             _SETTINGS["sample_budget_s"] = float(sample_budget_s)
         if workers is not None and workers != _SETTINGS["workers"]:
             _close_workers()
-            _RETIRED_STARTS[0] += sum(w.starts for w in _WORKERS)
+            _RETIRED_STARTS[0] += sum(w.starts for w in _distinct_workers())
             _WORKERS[:] = _make_workers(workers)
             _SETTINGS["workers"] = workers
             _STARTED[0] = False
@@ -309,7 +314,7 @@ def stats() -> dict[str, int]:
     did not finish), checks that ran out of time, checks whose worker failed, and worker processes
     started."""
     with _LOCK:
-        starts = _RETIRED_STARTS[0] + sum(w.starts for w in _WORKERS)
+        starts = _RETIRED_STARTS[0] + sum(w.starts for w in _distinct_workers())
         return {**_STATS, "worker_starts": starts}
 
 
@@ -329,7 +334,7 @@ def warmup(timeout: float | None = None) -> None:
     Raises:
         RuntimeError: A worker did not start in time or died while starting.
     """
-    workers = list(_WORKERS)
+    workers = _distinct_workers()
     timeout = workers[0].startup_timeout if timeout is None else timeout
     deadline = time.monotonic() + timeout
     for worker in workers:
