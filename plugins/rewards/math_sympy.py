@@ -51,7 +51,7 @@ Settings (:func:`configure`, also ``math_sympy.configure``; call it before train
 - ``sample_budget_s`` (0.25): seconds per check the call's budget allows on average; the worst
   case of one call is about ``sample_budget_s * checks / workers + sample_timeout_s`` seconds,
   which must stay well below the job's ``collective_timeout_s``.
-- ``workers`` (``min(os.cpu_count(), 4)``): worker processes (about 150 MB each), per trainer rank.
+- ``workers`` (``min(os.cpu_count(), 4)``): worker processes (about 65 MB each once started), per trainer rank.
 
 Counters for logging: ``math_sympy.stats()`` (also ``stats()`` in this module) returns
 ``{"calls", "samples", "unscored", "timeouts", "worker_errors", "worker_starts"}`` totals since
