@@ -178,7 +178,9 @@ def test_math500_near_misses_score_zero():
             pairs.append((gold, gold[:k] + str((int(gold[k]) + 1) % 10) + gold[k + 1 :]))
     out = math_sympy(prompts=None, completions=[rf"The answer is $\boxed{{{p}}}$." for _, p in pairs],
                      answer=[g for g, _ in pairs])
-    assert len(pairs) > 450 and [pair for pair, s in zip(pairs, out) if s != 0.0] == []
+    assert len(pairs) > 450 and [pair for pair, s in zip(pairs, out) if s == 1.0] == []
+    # None: a check that did not finish in time (a loaded machine), unscored rather than a verdict
+    assert out.count(None) <= 0.1 * len(pairs)
 
 
 _UNIT_POWER_RE = re.compile(r"\\(?:text|mbox)\{[^{}]*\}\^")
@@ -221,4 +223,6 @@ HOSTILE_GRADING = [
 def test_grading_is_bounded_on_hostile_answers(gold, completion):
     start = time.monotonic()
     out = math_sympy(prompts=None, completions=[completion], answer=[gold])
-    assert time.monotonic() - start < 2.5 and out[0] in (0.0, 1.0)
+    settings = math_sympy.configure()
+    bound = settings["sample_budget_s"] / settings["workers"] + settings["sample_timeout_s"] + 0.5
+    assert time.monotonic() - start < bound and out[0] in (0.0, 1.0, None)  # None: ran out of time, unscored

@@ -199,20 +199,26 @@ HOSTILE = [
 ]
 
 
+def call_bound(checks: int) -> float:
+    """What math_sympy's docstring promises for a call with ``checks`` checks, plus 0.5 s."""
+    settings = math_sympy.configure()
+    return settings["sample_budget_s"] * checks / settings["workers"] + settings["sample_timeout_s"] + 0.5
+
+
 @pytest.mark.parametrize("completion", HOSTILE, ids=range(len(HOSTILE)))
 def test_hostile_input_returns_in_time(completion):
     for fn in (math_sympy, gsm8k, boxed_format):
         start = time.monotonic()
         fn(prompts=None, completions=[completion], answer=["5"])
-        assert time.monotonic() - start < 2.5, fn.__name__
+        assert time.monotonic() - start < call_bound(1), fn.__name__
 
 
 def test_hostile_batch_respects_call_budget_and_recovers():
     before = math_sympy.stats()["timeouts"]
     start = time.monotonic()
     out = math_sympy(prompts=None, completions=HOSTILE[:4] * 2 + [r"\boxed{\sqrt{25}}"], answer=["5"] * 9)
-    assert time.monotonic() - start < 2.5
-    assert out[:8] == [0.0] * 8
+    assert time.monotonic() - start < call_bound(5)  # 4 hostile checks run out of time: unscored
+    assert out[:8] == [None] * 8
     assert math_sympy.stats()["timeouts"] > before
     assert score("5", r"\boxed{\sqrt{25}}") == 1.0  # the worker still answers afterwards
 
@@ -232,7 +238,7 @@ def test_concurrent_calls_each_keep_their_budget():
         t.start()
     for t in threads:
         t.join()
-    assert all(elapsed < 2.5 and out[:2] == [0.0, 0.0] for out, elapsed in results.values())
+    assert all(elapsed < call_bound(3) and out[:2] == [None, None] for out, elapsed in results.values())
     assert score("5", r"\boxed{\sqrt{25}}") == 1.0
 
 
@@ -342,9 +348,9 @@ def _wait_dead(pid: int, seconds: float) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_idle_worker_exits_when_its_parent_dies():
     pid = _orphan_worker_pid(
-        "from hfllamarl.plugins.rewards.math_sympy import math_sympy, _WORKER\n"
+        "from hfllamarl.plugins.rewards.math_sympy import math_sympy, _WORKERS\n"
         "math_sympy.warmup()\n"
-        "print(_WORKER.pid, flush=True)\n"
+        "print(_WORKERS[0].pid, flush=True)\n"
         "import time; time.sleep(60)\n"
     )
     assert _wait_dead(pid, 10)

@@ -252,7 +252,8 @@ def _mean_of(rows: list[dict]) -> dict:
             out[key] = max(vals)
         elif key.endswith("/min"):
             out[key] = min(vals)
-        elif key in ("learning_rate", "reward_errors", "reward_nonfinite", "num_tokens") or key.endswith(("/timeouts", "/worker_errors")):
+        elif key in ("learning_rate", "reward_errors", "reward_nonfinite", "reward_unscored", "num_tokens") \
+                or key.endswith(("/timeouts", "/worker_errors", "/unscored")):  # running totals: the newest
             out[key] = vals[-1]
         else:
             out[key] = sum(vals) / len(vals)

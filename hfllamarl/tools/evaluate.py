@@ -242,7 +242,8 @@ def _print_table(s: dict[str, Any]) -> None:
         ("tokens/s", _fmt(s["tokens_per_s"], ".1f") + f"  ({s['completion_tokens']} completion tokens)"),
     ]
     if s["unscored"]:
-        rows.insert(4, ("unscored", f"{s['unscored']}  (the reward returned None: no gold answer)"))
+        why = "the reward returned None: no gold answer, or its check did not finish in time"
+        rows.insert(4, ("unscored", f"{s['unscored']}  ({why})"))
     print(f"hfllamarl eval  {os.path.basename(s['data'])} ({s['shape']})  model {s['model']}")
     for name, value in rows:
         print(f"  {name:<12} {value}")

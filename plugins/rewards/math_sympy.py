@@ -31,14 +31,33 @@ Security: model text is never evaluated as Python. It goes only through
 latex2sympy2_extended builds sympy objects directly); ``ExprExtractionConfig``, ``sympify``
 and ``parse_expr`` are not used, as they call ``eval``.
 
-Time: each call returns within ``CALL_BUDGET_S`` (2 s) plus a few milliseconds, apart from
-the one-time start of the worker on the first call that needs it (about 1 s; call
-:func:`warmup` at start-up to take it out of the training loop). One sample gets at most
-``SAMPLE_BUDGET_S`` (1 s) of worker time; a sample that runs out of time scores 0.0 and is
-counted in ``stats()["timeouts"]``.
+Time: the checks that need the worker run on ``workers`` sandboxed worker processes at once (one
+thread driving each). A call's budget scales with its batch: ``sample_budget_s`` times the number
+of distinct (gold, answer) pairs that need a worker, divided by ``workers``, plus
+``sample_timeout_s`` (the last check may start just before the end), plus the one-time start of the workers on the first call that needs them
+(about 1 s; call :func:`warmup` at start-up to take it out of the training loop). One check gets at
+most ``sample_timeout_s`` of worker time, so a pathological answer (``10^{10^{10}}``) ends at its
+own timeout. A completion whose check did not finish (its own timeout, the call's budget spent, a
+worker crash) is unscored: its score is None, which leaves it out of its group's baseline with
+advantage 0 (TRL's NaN), never 0.0. A call with more than 1 % of its completions unscored logs a
+warning (logger ``hfllamarl.plugins.rewards.math_sympy``) saying how many, why, and which setting
+raises the budget.
+
+Settings (:func:`configure`, also ``math_sympy.configure``; call it before training, on every rank):
+
+- ``sample_timeout_s`` (2.0): seconds one check may take at most. Most checks take 5-20 ms, but
+  a few legitimate ones (an equation in three unknowns, first seen by a worker) take close to a
+  second on a loaded 2-core machine.
+- ``sample_budget_s`` (0.25): seconds per check the call's budget allows on average; the worst
+  case of one call is about ``sample_budget_s * checks / workers + sample_timeout_s`` seconds,
+  which must stay well below the job's ``collective_timeout_s``.
+- ``workers`` (``min(os.cpu_count(), 4)``): worker processes (about 65 MB each once started), per trainer rank.
 
 Counters for logging: ``math_sympy.stats()`` (also ``stats()`` in this module) returns
-``{"calls", "samples", "timeouts", "worker_errors", "worker_starts"}`` totals since import.
+``{"calls", "samples", "unscored", "timeouts", "worker_errors", "worker_starts"}`` totals since
+import (``samples``: completions scored; ``unscored``: completions left unscored because their
+check did not finish, of which ``timeouts`` ran out of time and ``worker_errors`` met a failed
+worker). The trainer logs them every step as ``rewards/math_sympy/<key>``.
 """
 
 from __future__ import annotations
@@ -63,15 +82,17 @@ from ._answer import (
 )
 from ._numbers import as_number, base_number_verdict, numbers_close, rounded_to_own_digits
 from ._normalize import CHOICE_RE, WORDS_RE, normalize_answer, unescape_commands
-from hfllamarl.runtime.sandbox import Sandbox, SandboxError, SandboxTimeout
+from hfllamarl.runtime.sandbox import Sandbox, SandboxError
+from ._batch import BUDGET_SPENT, WORKER_ERROR, run_checks
 
 __all__ = [
     "configure", "extract_answer", "math_sympy", "normalize_answer", "reset_stats", "shutdown", "stats",
     "warmup",
 ]
 
-SAMPLE_BUDGET_S = 1.0
-CALL_BUDGET_S = 2.0
+logger = logging.getLogger(__name__)
+
+UNSCORED_WARN_FRACTION = 0.01  # more unscored completions than this in one call: a warning
 WORKED_SOLUTION_CHARS = 200  # a longer gold is a worked solution: the answer it commits to is the gold
 
 # ------------------------------------------------------------------------- equivalence
@@ -220,31 +241,92 @@ def _worker_warmup() -> None:
 
 # ------------------------------------------------------------------------ reward function
 
-_WORKER = Sandbox(f"{__name__}:_worker_equivalent", warmup=f"{__name__}:_worker_warmup", isolation="namespaces",
-                  parallel=min(2, os.cpu_count() or 1), memory_mb=4096)
+_SETTINGS: dict[str, Any] = {
+    "sample_timeout_s": 2.0, "sample_budget_s": 0.25, "workers": max(1, min(os.cpu_count() or 1, 4)),
+    "isolation": "namespaces",
+}
 
 
-def configure(isolation: str = "namespaces") -> None:
-    """Chooses the grader's sandbox isolation ("namespaces", or the weaker opt-in "process"); restarts it."""
-    global _WORKER
-    if isolation != _WORKER.requested_isolation:
-        _WORKER.close()
-        _WORKER = Sandbox(_WORKER.fn, warmup=_WORKER.warmup, isolation=isolation, parallel=_WORKER.parallel,
-                          memory_mb=4096)
-        _STARTED[0] = False
+def _make_workers(n: int) -> list:
+    """The sandbox the checks run on, once per grading thread: the only place it is built (one server
+    taking ``n`` concurrent calls, each in a fresh isolated process)."""
+    sandbox = Sandbox(f"{__name__}:_worker_equivalent", warmup=f"{__name__}:_worker_warmup",
+                      isolation=_SETTINGS["isolation"], parallel=n, memory_mb=4096)
+    return [sandbox] * n
 
 
 _LOCK = threading.Lock()
-_STATS = {"calls": 0, "samples": 0, "timeouts": 0, "worker_errors": 0}
-_STARTED = [False]  # whether a worker has ever been ready (first start is not budgeted)
-atexit.register(lambda: _WORKER.close())
+_WORKERS: list = _make_workers(_SETTINGS["workers"])
+_STATS = {"calls": 0, "samples": 0, "unscored": 0, "timeouts": 0, "worker_errors": 0}
+_RETIRED_STARTS = [0]  # worker starts of workers replaced by configure()
+_STARTED = [False]  # whether the workers have ever been ready (their first start is not budgeted)
+
+
+def _distinct_workers() -> list:
+    """Each worker object once (one sandbox taking concurrent calls may fill every slot)."""
+    return list({id(w): w for w in _WORKERS}.values())
+
+
+def _close_workers() -> None:
+    for worker in _distinct_workers():
+        worker.close()
+
+
+atexit.register(_close_workers)
+
+
+def configure(*, sample_timeout_s: float | None = None, sample_budget_s: float | None = None,
+              workers: int | None = None, isolation: str | None = None) -> dict[str, Any]:
+    """Sets the grader's time budget and worker count (see the module docstring); omitted ones stay.
+
+    Args:
+        sample_timeout_s: Seconds one check may take at most (a pathological answer ends there).
+        sample_budget_s: Seconds per check a call's budget allows on average
+            (``sample_budget_s * checks / workers + sample_timeout_s``).
+        workers: Worker processes grading at once; changing it stops the current workers (the
+            next call starts the new ones).
+        isolation: The sandbox's isolation, ``"namespaces"`` (default) or the weaker opt-in
+            ``"process"`` for kernels that refuse user namespaces (see :mod:`hfllamarl.runtime.sandbox`);
+            changing it restarts the workers.
+
+    Returns:
+        The settings now in force.
+
+    Raises:
+        ValueError: A setting is not a positive number (``workers``: a positive integer).
+    """
+    for name, value in (("sample_timeout_s", sample_timeout_s), ("sample_budget_s", sample_budget_s)):
+        if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+            raise ValueError(f"math_sympy.configure: {name} must be a positive number of seconds, got {value!r}.")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"math_sympy.configure: workers must be a positive integer, got {workers!r} "
+                         f"(this machine has {os.cpu_count()} cores).")
+    if isolation is not None and isolation not in ("namespaces", "process"):
+        raise ValueError(f"math_sympy.configure: isolation must be 'namespaces' or 'process', got {isolation!r}.")
+    with _LOCK:
+        if sample_timeout_s is not None:
+            _SETTINGS["sample_timeout_s"] = float(sample_timeout_s)
+        if sample_budget_s is not None:
+            _SETTINGS["sample_budget_s"] = float(sample_budget_s)
+        changed = (workers is not None and workers != _SETTINGS["workers"]) or (
+            isolation is not None and isolation != _SETTINGS["isolation"])
+        if changed:
+            _close_workers()
+            _RETIRED_STARTS[0] += sum(w.starts for w in _distinct_workers())
+            _SETTINGS["workers"] = workers or _SETTINGS["workers"]
+            _SETTINGS["isolation"] = isolation or _SETTINGS["isolation"]
+            _WORKERS[:] = _make_workers(_SETTINGS["workers"])
+            _STARTED[0] = False
+        return dict(_SETTINGS)
 
 
 def stats() -> dict[str, int]:
-    """Totals since import: reward calls, samples scored, samples that ran out of time
-    (scored 0.0), worker failures (scored 0.0) and worker processes started."""
+    """Totals since import: reward calls, completions scored, completions left unscored (their check
+    did not finish), checks that ran out of time, checks whose worker failed, and worker processes
+    started."""
     with _LOCK:
-        return {**_STATS, "worker_starts": _WORKER.starts}
+        starts = _RETIRED_STARTS[0] + sum(w.starts for w in _distinct_workers())
+        return {**_STATS, "worker_starts": starts}
 
 
 def reset_stats() -> None:
@@ -255,27 +337,33 @@ def reset_stats() -> None:
 
 
 def warmup(timeout: float | None = None) -> None:
-    """Starts the worker and waits until it is ready, so the first reward call is fast.
+    """Starts the workers (all at once) and waits until they are ready, so the first reward call is fast.
 
     Args:
-        timeout: Seconds to wait; the worker's ``startup_timeout`` (60 s) by default.
+        timeout: Seconds to wait; the workers' ``startup_timeout`` (60 s) by default.
 
     Raises:
-        RuntimeError: The worker did not start in time or died while starting.
+        RuntimeError: A worker did not start in time or died while starting.
     """
-    timeout = _WORKER.startup_timeout if timeout is None else timeout
-    try:
-        ready = _WORKER.wait_ready(timeout)
-    except SandboxError as exc:
-        raise RuntimeError(f"math_sympy's worker process failed to start: {exc}") from exc
-    if not ready:
-        raise RuntimeError(f"math_sympy's worker process was not ready within {timeout:.0f} s.")
+    workers = _distinct_workers()
+    timeout = workers[0].startup_timeout if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    for worker in workers:
+        worker.start()  # they boot in parallel
+    for worker in workers:
+        try:
+            ready = worker.wait_ready(max(deadline - time.monotonic(), 0.0))
+        except SandboxError as exc:
+            raise RuntimeError(f"math_sympy's worker process failed to start: {exc}") from exc
+        if not ready:
+            raise RuntimeError(f"math_sympy's worker processes were not ready within {timeout:.0f} s.")
     _STARTED[0] = True
 
 
 def shutdown() -> None:
-    """Stops the worker process (a later call starts a new one)."""
-    _WORKER.close()
+    """Stops the worker processes (a later call starts new ones, outside its budget)."""
+    _close_workers()
+    _STARTED[0] = False
 
 
 def math_sympy(
@@ -291,12 +379,12 @@ def math_sympy(
             columns and trainer extras (``trainer_state``, ...) are ignored.
 
     Returns:
-        One score per completion; None where the gold answer is None or blank.
+        One score per completion; None where the gold answer is None or blank, or where the check
+        did not finish (out of time, a failed worker: see the module docstring).
 
     Raises:
         ValueError: The dataset has no ``answer`` column.
     """
-    call_deadline = time.monotonic() + CALL_BUDGET_S
     answers = gold_answers(kwargs, len(completions), "math_sympy")
     scores: list[float | None] = [None] * len(completions)
     pending: dict[tuple[str, str, str, str], list[int]] = {}  # same pair -> graded once
@@ -314,33 +402,65 @@ def math_sympy(
             pending.setdefault((gold_norm, pred_norm, gold_raw, pred_raw), []).append(i)
         else:
             scores[i] = 1.0 if verdict else 0.0
-
     timeouts = errors = 0
-    if pending and not _STARTED[0]:
-        started = time.monotonic()
-        warmup()
-        call_deadline += time.monotonic() - started  # the one-time start is not budgeted
-    for args, indices in pending.items():
-        budget = min(SAMPLE_BUDGET_S, call_deadline - time.monotonic())
-        try:
-            if budget < 0.05:
-                raise SandboxTimeout("call budget spent")
-            equal = bool(_WORKER.call(*args, timeout=budget))
-        except SandboxTimeout:
-            timeouts += len(indices)
-            continue
-        except SandboxError:
-            errors += len(indices)
-            continue
-        for i in indices:
-            scores[i] = 1.0 if equal else 0.0
-
+    if pending:
+        timeouts, errors, budget_spent = _grade_pending(pending, scores)
+        _warn_if_unscored(len(completions), timeouts, errors, budget_spent)
     with _LOCK:
         _STATS["calls"] += 1
         _STATS["samples"] += sum(s is not None for s in scores)
+        _STATS["unscored"] += timeouts + errors
         _STATS["timeouts"] += timeouts
         _STATS["worker_errors"] += errors
     return scores
+
+
+def _grade_pending(pending: dict[tuple, list[int]], scores: list[float | None]) -> tuple[int, int, bool]:
+    """Runs the sandboxed checks and writes their verdicts into ``scores``; a check that did not
+    finish makes its completions None. Returns (completions out of time, completions whose worker
+    failed, whether the call's budget ran out)."""
+    if not _STARTED[0]:
+        warmup()  # before the deadline is set: the one-time start is not budgeted
+    with _LOCK:
+        workers, settings = list(_WORKERS), dict(_SETTINGS)
+    jobs = list(pending)
+    # the checks' average share, plus one check's own bound: the last one may start just before the end
+    budget = settings["sample_budget_s"] * len(jobs) / len(workers) + settings["sample_timeout_s"]
+    outcome = run_checks(workers, jobs, sample_timeout_s=settings["sample_timeout_s"],
+                         deadline=time.monotonic() + budget)
+    timeouts = errors = 0
+    for job, equal, failure in zip(jobs, outcome.results, outcome.failures):
+        indices = pending[job]
+        if failure is None:
+            for i in indices:
+                scores[i] = 1.0 if equal else 0.0
+            continue
+        for i in indices:
+            scores[i] = None  # not decided: unscored, never 0.0
+        if failure == WORKER_ERROR:
+            errors += len(indices)
+        else:
+            timeouts += len(indices)
+    return timeouts, errors, outcome.count(BUDGET_SPENT) > 0
+
+
+def _warn_if_unscored(total: int, timeouts: int, errors: int, budget_spent: bool) -> None:
+    """One warning per call when more than ``UNSCORED_WARN_FRACTION`` of its completions are unscored."""
+    unscored = timeouts + errors
+    if unscored <= UNSCORED_WARN_FRACTION * total:
+        return
+    settings = dict(_SETTINGS)
+    if budget_spent:
+        why = (f"the call's time budget ran out (sample_budget_s={settings['sample_budget_s']:g} s per check on "
+               f"{settings['workers']} workers): raise it with math_sympy.configure(sample_budget_s=...) or "
+               "workers=...")
+    else:
+        why = (f"single checks reached their own timeout (sample_timeout_s={settings['sample_timeout_s']:g} s): "
+               "raise it with math_sympy.configure(sample_timeout_s=...) if these answers are not pathological")
+    logger.warning(
+        "math_sympy: %d of %d completions (%.1f %%) are unscored (reward None, left out of their groups' "
+        "baselines): %d did not finish in time, %d met a failed grader worker; %s.",
+        unscored, total, 100.0 * unscored / total, timeouts, errors, why)
 
 
 math_sympy.stats = stats  # type: ignore[attr-defined]
