@@ -7,6 +7,8 @@ import hashlib
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -294,3 +296,51 @@ def test_a_failed_isolation_step_fails_closed():
         unavailable.close()
     assert not (marker / "ran").exists()
     shutil.rmtree(marker)
+
+
+_REFUSED_SCRIPT = """
+from hfllamarl.plugins.environments.python_sandbox import PythonSandbox
+from hfllamarl.runtime.sandbox import SandboxUnavailable
+try:
+    PythonSandbox(timeout_s=5)
+except SandboxUnavailable as exc:
+    print("REFUSED", exc)
+else:
+    print("BUILT")
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_a_kernel_that_refuses_namespaces_refuses_the_tool_at_start():
+    """A real refusal (no user namespace may be created below this one), not a simulated step: the environment
+    is refused when it is built (where the job builds its environments, at start-up), naming the way out."""
+    inner = f"echo 0 > /proc/sys/user/max_user_namespaces && exec {sys.executable} -c '{_REFUSED_SCRIPT}'"
+    try:
+        proc = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", inner], capture_output=True,
+                              text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the refused sandbox hung")
+    if "REFUSED" not in proc.stdout and "BUILT" not in proc.stdout:
+        pytest.skip(f"cannot make a user namespace to test in: {proc.stderr[-300:]}")
+    assert "REFUSED sandbox isolation 'namespaces' is not available" in proc.stdout, proc.stdout + proc.stderr
+    assert "isolation='process'" in proc.stdout
+
+
+def test_the_weaker_process_mode_is_named_loudly_and_still_kills_the_tree(caplog):
+    from hfllamarl.plugins.environments.python_sandbox import PythonSandbox
+
+    box = PythonSandbox(timeout_s=TIMEOUT_S, memory_mb=512, isolation="process")
+    sandbox = box._sandbox()
+    try:
+        assert box.network_isolation() == "process"
+        assert any("WEAKER" in r.getMessage() for r in caplog.records)  # said once, at start
+        assert box.python("print(6 * 7)") == "42\n"
+        assert "disabled" in box.python("import socket; socket.create_connection(('127.0.0.1', 9))").lower()
+        code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\ntime.sleep(60)\n"
+        with pytest.raises(TimeoutError):
+            box.python(code)
+        assert descendants(sandbox.pid) == []  # the session and the cgroup were killed (a cgroup is writable here)
+        assert box.python("import builtins; print(hasattr(builtins, 'x')); builtins.x = 1") == "False\n"
+        assert box.python("import builtins; print(hasattr(builtins, 'x'))") == "False\n"  # a fresh process per call
+    finally:
+        sandbox.close()

@@ -61,6 +61,11 @@ class PythonSandbox:
             raise ValueError(f"PythonSandbox isolation must be 'namespaces' or 'process', got {isolation!r}.")
         self.timeout_s, self.max_output_chars = float(timeout_s), int(max_output_chars)
         self._key = (int(memory_mb), int(workers), max(1.0, 2 * float(timeout_s)), isolation)
+        # Refuse here, where the job builds its environments at start-up, rather than turn every call into an
+        # error the model reads: SandboxUnavailable names the step the kernel refused and the opt-in way out.
+        sandbox = self._sandbox()
+        if not sandbox.wait_ready(sandbox.startup_timeout):
+            raise RuntimeError(f"the python sandbox did not start within {sandbox.startup_timeout:g} s")
 
     def reset(self, **row) -> None:
         """Called before each rollout with the dataset row; adds nothing to the prompt."""
@@ -112,7 +117,12 @@ def run_python(code: str) -> str:
     Args:
         code: The Python program; print the values you need.
     """
-    return _DEFAULT.python(code)
+    if not _DEFAULT:  # built at the first call, not at import: building one starts the sandbox server
+        box = PythonSandbox()  # two threads may both build one: they share the same server
+        with PythonSandbox._lock:
+            if not _DEFAULT:
+                _DEFAULT.append(box)
+    return _DEFAULT[0].python(code)
 
 
-_DEFAULT = PythonSandbox()
+_DEFAULT: list = []
