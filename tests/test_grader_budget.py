@@ -156,3 +156,10 @@ def test_unscored_totals_reach_the_log_as_the_newest_total():
     rows = [{"rewards/math_sympy/unscored": 1.0, "reward_unscored": 1.0, "loss": 1.0},
             {"rewards/math_sympy/unscored": 4.0, "reward_unscored": 2.0, "loss": 3.0}]
     assert _mean_of(rows) == {"rewards/math_sympy/unscored": 4.0, "reward_unscored": 2.0, "loss": 2.0}
+
+
+def test_a_check_that_raises_is_wrong_not_unscored():
+    """Unscored (advantage 0) beats wrong (a negative advantage): only a check that could not finish may give it.
+    A check that raised finished; the answer was not shown equal (too large or too deep stays unscored)."""
+    assert module._worker_equivalent("x+1", None, "x+1", None) is False  # raises TypeError inside: finished, wrong
+    assert module._worker_equivalent("x+1", "x+1", "x+1", "x+1") is True

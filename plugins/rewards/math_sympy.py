@@ -193,7 +193,22 @@ def _elementwise_close(gold: Any, pred: Any) -> bool:
 
 
 def _worker_equivalent(gold: str, pred: str, gold_raw: str, pred_raw: str) -> bool:
-    """Symbolic equivalence by math-verify, then a numeric check (runs in the worker)."""
+    """Symbolic equivalence by math-verify, then a numeric check (runs in the worker).
+
+    A check that raises has finished: the answer could not be shown equal, so it is wrong (False). Only a
+    check that could not finish (out of time, out of memory, too deep, its process killed) leaves the
+    completion unscored; otherwise a policy could trade a wrong answer's negative advantage for an unscored
+    one's 0 by writing answers that make the parser raise.
+    """
+    try:
+        return _equivalent(gold, pred, gold_raw, pred_raw)
+    except (MemoryError, RecursionError):
+        raise  # the answer is too large or deep to check: unscored, like a timeout
+    except Exception:  # noqa: BLE001 - any other failure of the check on model text means "not shown equal"
+        return False
+
+
+def _equivalent(gold: str, pred: str, gold_raw: str, pred_raw: str) -> bool:
     from math_verify import verify
 
     golds = _parse_latex(gold) or _parse_latex(gold_raw)
