@@ -165,3 +165,52 @@ def test_the_trainer_side_loads_scheduler_and_rng_through_the_plain_loader():
 
     source = inspect.getsource(checkpoint.load_trainer_side)
     assert "weights_only=False" not in source and source.count("load_plain(") == 2
+
+
+def test_a_state_file_loads_the_records_a_checkpoint_holds_and_refuses_anything_else(tmp_path):
+    """trainer-<rank>.pt / generator.pt: what `save_trainer_side` and `save_generator_side` write comes back equal;
+    a file whose unpickling would create a file, or build any other object, is refused and nothing runs."""
+    import datetime
+    import pickle
+
+    import numpy as np
+
+    from hfllamarl.runtime.dynamic_sampling import ScoredGroup
+    from hfllamarl.runtime.durable import load_state
+    from hfllamarl.runtime.episodes import Episode
+    from hfllamarl.runtime.rollout import InFlightBatch, Rollout, RolloutGroup
+
+    rollout = Rollout(prompt=[{"role": "user", "content": "1+1?"}], prompt_ids=[1, 2], completion_ids=[3],
+                      behavior_logprobs=[-0.5], versions=[2], finish_reason="", completion_text="2",
+                      columns={"answer": "2", "when": datetime.date(2026, 1, 1), "n": np.int64(3),
+                               "v": np.arange(3), "tags": {"a"}},
+                      episode=Episode(messages=[{"role": "assistant", "content": "2"}], environment=b"opaque"))
+    group = RolloutGroup([rollout], batch_index=4, policy_version=2, generation_seconds=0.5, batch_tokens=1)
+    saved = {"inbox": [group], "version": 3, "trained_rows": [[1, 2]], "reserve": [ScoredGroup(group, [1.0])],
+             "dispatch": {"assigned": {4: {0: 0}}, "losses": [], "regenerated": 0},
+             "in_flight": [InFlightBatch(5, 3, [[rollout]], [0])]}
+    path = tmp_path / "trainer-0.pt"
+    with open(path, "wb") as fh:
+        pickle.dump(saved, fh)
+    loaded = load_state(str(path))
+    assert loaded["inbox"][0].rollouts[0].columns["when"] == datetime.date(2026, 1, 1)
+    assert (loaded["inbox"][0].rollouts[0].columns["v"] == np.arange(3)).all()
+    loaded["inbox"][0].rollouts[0].columns["v"] = saved["inbox"][0].rollouts[0].columns["v"] = None  # (== on arrays)
+    assert loaded == saved
+
+    created = tmp_path / "pwned"
+    with open(path, "wb") as fh:
+        pickle.dump({"inbox": [], "payload": _RunsCode(str(created))}, fh)
+    with pytest.raises(pickle.UnpicklingError, match="asks to build io.open"):
+        load_state(str(path))
+    assert not created.exists()
+
+    class Shell:
+        def __reduce__(self):
+            return (os.system, (f"touch {created}",))
+
+    with open(path, "wb") as fh:
+        pickle.dump([Shell()], fh)
+    with pytest.raises(pickle.UnpicklingError, match="asks to build posix.system"):
+        load_state(str(path))
+    assert not created.exists()

@@ -40,7 +40,7 @@ import shutil
 
 import torch
 
-from .durable import fsync_dir, load_plain, sync_tree, write_json
+from .durable import fsync_dir, load_plain, load_state, sync_tree, write_json
 
 MARKER = "hfllamarl.json"
 ADAPTERS = "adapters.pt"  # LoRA runs: the adapter weights (model.safetensors holds the merged policy)
@@ -431,8 +431,7 @@ def load_trainer_side(trainer, executor, directory: str, unsampled: list[int] = 
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
     trainer._reporter.restore(TrainerState.load_from_json(os.path.join(directory, "trainer_state.json")))
-    with open(os.path.join(directory, "hfllamarl", f"trainer-{rank}.pt"), "rb") as fh:
-        saved = pickle.load(fh)
+    saved = load_state(os.path.join(directory, "hfllamarl", f"trainer-{rank}.pt"))
     executor.inbox = saved["inbox"]
     executor.version = executor.sent_version = saved["version"]
     executor.trained_rows = saved["trained_rows"]
@@ -449,8 +448,7 @@ def load_generator_side(executor, directory: str) -> None:
     path = os.path.join(directory, generator_file(topo.replica, topo.num_replicas))
     if not os.path.isfile(path):
         return
-    with open(path, "rb") as fh:
-        saved = pickle.load(fh)
+    saved = load_state(path)
     executor.in_flight = saved.get("in_flight", [])
     if executor.topology.local_rank == 0:  # only the first rank sends rollouts
         executor.pending = saved["pending"]

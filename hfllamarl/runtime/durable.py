@@ -68,3 +68,48 @@ def load_plain(path: str):
             f"{path!r} holds more than plain data (numbers, lists, tensors), so it is not loaded: a checkpoint file "
             "can run code when unpickled. Resume from a checkpoint this version wrote, or one you trust after "
             f"checking it. ({str(exc).splitlines()[0]})") from exc
+
+
+# The classes a checkpoint's own state files (`trainer-<rank>.pt`, `generator*.pt`) may build: the project's plain
+# records and data types a dataset row's columns can hold. Nothing that runs code when built.
+_STATE_CLASSES = {
+    "hfllamarl.runtime.rollout": {"Rollout", "RolloutGroup", "InFlightBatch"},
+    "hfllamarl.runtime.episodes": {"Episode"},
+    "hfllamarl.runtime.dynamic_sampling": {"ScoredGroup"},
+    "builtins": {"set", "frozenset", "complex", "slice", "range", "bytearray", "list", "dict", "tuple", "int",
+                 "float", "str", "bool", "bytes"},
+    "collections": {"OrderedDict", "defaultdict", "Counter", "deque"},
+    "datetime": {"datetime", "date", "time", "timedelta", "timezone"},
+    "decimal": {"Decimal"},
+    "numpy": {"ndarray", "dtype"},
+    "numpy.core.multiarray": {"_reconstruct", "scalar"},
+    "numpy._core.multiarray": {"_reconstruct", "scalar"},
+}
+
+
+def _allowed(module: str, name: str) -> bool:
+    if name in _STATE_CLASSES.get(module, ()):
+        return True
+    return module == "numpy.dtypes" and name.endswith("DType")  # numpy >= 1.25 pickles a dtype by its class
+
+
+def load_state(path: str):
+    """Unpickle a checkpoint's state file (rollouts, ledgers) building only the classes `_STATE_CLASSES` names:
+    a file crafted to run code when unpickled, or holding any other object, is refused with what to do.
+
+    A multi-turn rollout still in flight at the checkpoint carries its environment instance as bytes; those are
+    a user object and are unpickled (without restriction) only when that rollout's generation resumes.
+    """
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            if _allowed(module, name):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(
+                f"{path!r} asks to build {module}.{name}, which a checkpoint's state never holds, so it is not "
+                "loaded (a checkpoint file can run code when unpickled). Resume from a checkpoint this version "
+                "wrote, or, if a dataset column holds that type, convert the column to plain values.")
+
+    with open(path, "rb") as fh:
+        return Restricted(fh).load()
