@@ -20,10 +20,10 @@ Every rank writes into `.checkpoint-<step>.partial` and flushes what it wrote; a
 trainer rank 0 flushes the whole directory, writes the marker, and renames it into place (`publish_steps`:
 durable against power loss, and a checkpoint of the same step being replaced is set aside, not deleted, until
 the new one is in place; `recover` finishes an interrupted publication), then prunes to `save_total_limit`
-(each deletion a rename first: never a half-deleted directory that still has its marker). A checkpoint lacking the state of a replica
-the ledger says still owes prompts (a replica lost while it was written, generator_failure="continue") is
-not committed: it could not be resumed. The dataset position needs no
-saving: which rows batch b holds is a function of the seed and b.
+(each deletion a rename first: never a half-deleted directory that still has its marker). A checkpoint lacking
+the state of a replica the ledger says still owes prompts (a replica lost while it was written,
+generator_failure="continue") is not committed: it could not be resumed. The dataset position needs no saving:
+which rows batch b holds is a function of the seed and b.
 
 On resume the generator starts vLLM from the checkpoint's policy, which is exactly the policy it would
 have received at the next tick, and the loop restarts at the tick after the checkpoint's.
