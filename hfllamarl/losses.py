@@ -54,15 +54,49 @@ def add_kl(loss: torch.Tensor, metrics: dict, logprobs: torch.Tensor, ref_logpro
     return loss + beta * kl
 
 
+# Below this log pi/mu the ratio is 0 in float32 (pi = 0 in floating point, or a token outside the current policy's
+# truncated support, whose log-prob is `sampling.OUTSIDE_LOGPROB`): k3 = r - 1 - log r says nothing there.
+MIN_LOG_RATIO = math.log(torch.finfo(torch.float32).tiny)  # about -87.3
+
+
 @torch.no_grad()
-def ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def behavior_kl(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """KL(mu || pi) between the behaviour policy mu (which sampled the tokens) and the current policy pi, estimated
+    on the sampled tokens with the k3 estimator: mean_t (r - 1 - log r), r = pi/mu, computed from the log-ratio
+    l as `expm1(l) - l` in float64 (exactly r - 1 - log r, and finite, wherever r is).
+
+    Tokens outside pi's support (l below `MIN_LOG_RATIO` or not finite: pi is 0 in floating point) are left out
+    of the mean: there the estimate is unbounded, and one such token would make the whole mean inf. Their share
+    of the completion tokens is returned next to it (logged as `behavior_kl/excluded_frac`), so a policy that
+    moved its support away from what the generator sampled is still seen.
+
+    Returns:
+        (the k3 mean over the tokens within support, 0.0 when there are none; the share of tokens left out).
+    """
+    log_ratio = log_ratio.detach()[mask.bool()].double()
+    if not log_ratio.numel():
+        return 0.0, 0.0
+    inside = torch.isfinite(log_ratio) & (log_ratio >= MIN_LOG_RATIO)
+    kept = log_ratio[inside]
+    k3 = (torch.expm1(kept) - kept).mean().item() if kept.numel() else 0.0
+    return k3, 1.0 - inside.double().mean().item()
+
+
+@torch.no_grad()
+def ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor, log_ratio: torch.Tensor | None = None) -> dict[str, float]:
     """Importance-ratio statistics over the completion tokens, named as they are logged, and the KL between the
-    behaviour and the current policy on the sampled tokens (k3 estimator: E[r - 1 - log r] with r = pi/mu)."""
-    r = ratio[mask.bool()].float()
-    if not r.numel():
-        return {"is_ratio/mean": 1.0, "is_ratio/max": 1.0, "is_ratio/min": 1.0, "behavior_kl": 0.0}
+    behaviour and the current policy on the sampled tokens (`behavior_kl`, and `behavior_kl/excluded_frac` the
+    share of tokens outside pi's support it leaves out). Pass `log_ratio` (log pi - log mu) where it is at hand:
+    everything is then computed from it in float64 (a ratio past float32's range stays finite)."""
+    log_ratio = (torch.log(ratio.detach().double()) if log_ratio is None else log_ratio.detach().double())
+    values = log_ratio[mask.bool()]
+    if not values.numel():
+        return {"is_ratio/mean": 1.0, "is_ratio/max": 1.0, "is_ratio/min": 1.0, "behavior_kl": 0.0,
+                "behavior_kl/excluded_frac": 0.0}
+    r = torch.exp(torch.nan_to_num(values, nan=-math.inf))  # (a NaN log-ratio is the non-finite guard's to report)
+    kl, excluded = behavior_kl(log_ratio, mask)
     return {"is_ratio/mean": r.mean().item(), "is_ratio/max": r.max().item(), "is_ratio/min": r.min().item(),
-            "behavior_kl": (r - 1 - torch.log(r)).mean().item()}
+            "behavior_kl": kl, "behavior_kl/excluded_frac": excluded}
 
 
 # ---------------------------------------------------------------------------------------------------------------

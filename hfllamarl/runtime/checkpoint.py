@@ -6,7 +6,8 @@
   policy with its adapters merged), written tensor by tensor so that no rank ever holds the model;
   `hfllamarl/optimizer/` (the AdamW state in torch distributed checkpoint format: every trainer rank
   writes its own shards); `hfllamarl/adapters.pt` (LoRA); `scheduler.pt`, `rng_state_<rank>.pth`,
-  `trainer_state.json` as transformers' Trainer writes them;
+  `trainer_state.json` as transformers' Trainer writes them (and, as it does, loaded as plain data only:
+  `durable.load_plain`);
 - `hfllamarl/trainer-<rank>.pt`: rollouts a trainer rank received but has not trained on yet, and the
   ledger of which generator replica owes which prompts of the batches not trained yet;
 - `hfllamarl/generator.pt` (with several replicas `generator-<replica>.pt`, one each): the batches the
@@ -15,11 +16,14 @@
 - `hfllamarl.json`, written last: the step and the tick (and the run's length, the layout and the settings a
   resume must share). A directory without it is not a checkpoint.
 
-Every rank writes into `.checkpoint-<step>.partial`; after a barrier over the bridge, trainer rank 0
-renames it into place (atomic), then prunes to `save_total_limit`. A checkpoint lacking the state of a replica
-the ledger says still owes prompts (a replica lost while it was written, generator_failure="continue") is
-not committed: it could not be resumed. The dataset position needs no
-saving: which rows batch b holds is a function of the seed and b.
+Every rank writes into `.checkpoint-<step>.partial` and flushes what it wrote; after a barrier over the bridge,
+trainer rank 0 flushes the whole directory, writes the marker, and renames it into place (`publish_steps`:
+durable against power loss, and a checkpoint of the same step being replaced is set aside, not deleted, until
+the new one is in place; `recover` finishes an interrupted publication), then prunes to `save_total_limit`
+(each deletion a rename first: never a half-deleted directory that still has its marker). A checkpoint lacking
+the state of a replica the ledger says still owes prompts (a replica lost while it was written,
+generator_failure="continue") is not committed: it could not be resumed. The dataset position needs no saving:
+which rows batch b holds is a function of the seed and b.
 
 On resume the generator starts vLLM from the checkpoint's policy, which is exactly the policy it would
 have received at the next tick, and the loop restarts at the tick after the checkpoint's.
@@ -35,6 +39,8 @@ import re
 import shutil
 
 import torch
+
+from .durable import fsync_dir, load_plain, load_state, sync_tree, write_json
 
 MARKER = "hfllamarl.json"
 ADAPTERS = "adapters.pt"  # LoRA runs: the adapter weights (model.safetensors holds the merged policy)
@@ -54,6 +60,11 @@ def final_dir(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"checkpoint-{step}")
 
 
+def aside_dir(output_dir: str, step: int) -> str:
+    """Where a complete checkpoint of `step` waits while a new one of the same step replaces it."""
+    return os.path.join(output_dir, f".checkpoint-{step}.old")
+
+
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     """Complete checkpoints in `output_dir`, oldest first."""
     out = []
@@ -69,6 +80,7 @@ def resolve(resume_from_checkpoint, output_dir: str) -> tuple[str, dict] | None:
     """`True` -> the newest complete checkpoint in `output_dir`; a path -> that one. Returns (path, marker)."""
     if not resume_from_checkpoint:
         return None
+    recover(output_dir)  # a publication the stopped job left half-done
     if resume_from_checkpoint is True:
         found = list_checkpoints(output_dir)
         if not found:
@@ -169,7 +181,10 @@ def save_generator_side(executor, directory: str) -> None:
     with open(path + ".tmp", "wb") as fh:
         pickle.dump({"pending": executor.pending, "in_flight": executor.in_flight, "version": executor.version,
                      "tick": executor.tick}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(path + ".tmp", path)
+    fsync_dir(os.path.dirname(path))
 
 
 def unsampled_batches(marker: dict, schedule) -> list[int]:
@@ -213,10 +228,12 @@ def check_resumable(path: str, marker: dict, topology, args) -> None:
 
 
 def remove_partial(output_dir: str) -> list[str]:
-    """Delete what a killed job left half-written (`.checkpoint-<step>.partial`); never a complete checkpoint."""
+    """Delete what a killed job left half-written (`.checkpoint-<step>.partial`) or half-deleted
+    (`.checkpoint-<step>.deleted`); never a complete checkpoint (`recover` first moves those into place)."""
+    recover(output_dir)
     removed = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        if re.fullmatch(r"\.checkpoint-\d+\.partial", name):
+        if re.fullmatch(r"\.checkpoint-\d+\.(partial|deleted)", name):
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
             removed.append(name)
     return removed
@@ -230,7 +247,84 @@ def prune(output_dir: str, save_total_limit: int, keep: list[str] = ()) -> None:
     protected = set(paths[-1:]) | {os.path.normpath(p) for p in keep if p}
     removable = [path for path in paths if path not in protected]
     for old in removable[:max(len(paths) - max(save_total_limit, len(protected & set(paths))), 0)]:
-        shutil.rmtree(old, ignore_errors=True)
+        discard(old)
+
+
+def discard(path: str) -> None:
+    """Delete a checkpoint directory so that no instant shows it half-deleted with its marker: rename it to
+    `.checkpoint-<step>.deleted` (atomic, flushed), then delete that (`remove_partial` finishes an interrupted one)."""
+    parent, name = os.path.split(os.path.normpath(path))
+    m = re.fullmatch(r"\.?checkpoint-(\d+)(\.old)?", name)
+    if m is None:
+        raise ValueError(f"{path!r} is not a checkpoint directory")
+    trash = os.path.join(parent, f".checkpoint-{m.group(1)}.deleted")
+    shutil.rmtree(trash, ignore_errors=True)  # an earlier deletion of this step that was interrupted
+    try:
+        os.replace(path, trash)
+    except FileNotFoundError:  # another rank's `recover` got there first
+        return
+    fsync_dir(parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def publish_steps(output_dir: str, step: int, marker: dict) -> list[tuple[str, object]]:
+    """The sequence that turns `.checkpoint-<step>.partial` (every rank has written its files) into the complete
+    `checkpoint-<step>`, as (name, action) in order. Whatever instant the process (or the machine's power) stops
+    at, `recover` then finds a complete checkpoint of `step`: the one replaced until it is set aside (its directory
+    is renamed, never deleted before the new one is in place), the new one from then on (complete since its
+    marker is on disk)."""
+    partial, final, old = partial_dir(output_dir, step), final_dir(output_dir, step), aside_dir(output_dir, step)
+
+    def set_old_aside():
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)  # (only left by an interrupted publication that `recover` saw)
+            os.replace(final, old)
+            fsync_dir(output_dir)
+
+    def move_new_in():
+        os.replace(partial, final)
+        fsync_dir(output_dir)
+
+    def delete_old():
+        if os.path.exists(old):
+            discard(old)
+
+    return [("flush every file and directory", lambda: sync_tree(partial)),
+            ("write the marker", lambda: write_json(os.path.join(partial, MARKER), marker)),
+            ("set the replaced checkpoint aside", set_old_aside),
+            ("move the new checkpoint in", move_new_in),
+            ("delete the replaced checkpoint", delete_old)]
+
+
+def recover(output_dir: str) -> None:
+    """Finish a checkpoint publication a stopped job left between two `publish_steps`: a partial checkpoint whose
+    marker was written is complete and goes into place; a checkpoint set aside is put back if nothing replaced
+    it, else deleted. Safe to run on several ranks at once (each step is a rename that only one can make)."""
+    if not os.path.isdir(output_dir):
+        return
+    complete = lambda step: os.path.isfile(os.path.join(final_dir(output_dir, step), MARKER))  # noqa: E731
+    names = os.listdir(output_dir)
+    for name in names:
+        m = re.fullmatch(r"\.checkpoint-(\d+)\.partial", name)
+        if m and os.path.isfile(os.path.join(output_dir, name, MARKER)) and not os.path.exists(
+                final_dir(output_dir, int(m.group(1)))):
+            try:
+                os.replace(os.path.join(output_dir, name), final_dir(output_dir, int(m.group(1))))
+            except OSError:  # another rank moved it first
+                pass
+    for name in names:
+        m = re.fullmatch(r"\.checkpoint-(\d+)\.old", name)
+        if not m:
+            continue
+        step = int(m.group(1))
+        if complete(step):
+            discard(os.path.join(output_dir, name))
+        elif os.path.isfile(os.path.join(output_dir, name, MARKER)):
+            try:
+                os.replace(os.path.join(output_dir, name), final_dir(output_dir, step))
+            except OSError:  # another rank restored it first
+                pass
+    fsync_dir(output_dir)
 
 
 def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: int | None,
@@ -244,8 +338,10 @@ def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: in
 
     from hfllamarl.runtime.channels import bridge_barrier
 
-    bridge_barrier(topology, f"checkpoint {step}")
     partial = partial_dir(output_dir, step)
+    if topology.rank != 0 and os.path.isdir(partial):  # (rank 0 syncs the whole tree after the barrier)
+        sync_tree(partial)  # what this rank wrote is on disk before trainer rank 0 can mark it complete
+    bridge_barrier(topology, f"checkpoint {step}")
     missing = [f for f in required if not os.path.isfile(os.path.join(partial, f))]
     if topology.rank == 0 and missing:
         logging.getLogger(__name__).warning(
@@ -253,14 +349,11 @@ def commit(topology, output_dir: str, step: int, tick: int, save_total_limit: in
             "one will be", step, ", ".join(missing))
         shutil.rmtree(partial, ignore_errors=True)
     elif topology.rank == 0:
-        with open(os.path.join(partial, MARKER), "w") as fh:
-            json.dump({"step": step, "tick": tick, "world_size": topology.world_size,
-                       "num_generators": topology.num_generators, "num_replicas": topology.num_replicas,
-                       "lost_replicas": sorted(topology.lost), "job": job or {}, "num_batches": num_batches}, fh)
-        final = final_dir(output_dir, step)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(partial, final)
+        marker = {"step": step, "tick": tick, "world_size": topology.world_size,
+                  "num_generators": topology.num_generators, "num_replicas": topology.num_replicas,
+                  "lost_replicas": sorted(topology.lost), "job": job or {}, "num_batches": num_batches}
+        for _, action in publish_steps(output_dir, step, marker):
+            action()
         if save_total_limit:
             prune(output_dir, save_total_limit, keep)
     bridge_barrier(topology, f"checkpoint {step} committed")
@@ -331,13 +424,14 @@ def load_trainer_side(trainer, executor, directory: str, unsampled: list[int] = 
     state = {"optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer)}  # the layout to fill
     dcp.load(state, checkpoint_id=os.path.join(directory, "hfllamarl", "optimizer"))
     set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=state["optimizer"])
-    trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(directory, "scheduler.pt"), weights_only=False))
-    rng = torch.load(os.path.join(directory, f"rng_state_{rank}.pth"), weights_only=False)
+    # Plain data only (numbers, lists, tuples, tensors), as transformers' Trainer loads these: a file that would
+    # run code when unpickled is refused.
+    trainer.lr_scheduler.load_state_dict(load_plain(os.path.join(directory, "scheduler.pt")))
+    rng = load_plain(os.path.join(directory, f"rng_state_{rank}.pth"))
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
     trainer._reporter.restore(TrainerState.load_from_json(os.path.join(directory, "trainer_state.json")))
-    with open(os.path.join(directory, "hfllamarl", f"trainer-{rank}.pt"), "rb") as fh:
-        saved = pickle.load(fh)
+    saved = load_state(os.path.join(directory, "hfllamarl", f"trainer-{rank}.pt"))
     executor.inbox = saved["inbox"]
     executor.version = executor.sent_version = saved["version"]
     executor.trained_rows = saved["trained_rows"]
@@ -354,8 +448,7 @@ def load_generator_side(executor, directory: str) -> None:
     path = os.path.join(directory, generator_file(topo.replica, topo.num_replicas))
     if not os.path.isfile(path):
         return
-    with open(path, "rb") as fh:
-        saved = pickle.load(fh)
+    saved = load_state(path)
     executor.in_flight = saved.get("in_flight", [])
     if executor.topology.local_rank == 0:  # only the first rank sends rollouts
         executor.pending = saved["pending"]

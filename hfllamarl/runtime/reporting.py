@@ -86,7 +86,7 @@ class Reporter:
         return due
 
     def log(self, logs: dict) -> None:
-        logs = dict(logs)
+        logs = finite_logs(logs, self.state.global_step)
         if self.state.epoch is not None:  # as transformers' Trainer: the epoch with every log
             logs["epoch"] = self.state.epoch
         if self.args.include_num_input_tokens_seen not in ("no", False, None):  # (prompt + completion tokens)
@@ -102,12 +102,13 @@ class Reporter:
     def evaluate(self, metrics: dict) -> None:
         """An evaluation during training: its eval_* metrics go to `log_history`, `on_log` (report_to) and
         `on_evaluate`, at the current step."""
+        raw, metrics = metrics, finite_logs(metrics, self.state.global_step)
         self.state.log_history.append({**metrics, "step": self.state.global_step})
         self.control = self.handler.on_log(self.args, self.state, self.control, dict(metrics))
         self.control = self.handler.on_evaluate(self.args, self.state, self.control, metrics=dict(metrics))
         self.control.should_log = self.control.should_evaluate = False
         self.last_evaluated = max(self.last_evaluated, int(metrics.get("eval_policy_version", self.state.global_step)))
-        self._track_best(metrics)
+        self._track_best(raw)
 
     def _track_best(self, metrics: dict) -> None:
         """As transformers' Trainer after an evaluation (after `on_evaluate`, so EarlyStoppingCallback compares with
@@ -122,6 +123,8 @@ class Reporter:
             raise KeyError(f"metric_for_best_model={name!r}: the evaluation has no {key!r}; its metrics are "
                            f"{sorted(metrics)}. Set metric_for_best_model to one of them.")
         value, best = float(metrics[key]), self.state.best_metric
+        if not math.isfinite(value):  # never the best (`finite_logs` warned about it)
+            return
         if best is not None and not (value > best if self.args.greater_is_better else value < best):
             return
         self.state.best_metric = value
@@ -239,6 +242,21 @@ class Reporter:
             if type(cb).__name__ == cls_name:
                 return cb
         return None
+
+
+def finite_logs(logs: dict, step: int) -> dict:
+    """`logs` without its NaN/inf values, each one named in a warning: the one place every logged metric passes
+    (training and evaluation), so no log, callback or `report_to` integration receives a non-finite number. (A
+    NaN/inf in what trains the policy never gets this far: the non-finite guard, `runtime.finite`, stops the
+    step before the optimizer.)"""
+    out = {}
+    for key, value in logs.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            logger.warning("metric %r is %s at step %d: left out of the logs. A metric that can be NaN/inf is a bug "
+                           "to report (every metric is guarded where it is computed).", key, value, step)
+            continue
+        out[key] = value
+    return out
 
 
 def _mean_of(rows: list[dict]) -> dict:

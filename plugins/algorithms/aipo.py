@@ -75,7 +75,7 @@ class AIPO:
         weight = ratio_w.clamp(max=self.rho)
         adv = advantages[:, None]
         per_token = -weight * adv * logprobs
-        metrics = ratio_metrics(ratio, mask)
+        metrics = ratio_metrics(ratio, mask, log_ratio)
         if self.off_policy_mask_threshold is not None:
             keep = off_policy_mask(adv, logprobs, behavior_logprobs, mask, self.off_policy_mask_threshold)
             per_token = per_token * keep

@@ -69,7 +69,7 @@ class GRPO:
         coef_1 = policy_ratio(logprobs, old, mask, self.level)
         per_token = per_token_objective(self.loss_type, coef_1, adv, logprobs, self.epsilon_low, self.epsilon_high,
                                         self.delta, *self.sapo)
-        metrics = ratio_metrics(torch.exp(old - behavior_logprobs), mask)
+        metrics = ratio_metrics(torch.exp(old - behavior_logprobs), mask, old - behavior_logprobs)
         if self.off_policy_mask_threshold is not None:
             keep = off_policy_mask(adv, logprobs, behavior_logprobs, mask, self.off_policy_mask_threshold)
             per_token = per_token * keep

@@ -24,6 +24,7 @@ class OnPolicyPG:
     def loss(self, logprobs, behavior_logprobs, advantages, mask, ref_logprobs=None):
         mask = mask.to(logprobs.dtype)
         loss = masked_mean(-advantages[:, None] * logprobs, mask)
-        metrics = ratio_metrics(torch.exp(logprobs.detach() - behavior_logprobs), mask)
+        metrics = ratio_metrics(torch.exp(logprobs.detach() - behavior_logprobs), mask,
+                                logprobs.detach() - behavior_logprobs)
         metrics["clipped_frac"] = 0.0
         return add_kl(loss, metrics, logprobs, ref_logprobs, mask, self.beta), metrics
