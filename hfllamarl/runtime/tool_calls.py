@@ -8,9 +8,13 @@ an unknown tool `{"error": "Tool <name> not found."}`, and a call that runs past
 and gives an error saying so.
 
 A synchronous tool runs in a daemon thread of its own, so one that hangs is left behind after its timeout
-(Python cannot stop a thread; it is counted in `abandoned`) while the rollout goes on. `async def` tools run
-on one event loop in a daemon thread under `asyncio.wait_for`; a coroutine that blocks the loop itself is
-abandoned together with its loop, and the next call gets a new loop.
+(Python cannot stop a thread; it is counted in `abandoned`) while the rollout goes on. The `async def` calls of
+one turn run together on an event loop of their own, in a daemon thread of its own, each under
+`asyncio.wait_for`; the loop is closed when they are done (`asyncio.run`). So a coroutine that hogs or blocks its
+loop delays only the calls of its own turn: no other rollout's call shares that loop. A loop stuck in such a
+coroutine is abandoned at the bound (counted in `abandoned`) and closes itself if the coroutine ever returns.
+Unlike TRL's one event loop for the whole trainer, no loop outlives its turn: an async tool must not keep
+loop-bound objects (an `aiohttp.ClientSession`, an `asyncio.Lock`) from one call to the next.
 
 Each rollout's turn runs in a thread of its own (`submit`), so rollouts run their calls concurrently and a slow
 rollout never holds back another one's next turn. A turn may carry a time budget (what is left of the rollout's
@@ -83,24 +87,19 @@ class ToolRunner:
             raise ValueError(f"tool_call_timeout_s must be > 0, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
         self.abandoned = 0  # threads (or event loops) left running after a timeout
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
 
     def submit(self, calls: list, tools: dict[str, Callable], budget_s: float | None = None
                ) -> concurrent.futures.Future:
         """Start one rollout's turn (its parsed tool calls, its tools by name) in a thread of its own; the future
         gives its `TurnResult`. `budget_s`: the seconds this turn may take (None: only the per-call bound)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def target():
-            try:
-                future.set_result(self._run_turn(calls, tools, budget_s))
-            except BaseException as exc:  # a bug here, not a tool's failure: the caller re-raises it
-                future.set_exception(exc)
-
         # One thread per turn, not a pool: a queue would make a turn wait for others before its budget starts.
-        threading.Thread(target=target, name="hfllamarl-tools-turn", daemon=True).start()
-        return future
+        return _in_thread("hfllamarl-tools-turn", self._run_turn, calls, tools, budget_s)
+
+    def submit_call(self, name: str, fn: Callable, kwargs: dict) -> concurrent.futures.Future:
+        """`call` in a thread of its own (e.g. a finishing rollout's `get_reward`, next to the others'); the future
+        gives its `ToolResult` within `timeout_s` + 1 s."""
+        return _in_thread(f"hfllamarl-{name}", self.call, name, fn, kwargs)
 
     def run(self, jobs: list[tuple[list, dict[str, Callable]]]) -> list[list[ToolResult]]:
         """`jobs[i]` = (rollout i's parsed tool calls, its tools by name); returns each rollout's results, in TRL's
@@ -121,9 +120,7 @@ class ToolRunner:
         return self._run_sync(name, fn, kwargs, self.timeout_s)
 
     def close(self) -> None:
-        loop, self._loop = self._loop, None
-        if loop is not None:
-            loop.call_soon_threadsafe(loop.stop)
+        """Nothing to release: every turn's event loop closes with it."""
 
     # ------------------------------------------------------------------ internals
     def _run_turn(self, calls: list, tools: dict[str, Callable], budget_s: float | None) -> TurnResult:
@@ -189,53 +186,54 @@ class ToolRunner:
         return ToolResult(name, box.get("value"))
 
     def _run_async(self, calls: list[tuple[str, Callable, Any]], deadline: float | None) -> list[ToolResult]:
-        """The calls together on the event loop; each ends at its own bound or at `deadline` (the turn's budget),
-        whichever comes first (then it is marked `over_budget`)."""
-        loop = self._event_loop()
+        """The calls together on an event loop of their own; each ends at its own bound or at `deadline` (the turn's
+        budget), whichever comes first (then it is marked `over_budget`)."""
         limit = self._limit(deadline)
+        futures = [concurrent.futures.Future() for _ in calls]
 
-        async def bounded(fn, arguments):
-            return await asyncio.wait_for(fn(**arguments), limit)
-
-        futures = []
-        for name, fn, arguments in calls:
+        async def bounded(fn, arguments, future):
             try:
-                futures.append(asyncio.run_coroutine_threadsafe(bounded(fn, arguments), loop))
-            except BaseException as exc:  # e.g. arguments that are not a mapping
-                futures.append(exc)
-        results = []
+                future.set_result(await asyncio.wait_for(fn(**arguments), limit))
+            except BaseException as exc:  # a tool's failure (or arguments that are not a mapping): the model's to read
+                future.set_exception(exc)
+
+        async def together():
+            await asyncio.gather(*(bounded(fn, arguments, f) for (_, fn, arguments), f in zip(calls, futures)))
+
+        # asyncio.run: a new loop, closed (its leftover tasks cancelled) when the calls are done, even late.
+        threading.Thread(target=asyncio.run, args=(together(),), name="hfllamarl-tools-loop", daemon=True).start()
+        results, stuck = [], False
         # wait_for ends each call by `limit`, unless the loop itself is stuck: then 1 s later, or at the budget.
         end = time.monotonic() + limit + 1.0
         cut_at_deadline = deadline is not None and deadline < end
         end = deadline if cut_at_deadline else end
         for (name, _, _), future in zip(calls, futures):
-            if isinstance(future, BaseException):
-                results.append(_error(name, str(future)))
-                continue
             try:
                 results.append(ToolResult(name, future.result(max(end - time.monotonic(), 0.0))))
             except (asyncio.TimeoutError, TimeoutError, concurrent.futures.TimeoutError):
-                stuck = not future.done()
-                if stuck:  # the loop itself is stuck in the coroutine: leave it, start another
-                    self._abandon_loop(loop)
+                stuck = stuck or not future.done()  # the loop is stuck in a coroutine: leave it behind
                 result = _error(name, f"Tool {name} did not finish within {self.timeout_s:g} s and was abandoned.",
                                 True)
-                result.over_budget = limit < self.timeout_s or (stuck and cut_at_deadline)
+                result.over_budget = limit < self.timeout_s or (not future.done() and cut_at_deadline)
                 results.append(result)
             except BaseException as exc:
                 results.append(_error(name, str(exc)))
+        if stuck:
+            with self._lock:
+                self.abandoned += 1
         return results
 
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="hfllamarl-tools-loop", daemon=True).start()
-                self._loop = loop
-            return self._loop
 
-    def _abandon_loop(self, loop) -> None:
-        with self._lock:
-            if self._loop is loop:
-                self._loop = None
-                self.abandoned += 1
+def _in_thread(name: str, fn: Callable, *args) -> concurrent.futures.Future:
+    """`fn(*args)` in a daemon thread of its own; the future gives its result, or what it raised (a bug of the
+    runner, not a tool's failure: tools' failures are results)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return future
