@@ -30,6 +30,10 @@ TRL runs none of the calls of the turn past its last round); a turn the time bud
 Since a rollout's own calls never take more than its budget, and no rollout waits for another's calls, one run
 of rollouts spends at most `rollout_time_budget_s` on tools beyond its generate calls.
 
+A rollout's `get_reward` starts in a thread of its own when the rollout finishes and is collected at the end of
+the run, so the run's get_reward calls take one `tool_call_timeout_s` together, not one each; one that times out
+leaves its rollout unscored (None, as TRL's NaN) rather than 0, and never stops the job (`_settle_rewards`).
+
 Tools, environments, get_reward and rollout_func run on the engine's first rank
 only; with tensor parallelism the other ranks follow its generate calls (`hfllamarl.runtime.lockstep`).
 """
