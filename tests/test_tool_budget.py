@@ -6,6 +6,8 @@ The policy here is scripted (the adversary's turns, as token ids of the real Qwe
 else is the runtime's own: `MultiTurn.run`, a real `ToolRunner` with real sleeping tools, the chat template and
 TRL's response parser, the environment pool and `get_reward`."""
 
+import asyncio
+import itertools
 import json
 import threading
 import time
@@ -76,8 +78,8 @@ def _turn(tool: str, count: int) -> str:
 
 class Scripted(MultiTurn):
     """The adversary: on a prompt saying "slow" it calls `slow` CALLS times in its first turn; on "block" it calls
-    `blocks` once, on "dawdle" `dawdle` once, then answers; on "aquick" it calls `aquick` (else `quick`) once per turn
-    for three turns, then answers; on a prompt starting with "score" or "broken" it answers at once."""
+    `blocks` once, on "dawdle" `dawdle` once, then answers; on "aquick", "atick" or "alocked" it calls the tool of that
+    name (else `quick`) once per turn for three turns, then answers; on a prompt starting with "score" or "broken" it answers at once."""
 
     def generate_local(self, requests):
         tok = self.ex.encoder.tokenizer
@@ -94,7 +96,7 @@ class Scripted(MultiTurn):
             elif user.startswith(("score", "broken")):
                 text = "done<|im_end|>"
             else:
-                tool = "aquick" if user == "aquick" else "quick"
+                tool = user if user in ("aquick", "atick", "alocked") else "quick"
                 text = _turn(tool, 1) if answered < 3 else "done<|im_end|>"
             token_ids = tok.encode(text, add_special_tokens=False)
             comp = SimpleNamespace(token_ids=token_ids, finish_reason="stop",
@@ -250,34 +252,38 @@ def test_the_trainer_hands_the_bounds_to_the_generator():
     assert json.loads(json.dumps(args.to_dict()))["rollout_time_budget_s"] == 12.5
 
 
-async def blocks(x: int) -> int:
-    """Block the event loop it runs on (it never yields).
+class Agentic:
+    """An environment whose async tools are its methods: one blocks the event loop it runs on, one answers at once."""
 
-    Args:
-        x: A number.
-    """
-    time.sleep(3 * TIMEOUT_S)
-    return x
+    def reset(self, **row):
+        pass
 
+    async def blocks(self, x: int) -> int:
+        """Block the event loop it runs on (it never yields).
 
-async def aquick(x: int) -> int:
-    """Add one, asynchronously.
+        Args:
+            x: A number.
+        """
+        time.sleep(3 * TIMEOUT_S)
+        return x
 
-    Args:
-        x: A number.
-    """
-    import asyncio
+    async def aquick(self, x: int) -> int:
+        """Add one, asynchronously.
 
-    await asyncio.sleep(0.01)
-    return x + 1
+        Args:
+            x: A number.
+        """
+        await asyncio.sleep(0.01)
+        return x + 1
 
 
 def test_a_coroutine_blocking_its_event_loop_does_not_touch_another_rollouts_async_calls(tokenizer):
-    """Rollout A's async tool blocks its event loop for 3 s (3 x its bound); rollout B's async calls, made meanwhile,
-    return their right results at once: every turn's async calls run on an event loop of their own."""
-    mt = _multi_turn(tokenizer, tools=[blocks, aquick], max_calls_per_turn=8, rollout_time_budget_s=30.0)
+    """Rollout A's async tool blocks its environment's event loop for 3 s (3 x its bound); rollout B's async calls,
+    made meanwhile, return their right results at once: each environment instance has an event loop of its own."""
+    mt = _multi_turn(tokenizer, factories={None: Agentic}, max_calls_per_turn=8, rollout_time_budget_s=30.0)
     start = time.monotonic()
     rollouts = [mt.start({"prompt": [{"role": "user", "content": p}]}, i) for i, p in enumerate(["block", "aquick"])]
+    envs = [r.episode.environment for r in rollouts]
     done = {}
     original = mt._apply
 
@@ -297,6 +303,104 @@ def test_a_coroutine_blocking_its_event_loop_does_not_touch_another_rollouts_asy
         f"{{'error': 'Tool blocks did not finish within {TIMEOUT_S:g} s and was abandoned.'}}"]
     assert a.episode.tool_timeouts == 1 and 2 * TIMEOUT_S <= done["block"][0] < 2 * TIMEOUT_S + 0.5, done
     assert mt.runner.abandoned == 1
+    # A's environment is dropped with its loop; B's goes back to the pool and keeps its loop (the only one left)
+    assert mt.pool.free[None][-1] is envs[1] and all(env is not envs[0] for env in mt.pool.free[None])
+    assert len(mt.runner.loops) == 1 and mt.runner.loops.get(envs[1]) is mt.runner.loops.get(envs[1])
+
+
+class Stateful:
+    """Keeps loop-bound objects between calls, as environments written for TRL do: a lock and a queue made in
+    __init__ (each waited on, so bound to the loop it ran on), and the queue's producer, a task the first call starts
+    and that lives on through turns, rollouts and reset()."""
+
+    def __init__(self):
+        self.lock, self.queue, self.producer, self.seen = asyncio.Lock(), asyncio.Queue(maxsize=1), None, []
+
+    def __getstate__(self):  # what travels to the trainer ranks (a lock, a queue and a task cannot be pickled)
+        return {"seen": self.seen}
+
+    def reset(self, **row):
+        self.seen = []
+
+    async def _produce(self):
+        for i in itertools.count():
+            await self.queue.put(i)  # waits while the queue is full
+
+    async def atick(self, x: int) -> int:
+        """The next number of this environment's producer.
+
+        Args:
+            x: Ignored.
+        """
+        if self.producer is None:
+            self.producer = asyncio.ensure_future(self._produce())
+        async with self.lock:
+            contender = asyncio.ensure_future(self.lock.acquire())  # waits for the lock
+            item = await self.queue.get()  # waits for the producer
+        await contender
+        self.lock.release()
+        self.seen.append(item)
+        return item
+
+    async def get_reward(self) -> float:
+        async with self.lock:
+            return float(sum(self.seen))
+
+
+def test_an_environments_loop_bound_objects_work_across_turns_rollouts_and_reset(tokenizer):
+    """Three turns of `atick` read 0, 1, 2 from the producer the first call started (with an event loop per turn the
+    second call fails: the lock and the queue belong to the first turn's closed loop, and the producer was cancelled
+    with it); the next rollout on the same instance, after reset(), reads 3, 4, 5; the async get_reward uses the same
+    lock. The loop is not an attribute of the instance, so the environment's pickled copy travels as before."""
+    mt = _multi_turn(tokenizer, factories={None: Stateful}, max_calls_per_turn=8, rollout_time_budget_s=30.0)
+    env = mt.pool.free[None][0]
+    for expected in (["0", "1", "2"], ["3", "4", "5"]):
+        (r,), _ = _run(mt, ["atick"])
+        assert [m["content"] for m in completion(r) if m["role"] == "tool"] == expected, completion(r)
+        assert r.model_rewards["Stateful"] == float(sum(map(int, expected)))
+        assert mt.pool.free[None] == [env]  # the same instance served both rollouts
+        copy = mt._live(r.episode)  # the pickled copy the trainer ranks receive
+        assert type(copy).__name__ == "Stateful" and copy.seen == [int(v) for v in expected]
+    assert set(vars(env)) == {"lock", "queue", "producer", "seen"}
+    assert len(mt.runner.loops) == 1 and mt.runner.abandoned == 0  # one loop: the environment's, no shared one
+    names = {t.name for t in threading.enumerate()}
+    assert "hfllamarl-loop-Stateful" in names
+    mt.runner.close()  # the runner closes: the loop stops, cancels the producer and closes; its thread ends
+    deadline = time.monotonic() + 5.0
+    while "hfllamarl-loop-Stateful" in {t.name for t in threading.enumerate()} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "hfllamarl-loop-Stateful" not in {t.name for t in threading.enumerate()}
+    assert env.producer.cancelled() and len(mt.runner.loops) == 0
+
+
+MODULE_LOCK = asyncio.Lock()  # made at import, used by every call of every rollout, as TRL users write module state
+
+
+async def alocked(x: int) -> int:
+    """Add one under the module's lock.
+
+    Args:
+        x: A number.
+    """
+    async with MODULE_LOCK:
+        contender = asyncio.ensure_future(MODULE_LOCK.acquire())  # waits for the lock
+        await asyncio.sleep(0.01)
+    await contender
+    MODULE_LOCK.release()
+    return x + 1
+
+
+def test_standalone_async_tools_share_one_loop_so_module_level_loop_bound_objects_work(tokenizer):
+    """Two rollouts call `alocked` (a module-level asyncio.Lock, waited on) three turns each, then two more rollouts
+    do: every call answers x + 1 (with an event loop per turn the second turn fails: the lock belongs to the first
+    turn's loop). The standalone tools run on one loop, as TRL runs them."""
+    mt = _multi_turn(tokenizer, tools=[alocked], max_calls_per_turn=8, rollout_time_budget_s=30.0)
+    for _ in range(2):
+        rollouts, _ = _run(mt, ["alocked", "alocked"])
+        for r in rollouts:
+            assert [m["content"] for m in completion(r) if m["role"] == "tool"] == ["1", "1", "1"], completion(r)
+    assert len(mt.runner.loops) == 1 and mt.runner.abandoned == 0
+    mt.runner.close()
 
 
 class Dawdle:

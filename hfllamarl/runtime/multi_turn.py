@@ -30,6 +30,10 @@ TRL runs none of the calls of the turn past its last round); a turn the time bud
 Since a rollout's own calls never take more than its budget, and no rollout waits for another's calls, one run
 of rollouts spends at most `rollout_time_budget_s` on tools beyond its generate calls.
 
+An environment's `async def` methods (and an async `get_reward`) run on an event loop of that instance's own,
+which lives as long as the instance, through every turn and rollout it serves; the standalone async tools share
+one loop, as in TRL (`hfllamarl.runtime.event_loops`).
+
 A rollout's `get_reward` starts in a thread of its own when the rollout finishes and is collected at the end of
 the run, so the run's get_reward calls take one `tool_call_timeout_s` together, not one each; one that times out
 leaves its rollout unscored (None, as TRL's NaN) rather than 0, and never stops the job (`_settle_rewards`).
@@ -259,7 +263,7 @@ class MultiTurn:
                 self.finish(r, reason)
                 continue
             tools = {tool_name(t): t for t in self.tools(r.episode)}
-            pending[self.runner.submit(calls, tools, self._time_left(r.episode))] = r
+            pending[self.runner.submit(calls, tools, self._time_left(r.episode), self._live(r.episode))] = r
         return tokens
 
     def _over_bound(self, episode: Episode, num_calls: int) -> str | None:
@@ -358,7 +362,8 @@ class MultiTurn:
         for name in self.reward_classes:
             r.model_rewards[name] = None
         if kind.has_reward:  # the finishing rollouts' get_reward calls run together, each in a thread of its own
-            self._scoring[self.runner.submit_call("get_reward", env.get_reward, {})] = (r, env, kind.class_name)
+            future = self.runner.submit_call("get_reward", env.get_reward, {}, env)  # async: on env's own loop
+            self._scoring[future] = (r, env, kind.class_name)
         else:
             self._release(r, env)
 
@@ -396,6 +401,8 @@ class MultiTurn:
         episode.environment = snapshot(env)
         if not episode.abandoned:  # a call left running could still change it, in the next rollout that took it
             self.pool.give_back(episode.environment_name, env)
+        else:  # dropped: its event loop (abandoned, or free) goes with it
+            self.runner.release(env)
 
     def _environment_reward(self, result, class_name: str, row: int) -> float:
         """A get_reward call's score; one that raised or gave no number follows `reward_errors`."""

@@ -8,13 +8,14 @@ an unknown tool `{"error": "Tool <name> not found."}`, and a call that runs past
 and gives an error saying so.
 
 A synchronous tool runs in a daemon thread of its own, so one that hangs is left behind after its timeout
-(Python cannot stop a thread; it is counted in `abandoned`) while the rollout goes on. The `async def` calls of
-one turn run together on an event loop of their own, in a daemon thread of its own, each under
-`asyncio.wait_for`; the loop is closed when they are done (`asyncio.run`). So a coroutine that hogs or blocks its
-loop delays only the calls of its own turn: no other rollout's call shares that loop. A loop stuck in such a
-coroutine is abandoned at the bound (counted in `abandoned`) and closes itself if the coroutine ever returns.
-Unlike TRL's one event loop for the whole trainer, no loop outlives its turn: an async tool must not keep
-loop-bound objects (an `aiohttp.ClientSession`, an `asyncio.Lock`) from one call to the next.
+(Python cannot stop a thread; it is counted in `abandoned`) while the rollout goes on. `async def` tools run as
+in TRL on event loops that outlive the call (`hfllamarl.runtime.event_loops`), each call under
+`asyncio.wait_for`: an environment's methods (and its async `get_reward`) on that environment's own loop, which
+lives as long as the instance, so loop-bound objects it keeps (a session, a lock, a queue, a background task)
+work from one turn and one rollout to the next; the standalone async tools on one shared loop. A coroutine that
+blocks its loop delays only the calls on that loop: another environment's calls are unaffected. Such a loop is
+abandoned at the call's bound + 1 s (counted in `abandoned`): the shared loop is replaced on the next call, an
+environment's loop is dropped with its environment (which the multi-turn runner does not reuse).
 
 Each rollout's turn runs in a thread of its own (`submit`), so rollouts run their calls concurrently and a slow
 rollout never holds back another one's next turn. A turn may carry a time budget (what is left of the rollout's
@@ -34,6 +35,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from .event_loops import EventLoops, LoopThread
+
+_GRACE_S = 0.1  # a call cut at the turn's budget on a free loop reports its time-out within this
 
 
 @dataclass
@@ -87,19 +92,21 @@ class ToolRunner:
             raise ValueError(f"tool_call_timeout_s must be > 0, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
         self.abandoned = 0  # threads (or event loops) left running after a timeout
+        self.loops = EventLoops()
         self._lock = threading.Lock()
 
-    def submit(self, calls: list, tools: dict[str, Callable], budget_s: float | None = None
-               ) -> concurrent.futures.Future:
+    def submit(self, calls: list, tools: dict[str, Callable], budget_s: float | None = None,
+               environment=None) -> concurrent.futures.Future:
         """Start one rollout's turn (its parsed tool calls, its tools by name) in a thread of its own; the future
-        gives its `TurnResult`. `budget_s`: the seconds this turn may take (None: only the per-call bound)."""
+        gives its `TurnResult`. `budget_s`: the seconds this turn may take (None: only the per-call bound).
+        `environment`: the rollout's environment instance; its async methods run on its own event loop."""
         # One thread per turn, not a pool: a queue would make a turn wait for others before its budget starts.
-        return _in_thread("hfllamarl-tools-turn", self._run_turn, calls, tools, budget_s)
+        return _in_thread("hfllamarl-tools-turn", self._run_turn, calls, tools, budget_s, environment)
 
-    def submit_call(self, name: str, fn: Callable, kwargs: dict) -> concurrent.futures.Future:
+    def submit_call(self, name: str, fn: Callable, kwargs: dict, environment=None) -> concurrent.futures.Future:
         """`call` in a thread of its own (e.g. a finishing rollout's `get_reward`, next to the others'); the future
         gives its `ToolResult` within `timeout_s` + 1 s."""
-        return _in_thread(f"hfllamarl-{name}", self.call, name, fn, kwargs)
+        return _in_thread(f"hfllamarl-{name}", self.call, name, fn, kwargs, environment)
 
     def run(self, jobs: list[tuple[list, dict[str, Callable]]]) -> list[list[ToolResult]]:
         """`jobs[i]` = (rollout i's parsed tool calls, its tools by name); returns each rollout's results, in TRL's
@@ -113,17 +120,24 @@ class ToolRunner:
         bound = num_calls * self.timeout_s + 1.0
         return bound if budget_s is None else min(bound, max(budget_s, 0.0))
 
-    def call(self, name: str, fn: Callable, kwargs: dict) -> ToolResult:
-        """One bounded call of `fn(**kwargs)` (sync or async) outside a tool-calling turn (e.g. `get_reward`)."""
+    def call(self, name: str, fn: Callable, kwargs: dict, environment=None) -> ToolResult:
+        """One bounded call of `fn(**kwargs)` (sync or async) outside a tool-calling turn (e.g. `get_reward`; an async
+        one runs on `environment`'s event loop when `fn` is its method)."""
         if is_async(fn):
-            return self._run_async([(name, fn, kwargs)], None)[0]
+            return self._run_async([(name, fn, kwargs)], None, environment)[0]
         return self._run_sync(name, fn, kwargs, self.timeout_s)
 
+    def release(self, environment) -> None:
+        """`environment` will not be used again (not returned to the pool): close its event loop."""
+        self.loops.release(environment)
+
     def close(self) -> None:
-        """Nothing to release: every turn's event loop closes with it."""
+        """Stop every event loop (each closes once its running coroutine, if any, returns)."""
+        self.loops.close()
 
     # ------------------------------------------------------------------ internals
-    def _run_turn(self, calls: list, tools: dict[str, Callable], budget_s: float | None) -> TurnResult:
+    def _run_turn(self, calls: list, tools: dict[str, Callable], budget_s: float | None, environment
+                  ) -> TurnResult:
         start = time.monotonic()
         deadline = None if budget_s is None else start + budget_s
         results, pending_async, refused = [], [], 0
@@ -154,7 +168,7 @@ class ToolRunner:
             if self._limit(deadline) <= 0:
                 refused += len(pending_async)
             else:
-                for result in self._run_async(pending_async, deadline):
+                for result in self._run_async(pending_async, deadline, environment):
                     if result.over_budget:
                         refused += 1
                     else:
@@ -185,43 +199,68 @@ class ToolRunner:
             return _error(name, str(box["error"]))
         return ToolResult(name, box.get("value"))
 
-    def _run_async(self, calls: list[tuple[str, Callable, Any]], deadline: float | None) -> list[ToolResult]:
-        """The calls together on an event loop of their own; each ends at its own bound or at `deadline` (the turn's
-        budget), whichever comes first (then it is marked `over_budget`)."""
+    def _run_async(self, calls: list[tuple[str, Callable, Any]], deadline: float | None, environment=None
+                   ) -> list[ToolResult]:
+        """The calls together, each on its event loop (`environment`'s own for its methods, else the shared one);
+        each ends at its own bound or at `deadline` (the turn's budget), whichever comes first (then it is marked
+        `over_budget`). A loop still stuck in a call after that is abandoned."""
         limit = self._limit(deadline)
-        futures = [concurrent.futures.Future() for _ in calls]
-
-        async def bounded(fn, arguments, future):
+        started = []  # (name, its loop, its future, or the error raised starting it)
+        for name, fn, arguments in calls:
+            owner = environment if environment is not None and getattr(fn, "__self__", None) is environment else None
+            loop = self.loops.get(owner)
             try:
-                future.set_result(await asyncio.wait_for(fn(**arguments), limit))
-            except BaseException as exc:  # a tool's failure (or arguments that are not a mapping): the model's to read
-                future.set_exception(exc)
-
-        async def together():
-            await asyncio.gather(*(bounded(fn, arguments, f) for (_, fn, arguments), f in zip(calls, futures)))
-
-        # asyncio.run: a new loop, closed (its leftover tasks cancelled) when the calls are done, even late.
-        threading.Thread(target=asyncio.run, args=(together(),), name="hfllamarl-tools-loop", daemon=True).start()
-        results, stuck = [], False
-        # wait_for ends each call by `limit`, unless the loop itself is stuck: then 1 s later, or at the budget.
+                started.append((name, loop, loop.submit(_bounded(fn, arguments, limit))))
+            except RuntimeError as exc:  # the loop closed meanwhile (runner closed, environment released)
+                started.append((name, loop, exc))
+        # wait_for ends each call by `limit`, unless its loop itself is stuck: then 1 s later, or at the budget.
         end = time.monotonic() + limit + 1.0
         cut_at_deadline = deadline is not None and deadline < end
         end = deadline if cut_at_deadline else end
-        for (name, _, _), future in zip(calls, futures):
-            try:
-                results.append(ToolResult(name, future.result(max(end - time.monotonic(), 0.0))))
-            except (asyncio.TimeoutError, TimeoutError, concurrent.futures.TimeoutError):
-                stuck = stuck or not future.done()  # the loop is stuck in a coroutine: leave it behind
+        futures = [f for _, _, f in started if isinstance(f, concurrent.futures.Future)]
+        concurrent.futures.wait(futures, timeout=max(end - time.monotonic(), 0.0))
+        late = [f for f in futures if not f.done()]
+        if late and cut_at_deadline:  # wait_for fires at the deadline too: give a free loop the moment to report it
+            concurrent.futures.wait(late, timeout=_GRACE_S)
+        results, stuck = [], []
+        for name, loop, future in started:
+            if not isinstance(future, concurrent.futures.Future):
+                results.append(_error(name, str(future)))
+            elif not future.done():  # its loop is stuck in a coroutine: leave the loop behind
+                future.cancel()  # (the task is cancelled if the loop ever runs again)
+                if loop not in stuck:
+                    stuck.append(loop)
                 result = _error(name, f"Tool {name} did not finish within {self.timeout_s:g} s and was abandoned.",
                                 True)
-                result.over_budget = limit < self.timeout_s or (not future.done() and cut_at_deadline)
+                result.over_budget = limit < self.timeout_s or cut_at_deadline
                 results.append(result)
-            except BaseException as exc:
-                results.append(_error(name, str(exc)))
-        if stuck:
-            with self._lock:
-                self.abandoned += 1
+            else:
+                results.append(self._async_result(name, future, limit))
+        for loop in stuck:
+            self._abandon(loop)
         return results
+
+    def _async_result(self, name: str, future: concurrent.futures.Future, limit: float) -> ToolResult:
+        """The result of an async call that ended: its value, its failure, or its time-out at `limit`."""
+        if future.cancelled():  # its loop was stopped under it (the runner closed, its environment released)
+            return _error(name, f"Tool {name} was cancelled: its event loop was closed.")
+        exc = future.exception()
+        if exc is None:
+            return ToolResult(name, future.result())
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+            result = _error(name, f"Tool {name} did not finish within {self.timeout_s:g} s and was abandoned.", True)
+            result.over_budget = limit < self.timeout_s
+            return result
+        return _error(name, str(exc))  # a tool's failure (or arguments that are not a mapping): the model's to read
+
+    def _abandon(self, loop: LoopThread) -> None:
+        self.loops.abandon(loop)
+        with self._lock:
+            self.abandoned += 1
+
+
+async def _bounded(fn: Callable, arguments, limit: float):
+    return await asyncio.wait_for(fn(**arguments), limit)
 
 
 def _in_thread(name: str, fn: Callable, *args) -> concurrent.futures.Future:
