@@ -138,7 +138,9 @@ class Environment(Protocol):
     # Optional, so not part of the runtime check:
     #     def get_reward(self) -> float
     # called once when the rollout finishes, next to the live environment; the score is a reward named after the
-    # class (weight 1), logged as `rewards/<class name>/mean`.
+    # class (weight 1), logged as `rewards/<class name>/mean`. It runs in a thread of its own, alongside the other
+    # finishing rollouts' get_reward, bounded by `tool_call_timeout_s`: past it the rollout is unscored by it (None,
+    # as TRL's NaN), whatever `reward_errors` says; one that raises follows `reward_errors`.
 
 
 class WeightSyncBackend:

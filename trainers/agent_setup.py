@@ -56,6 +56,10 @@ def build_agent(args, tools, environment_factory, rollout_func) -> Agent:
         for name, instance in instances.items():
             agent.tools += [m for m in tool_methods(instance) if m.__name__ not in {t.__name__ for t in agent.tools}]
         agent.env_rewards = [EnvironmentReward(name) for name in reward_kinds(kinds)]
+        if agent.env_rewards:  # their get_reward calls take part of the generator's tick too
+            from .config import check_tool_tick
+
+            check_tool_tick(args, get_reward=True)
     agent.spec = AgentSpec(
         tools=tools, factories=factories, max_iterations=args.max_tool_calling_iterations,
         tool_call_timeout_s=args.tool_call_timeout_s, max_calls_per_turn=args.max_tool_calls_per_turn,

@@ -150,7 +150,9 @@ class AsyncAIPOConfig(GRPOConfig):
     tool_call_timeout_s: float = field(
         default=60.0,
         metadata={"help": "The longest one tool call (or an environment's get_reward) may run, in seconds. A call "
-                  "still running then is abandoned and the model reads an error as its result; the rollout goes on."},
+                  "still running then is abandoned and the model reads an error as its result; the rollout goes on. "
+                  "A get_reward still running then leaves its rollout unscored by it (None, as TRL's NaN), whatever "
+                  "reward_errors says."},
     )
     max_tool_calls_per_turn: int = field(
         default=8,
@@ -164,8 +166,9 @@ class AsyncAIPOConfig(GRPOConfig):
         metadata={"help": "Wall-clock seconds the tool calls of one rollout may take in all, over all its turns. No "
                   "call starts past it and the call running then is abandoned; the rollout ends at the turn that "
                   "made them, as with max_tool_calls_per_turn (the turn's results are dropped). None: half of "
-                  "collective_timeout_s, a quarter when evaluations run (they share the generator's tick), so that "
-                  "tools never take more than half of it per tick; a larger value is refused."},
+                  "collective_timeout_s (a quarter when evaluations run: they share the generator's tick) less "
+                  "tool_call_timeout_s + 1 s for the environments' get_reward calls, so that tools and get_reward "
+                  "never take more than half of it per tick; a larger value is refused."},
     )
     reward_errors: str = field(
         default="raise",
@@ -213,22 +216,13 @@ class AsyncAIPOConfig(GRPOConfig):
         if not _is_whole(cap) or cap < 1:
             raise ValueError(f"AsyncAIPOConfig: max_tool_calls_per_turn={cap!r}; it must be a whole number >= 1 (to "
                              "allow no tool call at all, set max_tool_calling_iterations=0).")
-        runs = 2 if str(getattr(self.eval_strategy, "value", self.eval_strategy)) != "no" else 1
-        share = TOOL_SHARE * self.collective_timeout_s
         if budget is None:
-            self.rollout_time_budget_s = share / runs
+            self.rollout_time_budget_s = default_tool_budget(self)
             return
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (math.isfinite(budget) and budget > 0):
             raise ValueError(f"AsyncAIPOConfig: rollout_time_budget_s={budget!r}; it must be a number of seconds > 0, "
                              "or None (derived from collective_timeout_s).")
-        worst, terms = tool_tick_bound(self.max_tool_calling_iterations, cap, self.tool_call_timeout_s, budget, runs)
-        if worst > share:
-            raise ValueError(
-                f"AsyncAIPOConfig: tool calls could take {worst:g} s of one generator tick ({terms}), more than "
-                f"{TOOL_SHARE:g} x collective_timeout_s={self.collective_timeout_s:g} = {share:g} s (the rest of it is "
-                "left for generation and the weight sync; past collective_timeout_s the job fails). Set "
-                f"rollout_time_budget_s <= {share / runs:g}, lower max_tool_calls_per_turn, tool_call_timeout_s or "
-                "max_tool_calling_iterations, or raise collective_timeout_s.")
+        check_tool_tick(self, get_reward=False)
 
     def _check_generation_batch(self, set_fields: set[str]) -> None:
         """steps_per_generation / generation_batch_size set to what they mean here anyway (TRL derives the same
@@ -516,14 +510,17 @@ TOOL_SHARE = 0.5
 
 
 def tool_tick_bound(iterations: int | None, calls_per_turn: int, call_timeout_s: float, budget_s: float,
-                    runs: int) -> tuple[float, str]:
-    """The longest tool calls can take in one generator tick, and the arithmetic as text.
+                    runs: int, get_reward: bool = False) -> tuple[float, str]:
+    """The longest tool calls (and environments' get_reward) can take in one generator tick, and the arithmetic as
+    text.
 
     Each rollout's turns run in a thread of their own, concurrently with the other rollouts' turns and the generate
     calls, and no rollout waits for another's calls (`MultiTurn.run`): so a run of rollouts spends on tools at most
     what one rollout may, beyond its generate calls. One rollout may spend the smaller of its budget and
     max_tool_calling_iterations turns x (calls per turn x tool_call_timeout_s + 1 s for a stuck event loop; a
-    turn's synchronous calls run one after the other). A tick holds one run, two when an evaluation is due.
+    turn's synchronous calls run one after the other). With `get_reward`, the get_reward calls of a run start as
+    their rollouts finish and run together, each bounded by tool_call_timeout_s (+ 1 s for a stuck event loop): the
+    last one ends at most that long after the run's last turn. A tick holds one run, two when an evaluation is due.
     """
     per_turn = calls_per_turn * call_timeout_s + 1.0
     if iterations is None:
@@ -532,9 +529,43 @@ def tool_tick_bound(iterations: int | None, calls_per_turn: int, call_timeout_s:
         rollout = min(budget_s, iterations * per_turn)
         terms = (f"min(rollout_time_budget_s={budget_s:g}, max_tool_calling_iterations={iterations} x "
                  f"(max_tool_calls_per_turn={calls_per_turn} x tool_call_timeout_s={call_timeout_s:g} + 1))")
+    if get_reward:
+        rollout += call_timeout_s + 1.0
+        terms = f"({terms} + get_reward's tool_call_timeout_s={call_timeout_s:g} + 1)"
     if runs > 1:
         terms += f" x {runs} (an evaluation runs in the same tick as training)"
     return runs * rollout, terms
+
+
+def _runs(args) -> int:
+    return 2 if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" else 1
+
+
+def default_tool_budget(args) -> float:
+    """rollout_time_budget_s left unset: what `TOOL_SHARE` of collective_timeout_s leaves per run of rollouts once the
+    get_reward calls (tool_call_timeout_s + 1 s) are set aside; all of it when they do not fit (then an environment
+    with get_reward is refused, `check_tool_tick`)."""
+    per_run = TOOL_SHARE * args.collective_timeout_s / _runs(args)
+    reward_s = args.tool_call_timeout_s + 1.0
+    return per_run - reward_s if per_run > reward_s else per_run
+
+
+def check_tool_tick(args, get_reward: bool) -> None:
+    """Refuse settings under which the tool calls (and, with `get_reward`, the environments' get_reward calls) of one
+    generator tick could take more than `TOOL_SHARE` of collective_timeout_s."""
+    runs, share = _runs(args), TOOL_SHARE * args.collective_timeout_s
+    worst, terms = tool_tick_bound(args.max_tool_calling_iterations, args.max_tool_calls_per_turn,
+                                   args.tool_call_timeout_s, args.rollout_time_budget_s, runs, get_reward)
+    if worst > share:
+        room = share / runs - (args.tool_call_timeout_s + 1.0 if get_reward else 0.0)
+        fix = (f"Set rollout_time_budget_s <= {room:g}, lower" if room > 0 else "Lower")
+        what = "tool calls and get_reward" if get_reward else "tool calls"
+        raise ValueError(
+            f"AsyncAIPOConfig: {what} could take {worst:g} s of one generator tick ({terms}), more than "
+            f"{TOOL_SHARE:g} x collective_timeout_s={args.collective_timeout_s:g} = {share:g} s (the rest of it is "
+            f"left for generation and the weight sync; past collective_timeout_s the job fails). {fix} "
+            "max_tool_calls_per_turn, tool_call_timeout_s or max_tool_calling_iterations, or raise "
+            "collective_timeout_s.")
 
 
 def _is_whole(value) -> bool:

@@ -8,11 +8,16 @@ environment in an `environment` column, as in TRL). An environment has:
   prompt's last user message;
 - tools: its public methods other than `reset` and `get_reward` (type hints and a Google-style docstring give
   the schema the model reads), called when the model calls them;
-- optionally `get_reward() -> float` (or `async def`): called once when its rollout finishes, next to the live
-  environment on the generator; the score is a reward logged under the class name, weight 1, as TRL.
+- optionally `get_reward() -> float` (or `async def`, run on the instance's own event loop, like its async
+  tools): called once when its rollout finishes, next to the live environment on the generator; the score is a
+  reward logged under the class name, weight 1, as TRL. The finishing rollouts' calls run together, each bounded
+  by `tool_call_timeout_s`; one past it leaves its rollout unscored (None, as TRL's NaN), never 0 and never a
+  job stop (`MultiTurn._settle_rewards`).
 
 Instances are pooled and reused (`reset` each time), as TRL does: the pool grows only when more rollouts run
-at once than there are instances.
+at once than there are instances. An instance's `async def` methods run on an event loop of its own that lives as
+long as the instance (`hfllamarl.runtime.event_loops`), so loop-bound objects it keeps (a session, a lock, a
+queue, a background task) work across turns, rollouts and `reset`.
 """
 
 from __future__ import annotations

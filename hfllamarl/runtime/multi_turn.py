@@ -30,6 +30,14 @@ TRL runs none of the calls of the turn past its last round); a turn the time bud
 Since a rollout's own calls never take more than its budget, and no rollout waits for another's calls, one run
 of rollouts spends at most `rollout_time_budget_s` on tools beyond its generate calls.
 
+An environment's `async def` methods (and an async `get_reward`) run on an event loop of that instance's own,
+which lives as long as the instance, through every turn and rollout it serves; the standalone async tools share
+one loop, as in TRL (`hfllamarl.runtime.event_loops`).
+
+A rollout's `get_reward` starts in a thread of its own when the rollout finishes and is collected at the end of
+the run, so the run's get_reward calls take one `tool_call_timeout_s` together, not one each; one that times out
+leaves its rollout unscored (None, as TRL's NaN) rather than 0, and never stops the job (`_settle_rewards`).
+
 Tools, environments, get_reward and rollout_func run on the engine's first rank
 only; with tensor parallelism the other ranks follow its generate calls (`hfllamarl.runtime.lockstep`).
 """
@@ -117,7 +125,9 @@ class MultiTurn:
             from .rollout_funcs import RolloutFuncRunner
 
             self.rollout_funcs = RolloutFuncRunner(spec, executor, self)
-        self.reward_errors = 0  # get_reward calls that raised or timed out, scored 0 (reward_errors="zero")
+        self.reward_errors = 0  # get_reward calls that raised or returned no number, scored 0 (reward_errors="zero")
+        self.reward_timeouts = 0  # get_reward calls past tool_call_timeout_s: their rollouts are unscored by it
+        self._scoring: dict = {}  # get_reward future -> (rollout, its live environment, the class name)
 
     # ------------------------------------------------------------------ the tick
     def tick(self, batch_index: int | None) -> list[RolloutGroup]:
@@ -220,6 +230,7 @@ class MultiTurn:
             if active:
                 tokens += self._generate(active, allowance, pending)
             active = self._collect(pending, allowance)
+        self._settle_rewards()
         return tokens
 
     def _generate(self, active: list[Rollout], allowance: dict, pending: dict) -> int:
@@ -252,7 +263,7 @@ class MultiTurn:
                 self.finish(r, reason)
                 continue
             tools = {tool_name(t): t for t in self.tools(r.episode)}
-            pending[self.runner.submit(calls, tools, self._time_left(r.episode))] = r
+            pending[self.runner.submit(calls, tools, self._time_left(r.episode), self._live(r.episode))] = r
         return tokens
 
     def _over_bound(self, episode: Episode, num_calls: int) -> str | None:
@@ -338,8 +349,9 @@ class MultiTurn:
                           spec.max_model_len - len(r.prompt_ids) - used))
 
     def finish(self, r: Rollout, reason: str) -> None:
-        """The rollout is complete: its text, its environment's reward (scored here, next to the live environment),
-        and the environment's pickled copy for the trainer ranks; the live instance goes back to the pool."""
+        """The rollout is complete: its text, and its environment's reward, started here in a thread of its own next to
+        the live environment (`_settle_rewards` collects it, then pickles the environment for the trainer ranks and
+        returns the live instance to the pool)."""
         r.finish_reason = reason
         r.completion_text = self.ex.encoder.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
         episode = r.episode
@@ -349,14 +361,51 @@ class MultiTurn:
         kind = self.pool.kinds[episode.environment_name]
         for name in self.reward_classes:
             r.model_rewards[name] = None
-        if kind.has_reward:
-            r.model_rewards[kind.class_name] = self._environment_reward(env, kind.class_name, r.row_index)
+        if kind.has_reward:  # the finishing rollouts' get_reward calls run together, each in a thread of its own
+            future = self.runner.submit_call("get_reward", env.get_reward, {}, env)  # async: on env's own loop
+            self._scoring[future] = (r, env, kind.class_name)
+        else:
+            self._release(r, env)
+
+    def _settle_rewards(self) -> None:
+        """Wait for the get_reward calls of this run (they started as their rollouts finished, so the last one ends
+        at most tool_call_timeout_s + 1 s after the run's last turn) and store their scores.
+
+        A get_reward that times out leaves its rollout unscored by it (None: as TRL's NaN, the rollout is left out of
+        its group's baseline if no other reward function scores it), whatever `reward_errors` says: the policy can
+        make an environment slow to score, which is no bug of the user's code, and neither a made-up 0 nor a stopped
+        job would be right. Its environment is not reused (the call may still change it). A get_reward that raises
+        or returns no number follows `reward_errors`."""
+        import concurrent.futures as cf
+
+        scoring, self._scoring = self._scoring, {}
+        if not scoring:
+            return
+        bound = self.runner.timeout_s + 1.0 + 10.0  # each ends by its bound; past it, a bug: fail loudly
+        _, late = cf.wait(scoring, timeout=bound)
+        if late:
+            raise RuntimeError(f"{len(late)} get_reward calls did not return within {bound:.0f} s, past their bound; "
+                               "the tool runner is stuck.")
+        for future, (r, env, class_name) in scoring.items():
+            result = future.result()
+            if result.timed_out:
+                self.reward_timeouts += 1
+                r.episode.abandoned = True
+            else:
+                r.model_rewards[class_name] = self._environment_reward(result, class_name, r.row_index)
+            self._release(r, env)
+
+    def _release(self, r: Rollout, env) -> None:
+        """The environment's pickled copy for the trainer ranks; the live instance goes back to the pool."""
+        episode = r.episode
         episode.environment = snapshot(env)
         if not episode.abandoned:  # a call left running could still change it, in the next rollout that took it
             self.pool.give_back(episode.environment_name, env)
+        else:  # dropped: its event loop (abandoned, or free) goes with it
+            self.runner.release(env)
 
-    def _environment_reward(self, env, class_name: str, row: int) -> float | None:
-        result = self.runner.call("get_reward", env.get_reward, {})
+    def _environment_reward(self, result, class_name: str, row: int) -> float:
+        """A get_reward call's score; one that raised or gave no number follows `reward_errors`."""
         if not result.failed:
             try:
                 return float(result.content)

@@ -8,9 +8,14 @@ an unknown tool `{"error": "Tool <name> not found."}`, and a call that runs past
 and gives an error saying so.
 
 A synchronous tool runs in a daemon thread of its own, so one that hangs is left behind after its timeout
-(Python cannot stop a thread; it is counted in `abandoned`) while the rollout goes on. `async def` tools run
-on one event loop in a daemon thread under `asyncio.wait_for`; a coroutine that blocks the loop itself is
-abandoned together with its loop, and the next call gets a new loop.
+(Python cannot stop a thread; it is counted in `abandoned`) while the rollout goes on. `async def` tools run as
+in TRL on event loops that outlive the call (`hfllamarl.runtime.event_loops`), each call under
+`asyncio.wait_for`: an environment's methods (and its async `get_reward`) on that environment's own loop, which
+lives as long as the instance, so loop-bound objects it keeps (a session, a lock, a queue, a background task)
+work from one turn and one rollout to the next; the standalone async tools on one shared loop. A coroutine that
+blocks its loop delays only the calls on that loop: another environment's calls are unaffected. Such a loop is
+abandoned at the call's bound + 1 s (counted in `abandoned`): the shared loop is replaced on the next call, an
+environment's loop is dropped with its environment (which the multi-turn runner does not reuse).
 
 Each rollout's turn runs in a thread of its own (`submit`), so rollouts run their calls concurrently and a slow
 rollout never holds back another one's next turn. A turn may carry a time budget (what is left of the rollout's
@@ -30,6 +35,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from .event_loops import EventLoops, LoopThread
+
+_GRACE_S = 0.1  # a call cut at the turn's budget on a free loop reports its time-out within this
 
 
 @dataclass
@@ -83,24 +92,21 @@ class ToolRunner:
             raise ValueError(f"tool_call_timeout_s must be > 0, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
         self.abandoned = 0  # threads (or event loops) left running after a timeout
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.loops = EventLoops()
         self._lock = threading.Lock()
 
-    def submit(self, calls: list, tools: dict[str, Callable], budget_s: float | None = None
-               ) -> concurrent.futures.Future:
+    def submit(self, calls: list, tools: dict[str, Callable], budget_s: float | None = None,
+               environment=None) -> concurrent.futures.Future:
         """Start one rollout's turn (its parsed tool calls, its tools by name) in a thread of its own; the future
-        gives its `TurnResult`. `budget_s`: the seconds this turn may take (None: only the per-call bound)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def target():
-            try:
-                future.set_result(self._run_turn(calls, tools, budget_s))
-            except BaseException as exc:  # a bug here, not a tool's failure: the caller re-raises it
-                future.set_exception(exc)
-
+        gives its `TurnResult`. `budget_s`: the seconds this turn may take (None: only the per-call bound).
+        `environment`: the rollout's environment instance; its async methods run on its own event loop."""
         # One thread per turn, not a pool: a queue would make a turn wait for others before its budget starts.
-        threading.Thread(target=target, name="hfllamarl-tools-turn", daemon=True).start()
-        return future
+        return _in_thread("hfllamarl-tools-turn", self._run_turn, calls, tools, budget_s, environment)
+
+    def submit_call(self, name: str, fn: Callable, kwargs: dict, environment=None) -> concurrent.futures.Future:
+        """`call` in a thread of its own (e.g. a finishing rollout's `get_reward`, next to the others'); the future
+        gives its `ToolResult` within `timeout_s` + 1 s."""
+        return _in_thread(f"hfllamarl-{name}", self.call, name, fn, kwargs, environment)
 
     def run(self, jobs: list[tuple[list, dict[str, Callable]]]) -> list[list[ToolResult]]:
         """`jobs[i]` = (rollout i's parsed tool calls, its tools by name); returns each rollout's results, in TRL's
@@ -114,19 +120,24 @@ class ToolRunner:
         bound = num_calls * self.timeout_s + 1.0
         return bound if budget_s is None else min(bound, max(budget_s, 0.0))
 
-    def call(self, name: str, fn: Callable, kwargs: dict) -> ToolResult:
-        """One bounded call of `fn(**kwargs)` (sync or async) outside a tool-calling turn (e.g. `get_reward`)."""
+    def call(self, name: str, fn: Callable, kwargs: dict, environment=None) -> ToolResult:
+        """One bounded call of `fn(**kwargs)` (sync or async) outside a tool-calling turn (e.g. `get_reward`; an async
+        one runs on `environment`'s event loop when `fn` is its method)."""
         if is_async(fn):
-            return self._run_async([(name, fn, kwargs)], None)[0]
+            return self._run_async([(name, fn, kwargs)], None, environment)[0]
         return self._run_sync(name, fn, kwargs, self.timeout_s)
 
+    def release(self, environment) -> None:
+        """`environment` will not be used again (not returned to the pool): close its event loop."""
+        self.loops.release(environment)
+
     def close(self) -> None:
-        loop, self._loop = self._loop, None
-        if loop is not None:
-            loop.call_soon_threadsafe(loop.stop)
+        """Stop every event loop (each closes once its running coroutine, if any, returns)."""
+        self.loops.close()
 
     # ------------------------------------------------------------------ internals
-    def _run_turn(self, calls: list, tools: dict[str, Callable], budget_s: float | None) -> TurnResult:
+    def _run_turn(self, calls: list, tools: dict[str, Callable], budget_s: float | None, environment
+                  ) -> TurnResult:
         start = time.monotonic()
         deadline = None if budget_s is None else start + budget_s
         results, pending_async, refused = [], [], 0
@@ -157,7 +168,7 @@ class ToolRunner:
             if self._limit(deadline) <= 0:
                 refused += len(pending_async)
             else:
-                for result in self._run_async(pending_async, deadline):
+                for result in self._run_async(pending_async, deadline, environment):
                     if result.over_budget:
                         refused += 1
                     else:
@@ -188,54 +199,80 @@ class ToolRunner:
             return _error(name, str(box["error"]))
         return ToolResult(name, box.get("value"))
 
-    def _run_async(self, calls: list[tuple[str, Callable, Any]], deadline: float | None) -> list[ToolResult]:
-        """The calls together on the event loop; each ends at its own bound or at `deadline` (the turn's budget),
-        whichever comes first (then it is marked `over_budget`)."""
-        loop = self._event_loop()
+    def _run_async(self, calls: list[tuple[str, Callable, Any]], deadline: float | None, environment=None
+                   ) -> list[ToolResult]:
+        """The calls together, each on its event loop (`environment`'s own for its methods, else the shared one);
+        each ends at its own bound or at `deadline` (the turn's budget), whichever comes first (then it is marked
+        `over_budget`). A loop still stuck in a call after that is abandoned."""
         limit = self._limit(deadline)
-
-        async def bounded(fn, arguments):
-            return await asyncio.wait_for(fn(**arguments), limit)
-
-        futures = []
+        started = []  # (name, its loop, its future, or the error raised starting it)
         for name, fn, arguments in calls:
+            owner = environment if environment is not None and getattr(fn, "__self__", None) is environment else None
+            loop = self.loops.get(owner)
             try:
-                futures.append(asyncio.run_coroutine_threadsafe(bounded(fn, arguments), loop))
-            except BaseException as exc:  # e.g. arguments that are not a mapping
-                futures.append(exc)
-        results = []
-        # wait_for ends each call by `limit`, unless the loop itself is stuck: then 1 s later, or at the budget.
+                started.append((name, loop, loop.submit(_bounded(fn, arguments, limit))))
+            except RuntimeError as exc:  # the loop closed meanwhile (runner closed, environment released)
+                started.append((name, loop, exc))
+        # wait_for ends each call by `limit`, unless its loop itself is stuck: then 1 s later, or at the budget.
         end = time.monotonic() + limit + 1.0
         cut_at_deadline = deadline is not None and deadline < end
         end = deadline if cut_at_deadline else end
-        for (name, _, _), future in zip(calls, futures):
-            if isinstance(future, BaseException):
+        futures = [f for _, _, f in started if isinstance(f, concurrent.futures.Future)]
+        concurrent.futures.wait(futures, timeout=max(end - time.monotonic(), 0.0))
+        late = [f for f in futures if not f.done()]
+        if late and cut_at_deadline:  # wait_for fires at the deadline too: give a free loop the moment to report it
+            concurrent.futures.wait(late, timeout=_GRACE_S)
+        results, stuck = [], []
+        for name, loop, future in started:
+            if not isinstance(future, concurrent.futures.Future):
                 results.append(_error(name, str(future)))
-                continue
-            try:
-                results.append(ToolResult(name, future.result(max(end - time.monotonic(), 0.0))))
-            except (asyncio.TimeoutError, TimeoutError, concurrent.futures.TimeoutError):
-                stuck = not future.done()
-                if stuck:  # the loop itself is stuck in the coroutine: leave it, start another
-                    self._abandon_loop(loop)
+            elif not future.done():  # its loop is stuck in a coroutine: leave the loop behind
+                future.cancel()  # (the task is cancelled if the loop ever runs again)
+                if loop not in stuck:
+                    stuck.append(loop)
                 result = _error(name, f"Tool {name} did not finish within {self.timeout_s:g} s and was abandoned.",
                                 True)
-                result.over_budget = limit < self.timeout_s or (stuck and cut_at_deadline)
+                result.over_budget = limit < self.timeout_s or cut_at_deadline
                 results.append(result)
-            except BaseException as exc:
-                results.append(_error(name, str(exc)))
+            else:
+                results.append(self._async_result(name, future, limit))
+        for loop in stuck:
+            self._abandon(loop)
         return results
 
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="hfllamarl-tools-loop", daemon=True).start()
-                self._loop = loop
-            return self._loop
+    def _async_result(self, name: str, future: concurrent.futures.Future, limit: float) -> ToolResult:
+        """The result of an async call that ended: its value, its failure, or its time-out at `limit`."""
+        if future.cancelled():  # its loop was stopped under it (the runner closed, its environment released)
+            return _error(name, f"Tool {name} was cancelled: its event loop was closed.")
+        exc = future.exception()
+        if exc is None:
+            return ToolResult(name, future.result())
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+            result = _error(name, f"Tool {name} did not finish within {self.timeout_s:g} s and was abandoned.", True)
+            result.over_budget = limit < self.timeout_s
+            return result
+        return _error(name, str(exc))  # a tool's failure (or arguments that are not a mapping): the model's to read
 
-    def _abandon_loop(self, loop) -> None:
+    def _abandon(self, loop: LoopThread) -> None:
+        self.loops.abandon(loop)
         with self._lock:
-            if self._loop is loop:
-                self._loop = None
-                self.abandoned += 1
+            self.abandoned += 1
+
+
+async def _bounded(fn: Callable, arguments, limit: float):
+    return await asyncio.wait_for(fn(**arguments), limit)
+
+
+def _in_thread(name: str, fn: Callable, *args) -> concurrent.futures.Future:
+    """`fn(*args)` in a daemon thread of its own; the future gives its result, or what it raised (a bug of the
+    runner, not a tool's failure: tools' failures are results)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return future
