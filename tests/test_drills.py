@@ -106,12 +106,17 @@ def drill(model: str, out: str, launch: str, victim: str, sig: str, results: dic
         results[(launch, victim, sig)] = {"seconds": ended, "code": code, "err": err,
                                           "left": [p.pid for p in survivors if alive(p)]}
     finally:
-        for p in psutil.Process(os.getpid()).children(recursive=True):
-            if belongs_to(p, out):
-                p.kill()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        end_job(proc, out)
+
+
+def end_job(proc: subprocess.Popen, out) -> None:
+    """Kills whatever of the job in ``out`` is left (a drill that failed leaves its ranks behind)."""
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        if belongs_to(p, out):
+            p.kill()
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
 
 
 def run_side_by_side(model, tmp_path, cases) -> dict:
@@ -368,12 +373,7 @@ def exit_drill(model: str, out: str, launch: str, victim: int, results: dict) ->
         results[(launch, victim)] = {"seconds": ended, "code": code, "err": err,
                                      "victim_left": alive(frozen) and not (launch == "python" and victim == 0)}
     finally:
-        for p in psutil.Process(os.getpid()).children(recursive=True):
-            if belongs_to(p, out):
-                p.kill()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        end_job(proc, out)
 
 
 def test_a_rank_frozen_after_the_last_checkpoint(family_model, tmp_path):
