@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hfllamarl.runtime import checkpoint
+from hfllamarl.runtime import checkpoint, durable
 from hfllamarl.runtime.durable import load_plain
 
 STEP = 5
@@ -214,3 +214,29 @@ def test_a_state_file_loads_the_records_a_checkpoint_holds_and_refuses_anything_
     with pytest.raises(pickle.UnpicklingError, match="asks to build posix.system"):
         load_state(str(path))
     assert not created.exists()
+
+
+def test_flushing_a_directory_other_ranks_are_still_writing_into(tmp_path):
+    """Every rank flushes the checkpoint's directory before the commit barrier while other ranks still write into it
+    (a `.tmp` file renamed into place): an entry that vanishes between the walk and its flush is no error (a run of
+    the plans test failed so: FileNotFoundError on another replica's generator-1.pt.tmp)."""
+    import threading
+
+    stop = threading.Event()
+
+    def other_rank():
+        i = 0
+        while not stop.is_set():
+            tmp = tmp_path / f"generator-{i % 50}.pt.tmp"
+            tmp.write_bytes(b"x" * 64)
+            os.replace(tmp, tmp_path / f"generator-{i % 50}.pt")
+            i += 1
+
+    writer = threading.Thread(target=other_rank, daemon=True)
+    writer.start()
+    try:
+        for _ in range(300):
+            durable.sync_tree(str(tmp_path))
+    finally:
+        stop.set()
+        writer.join(10)

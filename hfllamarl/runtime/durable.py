@@ -32,13 +32,24 @@ def fsync_file(path: str) -> None:
 
 def sync_tree(root: str) -> None:
     """Flush every file and directory under `root`, and `root` itself (deepest first: a directory's entries are
-    flushed after what they name)."""
+    flushed after what they name).
+
+    Every rank flushes a checkpoint's directory while the other ranks may still be writing into it: an entry
+    another rank renames (its `.tmp` file) or removes meanwhile is skipped, not an error. What this rank wrote is
+    flushed all the same, and trainer rank 0 flushes the whole tree again once every rank is done
+    (`checkpoint.publish_steps`)."""
     for here, _dirs, files in os.walk(root, topdown=False):
         for name in files:
             path = os.path.join(here, name)
-            if not os.path.islink(path):
-                fsync_file(path)
-        fsync_dir(here)
+            try:
+                if not os.path.islink(path):
+                    fsync_file(path)
+            except FileNotFoundError:
+                pass  # renamed or removed by another rank since the walk listed it
+        try:
+            fsync_dir(here)
+        except FileNotFoundError:
+            pass
 
 
 def write_json(path: str, data) -> None:
