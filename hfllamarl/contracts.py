@@ -36,14 +36,17 @@ class Algorithm(Protocol):
 
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         """Called once per trainer step on every trainer rank with the rewards of that rank's groups, `[N]`
-        float32, the G = `group_size` completions of each prompt contiguous. Returns `[N]` advantages."""
+        float32, the G = `group_size` completions of each prompt contiguous; NaN for a completion that every reward
+        function left unscored (None), as TRL. Returns `[N]` advantages (a NaN one is trained as 0)."""
         ...
 
     def loss(self, logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Called once per micro-batch, before its backward pass. A `loss` that also names a `shape` parameter
         gets the step's `hfllamarl.losses.StepShape` (its tokens on every rank, micro-batches, ranks,
-        max_completion_length), for normalisations over the whole step (`hfllamarl.losses.aggregate`).
+        max_completion_length), for normalisations over the whole step (`hfllamarl.losses.aggregate`). The
+        trainer may pass `old_logprobs` (`[B, T]` log pi_old, the policy before the batch's first optimizer step)
+        and `entropy_mask` (`[B, T]` 0/1) only to a `loss` that names them (`hfllamarl.policy_loss.PolicyLoss`).
 
         Args:
             logprobs: `[B, T]` log pi of the sampled tokens under the current policy, with gradient.
@@ -67,12 +70,14 @@ ALGORITHM_OPTIONS = {"rho": "aipo_rho", "scale_rewards": "scale_rewards", "epsil
                          "loss_type", "importance_sampling_level", "off_policy_mask_threshold",
                          "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
                          "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
-                         "sapo_temperature_pos", "sapo_temperature_neg", "use_bias_correction_kl")}}
+                         "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+                         "vespo_k_neg", "vespo_lambda_neg", "use_bias_correction_kl")}}
+
 #: Why a field an algorithm does not take is refused, beyond "it does not use it".
 _NOT_TAKEN_HINTS = {
     "beta": " (beta > 0 needs an algorithm that adds the KL term).",
-    **{field: " (AIPO's importance weight min(pi/mu, aipo_rho) is its correction, for staleness and kernel mismatch "
-              "alike: set aipo_rho; TRL's vLLM importance-sampling modes come with algorithm='grpo')."
+    **{field: " (the behaviour-policy correction pi_old/mu and its modes come with algorithm='aipo', the default, "
+              "whose aipo_rho bounds the same weight, 'grpo' or 'rloo')."
        for field in ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
                      "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")},
 }

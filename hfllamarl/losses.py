@@ -9,26 +9,84 @@ from dataclasses import dataclass
 import torch
 
 
+def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Standard deviation of `x` over `dim` (all of it when None) ignoring NaNs, with Bessel's correction; NaN
+    where fewer than two values are not NaN (as TRL's `nanstd`)."""
+    dims = dim if dim is not None else tuple(range(x.dim()))
+    mean = torch.nanmean(x, dim=dims, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dims, keepdim=True)
+    var = torch.nansum((x - mean) ** 2, dim=dims, keepdim=True) / (count - 1).clamp(min=1)
+    std = torch.where(count > 1, var.sqrt(), torch.full_like(var, math.nan))
+    return std if keepdim else std.squeeze() if dim is None else std.squeeze(dim)
+
+
+def global_nan_moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) of the non-NaN `values` of every trainer rank (torch.distributed's default group when it is
+    initialised: the trainer world), std with Bessel's correction and NaN below two values; two all-reduces, the
+    second over the deviations from the global mean (exact, no sum-of-squares cancellation). Every trainer rank
+    must call it."""
+    kept = values[~torch.isnan(values)].double()
+    stats = torch.stack([torch.tensor(float(kept.numel()), dtype=torch.float64), kept.sum()])
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
+    if distributed:
+        torch.distributed.all_reduce(stats)
+    count, total = stats.tolist()
+    mean = total / count if count else math.nan
+    squares = ((kept - mean) ** 2).sum().reshape(1) if count else torch.zeros(1, dtype=torch.float64)
+    if distributed:
+        torch.distributed.all_reduce(squares)
+    std = math.sqrt(squares.item() / (count - 1)) if count > 1 else math.nan
+    return torch.tensor(mean, dtype=values.dtype), torch.tensor(std, dtype=values.dtype)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none") -> torch.Tensor:
-    """`[B*G]` rewards -> `[B*G]` advantages: reward minus its group's mean.
+    """`[B*G]` rewards -> `[B*G]` advantages: reward minus its group's mean, as TRL's "sum_then_normalize".
+
+    A NaN reward (an unscored completion: every reward function returned None) is left out of its group's mean and
+    of every std, and gets advantage 0, as TRL's nanmean/nanstd and its final `nan_to_num` do (so does a completion
+    whose group has a single scored member under "group": its std is NaN).
 
     Args:
         rewards: `[B*G]`, the G completions of each prompt contiguous.
         group_size: G.
         scale: "none" (the paper's A = r - mean), "group" (divide by the group's std, as GRPO) or
-            "batch" (divide by the batch's std).
+            "batch" (divide by the std of the rewards of the whole step, over every trainer rank).
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    check_choice("scale_rewards", scale, ("none", "group", "batch"))
     grouped = rewards.view(-1, group_size)  # [B, G]
-    adv = grouped - grouped.mean(dim=1, keepdim=True)
+    adv = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
     if scale == "group":
-        adv = adv / (grouped.std(dim=1, keepdim=True) + 1e-4)
+        adv = adv / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
     elif scale == "batch":
-        adv = adv / (rewards.std() + 1e-4)
-    elif scale != "none":
-        raise ValueError(f"scale must be 'none', 'group' or 'batch', not {scale!r}")
-    return adv.reshape(-1)
+        adv = adv / (global_nan_moments(rewards)[1] + 1e-4)
+    return torch.nan_to_num(adv.reshape(-1), nan=0.0)
+
+
+def normalize_then_sum_advantages(scores: torch.Tensor, weights, group_size: int) -> torch.Tensor:
+    """TRL's `multi_objective_aggregation="normalize_then_sum"`: each reward function's scores are normalised
+    within each group, `(s_k - nanmean_group(s_k)) / (nanstd_group(s_k) + 1e-4)`, summed with the reward weights
+    (NaN terms left out), and the sum normalised over the whole step (every trainer rank):
+    `A = (R - nanmean(R)) / (nanstd(R) + 1e-4)`. A completion no function scored gets 0; `scale_rewards` plays no
+    part (as in TRL).
+
+    Args:
+        scores: `[N, K]` each function's score per completion, NaN where it returned None.
+        weights: K reward weights.
+        group_size: G (the G completions of each prompt contiguous).
+    """
+    n, k = scores.shape
+    if n % group_size:
+        raise ValueError(f"{n} rewards do not split into groups of {group_size}")
+    grouped = scores.view(-1, group_size, k)
+    std = nanstd(grouped, dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped[:, :1])
+    normalised = ((grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (std + 1e-4)).view(n, k)
+    total = (normalised * torch.as_tensor(weights, dtype=scores.dtype)[None, :]).nansum(dim=1)
+    total[torch.isnan(scores).all(dim=1)] = math.nan
+    mean, std_all = global_nan_moments(total)
+    return torch.nan_to_num((total - mean) / (std_all + 1e-4), nan=0.0)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -106,7 +164,7 @@ def ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor, log_ratio: torch.Tens
 # before the step, i.e. log pi detached, as in TRL with num_iterations=1) and log mu (the generator's, which
 # sampled the token, maybe several versions stale). The behaviour weight pi_old/mu is what corrects staleness.
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's double clip
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -139,6 +197,8 @@ def per_token_objective(loss_type: str, coef_1: torch.Tensor, advantages: torch.
     - sapo: `-sigmoid(tau * (c - 1)) * 4 / tau * A`, tau = the positive or negative temperature by the sign of A.
     """
     check_choice("loss_type", loss_type, LOSS_TYPES)
+    if loss_type == "vespo":
+        raise ValueError("loss_type='vespo' weights whole sequences: use `vespo_weight` (it needs the mask)")
     if loss_type == "cispo":
         return -coef_1.clamp(max=epsilon_high).detach() * advantages * logprobs
     if loss_type == "sapo":
@@ -162,7 +222,7 @@ def behavior_weight(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor,
         diff = diff.sum(-1, keepdim=True)
     ratio = torch.exp(diff)
     if mode.endswith("truncate"):
-        return ratio.clamp(min=clip_min, max=clip_max)
+        return ratio if clip_min is None and clip_max is None else ratio.clamp(min=clip_min, max=clip_max)
     low = -math.inf if clip_min is None else clip_min
     high = math.inf if clip_max is None else clip_max
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
@@ -176,6 +236,29 @@ def off_policy_mask(advantages: torch.Tensor, logprobs: torch.Tensor, behavior_l
     kl = torch.nan_to_num(behavior_logprobs - logprobs.detach(), nan=0.0)
     mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
     return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
+@torch.no_grad()
+def vespo_weight(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
+                 behavior_weight_: torch.Tensor | None, k_pos: float = 2.0, lambda_pos: float = 3.0,
+                 k_neg: float = 3.0, lambda_neg: float = 2.0) -> torch.Tensor:
+    """VESPO's sequence weight phi(w) = exp(lambda + k log w - lambda w) (phi(1) = 1), a constant `[B, 1]`, with
+    (k, lambda) by the sign of A (A >= 0: the positive pair), as TRL computes it:
+
+        log w = sum_t clamp(log pi/pi_old, -20, 20) + sum_t clamp(log b_t, log 1e-8, 20), clamped to [log 1e-8, 20]
+
+    where `log_ratio` is log pi - log pi_old `[B, T]` and `behavior_weight_` the token correction b = pi_old/mu
+    (`behavior_weight` in a token mode; None without correction). A non-finite phi is 0.
+    """
+    floor = math.log(1e-8)
+    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if behavior_weight_ is not None:
+        log_w = log_w + torch.log(behavior_weight_).clamp(floor, 20.0).sum(-1, keepdim=True)
+    log_w = log_w.clamp(floor, 20.0)
+    positive = advantages >= 0
+    k = torch.where(positive, k_pos, k_neg)
+    lam = torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @dataclass(frozen=True)
@@ -205,7 +288,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, shape
     - grpo, sapo: each sequence's token mean, averaged over the sequences;
     - bnpo: the token mean of the micro-batch;
     - dr_grpo: the token sum over (sequences x max_completion_length);
-    - dapo, cispo: the token sum over the step's tokens on every rank (one weight per token of the whole step);
+    - dapo, cispo, vespo: the token sum over the step's tokens on every rank (one weight per token of the whole step);
     - luspo: each sequence's token sum, averaged over the sequences.
     """
     check_choice("loss_type", loss_type, LOSS_TYPES)

@@ -40,7 +40,8 @@ def test_loss_and_gradient_match_hand_computation():
     # Hand values: ratios e^0=1, e^1.5=4.48 (clipped to 2), e^-1=0.37; e^-0.1, e^0.5.
     expected_w = torch.tensor([[1.0, 2.0, math.exp(-1.0)], [math.exp(-0.1), math.exp(0.5), 0.0]])
     assert torch.allclose(w * mask, expected_w, atol=1e-6)
-    expected = -(w * adv[:, None] * logp.detach() * mask).sum() / 5
+    # the logged value is TRL's dapo loss with c = pi/pi_old = 1 in value: -sum_t w_t A / tokens
+    expected = -(w * adv[:, None] * mask).sum() / 5
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
 
     loss.backward()

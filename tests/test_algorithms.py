@@ -105,7 +105,8 @@ def test_an_option_the_algorithm_does_not_take_is_refused_not_ignored():
                                          r"aipo_rho\).*KL term"):
         algorithm_kwargs("rho_only", RhoOnly, config, defaults)
     config.beta, config.vllm_importance_sampling_mode = 0.0, "token_truncate"
-    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode='token_truncate'` is set.*set aipo_rho"):
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode='token_truncate'` is set.*"
+                                         r"algorithm='aipo', the default, whose aipo_rho bounds the same weight"):
         algorithm_kwargs("rho_only", RhoOnly, config, defaults)
 
 

@@ -109,17 +109,19 @@ def test_normalisations():
 
 # ----------------------------------------------------------------------------- AIPO composed
 def test_aipo_sequence_level_and_dr_grpo_normalisation():
+    """GSPO's sequence ratio c = exp(mean_t log pi/pi_old) with AIPO's token weight min(pi_old/mu, rho) on top."""
     aipo = load_plugin("algorithms", "aipo")(rho=2.0, loss_type="dr_grpo", importance_sampling_level="sequence")
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
-    mu = torch.tensor([[-2.0, -3.0], [-0.5, -3.0]])  # sequence 0: mean log ratio 1 -> e > 2, clipped; sequence 1: 1
+    mu = torch.tensor([[-2.0, -3.0], [-0.5, -3.0]])  # pi_old/mu: e, e (truncated to 2) | 1 (and padding)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([1.0, -2.0])
     loss, m = aipo.loss(logp, mu, adv, mask, shape=StepShape(tokens=3, max_completion_length=4))
-    # -w A log pi summed over the tokens, / (2 sequences x 4): -(2 * 1 * (-3)) - (1 * -2 * -0.5) = 6 - 1 = 5
-    assert loss.item() == pytest.approx(5.0 / 8)
+    # c = 1 in value: -c A w summed over the tokens, / (2 sequences x 4): (-1 * (2 + 2) + 2 * 1) / 8
+    assert loss.item() == pytest.approx(-2.0 / 8)
     loss.backward()
-    assert torch.allclose(logp.grad, torch.tensor([[-2.0, -2.0], [2.0, 0.0]]) / 8)
-    assert m["clipped_frac"] == pytest.approx(0.5)
+    # dc/dlog pi_t = c / |o|: sequence 0 gets -A * (2 + 2) / 2 / 8 per token, sequence 1 -A * 1 / 1 / 8
+    assert torch.allclose(logp.grad, torch.tensor([[-0.25, -0.25], [0.25, 0.0]]))
+    assert m["clipped_frac"] == pytest.approx(2 / 3)  # two of the three tokens' weights truncated at rho
 
 
 def test_aipo_is_grpo_with_a_truncated_token_weight_at_rho():
@@ -223,11 +225,19 @@ def test_grpo_loss_and_gradient_equal_trls(options):
 
 
 def test_settings_the_algorithm_cannot_honour_are_refused():
-    with pytest.raises(ValueError, match="loss_type='vespo' is not supported"):
-        load_plugin("algorithms", "grpo")(loss_type="vespo")
-    with pytest.raises(ValueError, match="loss_type='cispo': AIPO's objective is fixed.*algorithm='grpo'"):
-        load_plugin("algorithms", "aipo")(loss_type="cispo")
+    with pytest.raises(ValueError, match="loss_type='vespo' needs a per-token correction"):
+        load_plugin("algorithms", "grpo")(loss_type="vespo")  # TRL's default sequence_mask, refused as TRL does
+    with pytest.raises(ValueError, match="aipo_rho=2.0 and vllm_importance_sampling_mode='sequence_mask'.*two "
+                                         "different corrections"):
+        load_plugin("algorithms", "aipo")(rho=2.0, vllm_importance_sampling_clip_max=2.0)
+    with pytest.raises(ValueError, match="aipo_rho=2.0 bounds the importance weight.*correction=False"):
+        load_plugin("algorithms", "aipo")(rho=2.0, vllm_importance_sampling_correction=False)
     with pytest.raises(ValueError, match="loss_type='bogus'"):
         load_plugin("algorithms", "grpo")(loss_type="bogus")
+    with pytest.raises(ValueError, match="loss_type='bogus'"):
+        load_plugin("algorithms", "aipo")(loss_type="bogus")
     with pytest.raises(ValueError, match="clip_min .* must be below"):
         load_plugin("algorithms", "grpo")(vllm_importance_sampling_clip_min=3.0)
+    # the same correction said twice is not a contradiction
+    load_plugin("algorithms", "aipo")(rho=2.0, vllm_importance_sampling_mode="token_truncate",
+                                      vllm_importance_sampling_clip_max=2.0)

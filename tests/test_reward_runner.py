@@ -233,9 +233,10 @@ def test_a_completion_no_function_scores_moves_no_baseline_and_gets_no_advantage
     completions = ["1", "?", "0", "?", "?", "?", "?", "?"]
     total, per = call(runner, ["p"] * 8, completions)
     assert total == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # (the combined scores, without groups)
-    filled, _ = runner(["p"] * 8, completions, [[1, 2]] * 8, {}, group_sizes=[4, 4])
-    assert filled == [1.0, 0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0]
-    advantages = AIPO(rho=4.0).advantages(torch.tensor(filled), 4)
+    marked, _ = runner(["p"] * 8, completions, [[1, 2]] * 8, {}, group_sizes=[4, 4])
+    nan = float("nan")  # TRL's NaN for an unscored completion: out of the group's mean, advantage 0
+    assert str(marked) == str([1.0, nan, 0.0, nan, nan, nan, nan, nan])
+    advantages = AIPO(rho=4.0).advantages(torch.tensor(marked), 4)
     assert advantages.tolist() == [0.5, 0.0, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert runner.counters()["reward_unscored"] == 6.0
     # decided on every function's own scores: a second function of the same name (None) hides no score

@@ -131,7 +131,7 @@ class AsyncAIPOTrainer:
             model_init_kwargs=args.model_init_kwargs)
         self.reward_funcs = user_funcs + agent.env_rewards  # an environment's get_reward: a reward named after it
         self.rewards = RewardRunner(self.reward_funcs, reward_weights(args, len(user_funcs), agent),
-                                    on_error=args.reward_errors)
+                                    on_error=args.reward_errors, aggregation=args.multi_objective_aggregation)
         self.algorithm = args.build_algorithm()
         self.model_path, model_obj, model_config = resolve_model(model, args)
         self.model_config = model_config

@@ -33,7 +33,6 @@ UNSUPPORTED = {
                     "no entropy bonus",
     "use_adaptive_entropy": "the trainer computes the sampled tokens' log-probs, not each distribution's entropy, so "
                             "there is no entropy bonus",
-    "multi_objective_aggregation": "rewards are summed with reward_weights",
     "auto_find_batch_size": "batch sizes are fixed by the generation batch",
     "torch_compile": "the trainer ranks run the policy uncompiled under FSDP2 (compiling it is not supported)",
     "torch_compile_backend": "the trainer ranks run the policy uncompiled under FSDP2 (compiling it is not supported)",
@@ -136,10 +135,6 @@ NOT_READ_HERE = {
     "vllm_server_host": _OPTION_OF_REFUSED.format("vllm_mode='server'"),
     "vllm_server_port": _OPTION_OF_REFUSED.format("vllm_mode='server'"),
     "vllm_group_port": _OPTION_OF_REFUSED.format("vllm_mode='server'"),
-    "vespo_k_pos": _OPTION_OF_REFUSED.format("loss_type='vespo'"),
-    "vespo_lambda_pos": _OPTION_OF_REFUSED.format("loss_type='vespo'"),
-    "vespo_k_neg": _OPTION_OF_REFUSED.format("loss_type='vespo'"),
-    "vespo_lambda_neg": _OPTION_OF_REFUSED.format("loss_type='vespo'"),
     "ref_model_mixup_alpha": _OPTION_OF_REFUSED.format("sync_ref_model"),
     "ref_model_sync_steps": _OPTION_OF_REFUSED.format("sync_ref_model"),
     "entropy_coef_min": _OPTION_OF_REFUSED.format("use_adaptive_entropy"),

@@ -118,10 +118,18 @@ def _is_async(fn: Callable) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
 class RewardRunner:
     """Scores a batch of completions with every reward function and combines them."""
 
-    def __init__(self, funcs: list[Callable], weights: Sequence[float] | None = None, on_error: str = "raise"):
+    def __init__(self, funcs: list[Callable], weights: Sequence[float] | None = None, on_error: str = "raise",
+                 aggregation: str = "sum_then_normalize"):
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"multi_objective_aggregation={aggregation!r}; choose one of "
+                             f"{', '.join(map(repr, AGGREGATIONS))}.")
+        self.aggregation = aggregation  # TRL's multi_objective_aggregation (how the trainer makes advantages)
         self.funcs = funcs
         self.names = [reward_name(f) for f in funcs]
         if weights is None:
@@ -158,7 +166,7 @@ class RewardRunner:
         """Return (combined reward per completion, each function's scores by name). `scored`: scores already
         computed elsewhere (reward models, on the generator), by function name; those functions are not called.
         A completion that every function scored None (or NaN) has no reward: 0, or with `group_sizes` (the
-        completions in group order) the mean of its group's scored ones (see `_fill_unscored`)."""
+        completions in group order, i.e. for training) NaN, as TRL (see `_mark_unscored`)."""
         n = len(completions)
         if prompts and is_conversational(prompts[0]):  # a multi-turn rollout's messages are already a list
             completions = [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]
@@ -173,28 +181,20 @@ class RewardRunner:
             vals = [w * s[i] for w, s in zip(self.weights, results) if s[i] is not None]
             total.append(float(sum(vals)) if vals else None)
         if group_sizes is not None:
-            return self._fill_unscored(total, group_sizes), per_func
+            return self._mark_unscored(total), per_func
         return [0.0 if t is None else t for t in total], per_func
 
-    def _fill_unscored(self, total: list[float | None], group_sizes: list[int]) -> list[float]:
-        """As TRL (which makes an unscored completion's reward NaN and leaves it out of its group's mean), an
-        unscored completion (None) moves no baseline and gets no advantage: its reward becomes the mean of its
-        group's scored completions (0 when none of the group is scored). Counted as reward_unscored, with a
-        warning."""
-        out, start = [], 0
-        for size in group_sizes:
-            group = total[start:start + size]
-            scored = [t for t in group if t is not None]
-            fill = sum(scored) / len(scored) if scored else 0.0
-            out += [fill if t is None else t for t in group]
-            start += size
+    def _mark_unscored(self, total: list[float | None]) -> list[float]:
+        """As TRL, an unscored completion (None) gets reward NaN: the advantages leave it out of every mean and std
+        and give it 0 (`hfllamarl.losses.group_advantages`), and the logged reward statistics leave it out.
+        Counted as reward_unscored, with a warning."""
         missing = total.count(None)
         if missing:
             self.unscored_count += missing
             logger.warning("%d of %d completions got no reward: every reward function returned None for them; "
-                           "they are left out of their groups' baselines and get advantage 0. Make at least one "
-                           "reward function score every completion.", missing, len(total))
-        return out
+                           "they are left out of the baselines and reward statistics and get advantage 0. Make at "
+                           "least one reward function score every completion.", missing, len(total))
+        return [math.nan if t is None else t for t in total]
 
     def counters(self) -> dict[str, float]:
         """What each reward function reports through `.stats()` (e.g. math_sympy's timeouts), every number as

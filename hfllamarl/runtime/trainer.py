@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hfllamarl.losses import StepShape
+from hfllamarl.losses import StepShape, normalize_then_sum_advantages
 
 from .batching import completion_logprobs, pack_batch, packing_agrees, pad_batch
 from .moe import balancing_loss_fn
@@ -178,21 +178,19 @@ class TrainerExecutor(Executor):
         rewards, per_func = self._score(rollouts, [len(g.rollouts) for g in groups])
         reward_seconds = time.perf_counter() - rewards_t0
         logged, extra = spec.rewards.drain(len(rollouts))  # TRL's log_metric / log_extra calls of this step
-        trained, trained_rewards, sampling = groups, rewards, {}
+        trained, trained_rewards, trained_scores, sampling = groups, rewards, per_func, {}
         if self.group_filter is not None:  # dynamic sampling: no flat group, refilled from the reserve
             chosen, sampling = self.group_filter.select(split_scored(groups, rewards, per_func), self.version)
-            trained, trained_rewards, _ = join_scored(chosen)
+            trained, trained_rewards, trained_scores = join_scored(chosen)
         train_rollouts = [r for g in trained for r in g.rollouts]
         if spec.on_samples is not None:  # log_completions: the step's samples, gathered to the first trainer rank
-            logged_advantages = spec.algorithm.advantages(torch.tensor(rewards, dtype=torch.float32),
-                                                          spec.num_generations)
+            logged_advantages = self._advantages(rewards, per_func)
             spec.on_samples(gather_samples(rollouts, per_func, logged_advantages, self.topology.rank == 0, extra))
         backward_t0 = time.perf_counter()
         loss_total, stats, grad_norm = 0.0, {}, 0.0
         optimizer_seconds = 0.0
         if train_rollouts:  # every trainer rank alike (dynamic sampling agrees on the count)
-            advantages = spec.algorithm.advantages(torch.tensor(trained_rewards, dtype=torch.float32),
-                                                   spec.num_generations)  # [N]
+            advantages = self._advantages(trained_rewards, trained_scores)  # [N]
             loss_total, stats = self._accumulate_gradients(train_rollouts, advantages)
             grad_norm = self._checked_grad_norm()
             optimizer_t0 = time.perf_counter()
@@ -239,8 +237,21 @@ class TrainerExecutor(Executor):
             raise RuntimeError(f"trainer: a token of batch {groups[0].batch_index} was sampled {worst} policy versions "
                                f"ago, past max_staleness={self.spec.schedule.max_staleness}; the schedule is broken")
 
+    def _advantages(self, rewards: list[float], per_func: dict[str, list]) -> torch.Tensor:
+        """`[N]` advantages of the combined rewards (NaN: unscored, advantage 0): the algorithm's, or with
+        multi_objective_aggregation="normalize_then_sum" TRL's (each function normalised per group, the weighted sum
+        normalised over the step). Every trainer rank calls it (scale_rewards="batch" reduces over them)."""
+        spec = self.spec
+        if spec.rewards.aggregation == "normalize_then_sum":
+            names = spec.rewards.names
+            scores = torch.tensor([[math.nan if v is None else float(v) for v in per_func[name]] for name in names],
+                                  dtype=torch.float32).T.reshape(len(rewards), len(names))
+            return normalize_then_sum_advantages(scores, spec.rewards.weights, spec.num_generations)
+        advantages = spec.algorithm.advantages(torch.tensor(rewards, dtype=torch.float32), spec.num_generations)
+        return torch.nan_to_num(advantages, nan=0.0)  # as TRL: an unscored completion moves nothing
+
     def _score(self, rollouts: list[Rollout], group_sizes: list[int]) -> tuple[list[float], dict]:
-        """Every rollout's combined reward (an unscored one: its group's mean) and each reward function's scores
+        """Every rollout's combined reward (an unscored one: NaN, as TRL) and each reward function's scores
         (TRL's call)."""
         return self.spec.rewards(**reward_arguments(rollouts), trainer_state=self.spec.trainer_state,
                                  group_sizes=group_sizes)
@@ -372,8 +383,9 @@ class TrainerExecutor(Executor):
         flat = [all(math.isclose(x, rewards[i]) for x in rewards[i:i + G]) for i in range(0, n, G)]
         ended = [length for length, r in zip(lengths, rollouts) if r.finish_reason != "length"]
         partial = [len(r.completion_ids) for r in rollouts if r.segments > 1]
+        scored = [x for x in rewards if not math.isnan(x)]  # as TRL's nanmean/nanstd: unscored ones left out
         local = {
-            "reward_sum": sum(rewards), "reward_sq": sum(x * x for x in rewards), "count": n,
+            "reward_sum": sum(scored), "reward_sq": sum(x * x for x in scored), "scored": len(scored), "count": n,
             "staleness_sum": sum(oldest), "staleness_n": len(oldest),
             "token_staleness_sum": sum(map(sum, staleness)), "partial": len(partial), "partial_len": sum(partial),
             "len_sum": sum(lengths), "truncated": sum(r.finish_reason == "length" for r in rollouts),
@@ -390,10 +402,10 @@ class TrainerExecutor(Executor):
             local.update(tool_counts(rollouts))
         summed = _all_sum(local)
         extremes = _all_max([max(lengths), -min(lengths), max(ended, default=-1), -min(ended, default=1 << 30)])
-        count = summed["count"]
-        mean = summed["reward_sum"] / count
+        count, scored_n = summed["count"], max(summed["scored"], 1.0)
+        mean = summed["reward_sum"] / scored_n
         metrics: dict[str, float] = {"reward": mean,
-                                     "reward_std": math.sqrt(max(summed["reward_sq"] / count - mean * mean, 0.0))}
+                                     "reward_std": math.sqrt(max(summed["reward_sq"] / scored_n - mean * mean, 0.0))}
         for name in per_func:
             k = max(summed[f"rf_n/{name}"], 1)
             metrics[f"rewards/{name}/mean"] = f_mean = summed[f"rf_sum/{name}"] / k

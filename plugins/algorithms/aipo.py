@@ -1,91 +1,79 @@
-"""AIPO: asynchronous importance-weighted policy optimisation (LlamaRL, arXiv 2505.24034, section 5).
+"""AIPO: asynchronous importance-weighted policy optimisation (LlamaRL, arXiv 2505.24034, section 5), as a
+staleness correction on top of TRL's objectives.
 
-For every completion token t of a sample with advantage A:
+The objective is TRL's `loss_type` (default "dapo") with the PPO ratio c = pi/pi_old, exactly as `GRPOTrainer`;
+the correction for the behaviour policy mu is AIPO's truncated importance weight, a constant per token:
 
-    w_t  = min(pi_t / mu_t, rho)        # a constant: no gradient flows through it
-    loss = - w_t * A * log pi_t          # normalised over the completion tokens as `loss_type` says
+    b_t = min(pi_old_t / mu_t, aipo_rho)          (TRL's token_truncate with clip_max = aipo_rho, no lower bound)
+    l_t = objective(loss_type, c_t, A) * b_t
 
-with pi the current policy, mu the behaviour policy that sampled the token (the generator's
-log-prob, possibly several versions old) and A = r - mean(r over the prompt's group).
+With one optimizer step per batch (pi_old = pi before the step, c = 1 in value) and the default loss_type, the
+gradient is the paper's, - min(pi/mu, rho) * A * grad log pi: a token whose weight is truncated still learns with
+weight rho (the clip bounds the variance, it does not stop the token). The logged loss is TRL's value.
 
-Unlike PPO's clip, a token whose ratio is clipped still gets gradient `rho * A * grad log pi`:
-the clip bounds the variance of the weight, it does not stop learning from the token (CISPO's form,
-with rho as its epsilon_high). Composable with TRL's settings where they mean something here:
-`loss_type` picks the normalisation (grpo, bnpo, dr_grpo, dapo; default dapo, TRL's: one weight per
-token of the step), `importance_sampling_level="sequence"` makes w GSPO's sequence weight
-min(exp(mean_t log(pi_t / mu_t)), rho), `off_policy_mask_threshold` drops negative-advantage
-sequences that drifted too far (TRL's off-policy mask).
+TRL's correction fields: leaving `vllm_importance_sampling_mode`, `_clip_min` and `_clip_max` at TRL's defaults
+("sequence_mask", None, 3.0) means AIPO's truncation at aipo_rho. Setting any of them to something else selects
+TRL's correction exactly as TRL reads those three fields; aipo_rho must then stay at its default (4.0) or equal
+clip_max with mode "token_truncate" (the same correction), else the settings contradict and are refused.
+`vllm_importance_sampling_correction=False` trains without any correction (aipo_rho must then stay at its default).
 """
 
 from __future__ import annotations
 
-import torch
+from hfllamarl.policy_loss import Correction, Objective, PolicyLoss
 
-from hfllamarl.losses import (StepShape, aggregate, check_choice, group_advantages, off_policy_mask, ratio_metrics,
-                              reference_kl, sequence_log_ratio)
-
-NORMALISATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
+DEFAULT_RHO = 4.0
+TRL_CORRECTION_DEFAULTS = ("sequence_mask", None, 3.0)  # GRPOConfig's mode, clip_min, clip_max
 
 
-class AIPO:
-    """The `aipo` algorithm plugin.
+def aipo_correction(rho: float, enabled: bool, mode: str, clip_min: float | None,
+                    clip_max: float | None) -> Correction | None:
+    """The correction `aipo` applies for these settings (see the module docstring), or a ValueError saying which
+    settings contradict."""
+    if rho < 1.0:
+        raise ValueError(f"AIPO: rho={rho} must be >= 1")
+    rho_set = rho != DEFAULT_RHO
+    if not enabled:
+        if rho_set:
+            raise ValueError(f"aipo_rho={rho} bounds the importance weight, but vllm_importance_sampling_correction="
+                             "False turns the weight off: remove one of them.")
+        return None
+    if (mode, clip_min, clip_max) == TRL_CORRECTION_DEFAULTS:
+        return Correction("token_truncate", None, float(rho))
+    if rho_set and not (mode == "token_truncate" and clip_max == rho):
+        raise ValueError(f"aipo_rho={rho} and vllm_importance_sampling_mode={mode!r} (clip_min={clip_min}, "
+                         f"clip_max={clip_max}) are two different corrections. aipo_rho is AIPO's token_truncate at "
+                         "clip_max=aipo_rho: keep aipo_rho and leave the vllm_importance_sampling_* fields unset, or "
+                         "set those and leave aipo_rho unset (or equal to clip_max with mode 'token_truncate').")
+    return Correction(mode, clip_min, clip_max)
+
+
+class AIPO(PolicyLoss):
+    """The `aipo` algorithm plugin (the maths: `hfllamarl.policy_loss.PolicyLoss`).
 
     Args:
-        rho: upper clip of the importance ratio pi/mu (paper: 2..10; config `aipo_rho`).
-        scale_rewards: "none" (default, the paper's advantage), "group" or "batch".
-        beta: coefficient of the KL term to the reference model (0: none).
-        loss_type: the normalisation, as TRL's loss_type of that name ("dapo", TRL's default).
-        importance_sampling_level: "token" (the paper) or "sequence" (GSPO's length-normalised weight).
-        off_policy_mask_threshold: None (off), or TRL's off-policy sequence mask threshold.
+        rho: upper bound of the weight pi_old/mu (paper: 2..10; config `aipo_rho`).
+        scale_rewards: "none" (default, the paper's advantage r - mean), "group" or "batch".
+        The other options are the `GRPOConfig` fields of the same name, with TRL's defaults.
     """
 
-    def __init__(self, rho: float = 4.0, scale_rewards: str = "none", beta: float = 0.0, loss_type: str = "dapo",
-                 importance_sampling_level: str = "token", off_policy_mask_threshold: float | None = None):
-        if rho < 1.0:
-            raise ValueError(f"AIPO: rho={rho} must be >= 1")
-        if loss_type not in NORMALISATIONS:
-            raise ValueError(f"loss_type={loss_type!r}: AIPO's objective is fixed (min(pi/mu, aipo_rho) * A * log pi, "
-                             f"CISPO's form); loss_type chooses its normalisation, one of {', '.join(NORMALISATIONS)}. "
-                             f"For TRL's {loss_type!r} objective use algorithm='grpo'.")
-        check_choice("importance_sampling_level", importance_sampling_level, ("token", "sequence"))
-        self.rho, self.scale_rewards, self.beta = float(rho), scale_rewards, float(beta)
-        self.loss_type, self.level = loss_type, importance_sampling_level
-        self.off_policy_mask_threshold = off_policy_mask_threshold
-
-    def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-        """`[B*G]` rewards -> `[B*G]` advantages."""
-        return group_advantages(rewards, group_size, self.scale_rewards)
-
-    def loss(
-        self,
-        logprobs: torch.Tensor,  # [B, T] log pi of the sampled tokens (with grad)
-        behavior_logprobs: torch.Tensor,  # [B, T] log mu, from the generator
-        advantages: torch.Tensor,  # [B]
-        mask: torch.Tensor,  # [B, T] 1 on completion tokens
-        ref_logprobs: torch.Tensor | None = None,  # [B, T] under the reference model (beta > 0)
-        shape: StepShape | None = None,  # the step this micro-batch belongs to (normalisation)
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        mask = mask.to(logprobs.dtype)
-        log_ratio = logprobs.detach() - behavior_logprobs
-        ratio = torch.exp(log_ratio)  # [B, T]
-        if self.level == "sequence":
-            ratio_w = torch.exp(sequence_log_ratio(log_ratio, mask))  # [B, 1]
-        else:
-            ratio_w = ratio
-        weight = ratio_w.clamp(max=self.rho)
-        adv = advantages[:, None]
-        per_token = -weight * adv * logprobs
-        metrics = ratio_metrics(ratio, mask, log_ratio)
-        if self.off_policy_mask_threshold is not None:
-            keep = off_policy_mask(adv, logprobs, behavior_logprobs, mask, self.off_policy_mask_threshold)
-            per_token = per_token * keep
-            metrics["off_policy_mask/dropped_frac"] = 1.0 - keep.mean().item()
-        if ref_logprobs is not None and self.beta != 0:
-            kl = reference_kl(logprobs, ref_logprobs)
-            per_token = per_token + self.beta * kl
-            metrics["kl"] = ((kl.detach() * mask).sum() / mask.sum().clamp(min=1)).item()
-        loss = aggregate(per_token, mask, self.loss_type, shape or StepShape.of(mask))
-        valid = mask.bool() if ratio_w.shape == mask.shape else (mask.sum(-1, keepdim=True) > 0)
-        clipped = (ratio_w > self.rho)[valid]
-        metrics["clipped_frac"] = clipped.float().mean().item() if clipped.numel() else 0.0
-        return loss, metrics
+    def __init__(self, rho: float = DEFAULT_RHO, scale_rewards: str = "none", beta: float = 0.0,
+                 loss_type: str = "dapo", importance_sampling_level: str = "token",
+                 off_policy_mask_threshold: float | None = None, epsilon: float = 0.2,
+                 epsilon_high: float | None = None, delta: float | None = None,
+                 vllm_importance_sampling_correction: bool = True,
+                 vllm_importance_sampling_mode: str = "sequence_mask",
+                 vllm_importance_sampling_clip_min: float | None = None,
+                 vllm_importance_sampling_clip_max: float | None = 3.0,
+                 sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                 vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
+                 vespo_lambda_neg: float = 2.0, use_bias_correction_kl: bool = True):
+        self.rho = float(rho)
+        correction = aipo_correction(self.rho, vllm_importance_sampling_correction, vllm_importance_sampling_mode,
+                                     vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max)
+        objective = Objective(loss_type, importance_sampling_level, float(epsilon), epsilon_high,
+                              None if delta is None else float(delta), float(sapo_temperature_pos),
+                              float(sapo_temperature_neg),
+                              (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg))
+        super().__init__(objective, correction, scale_rewards, beta, off_policy_mask_threshold,
+                         use_bias_correction_kl)
