@@ -35,14 +35,15 @@ def test_defaults_and_derived_sizes():
     ({"num_iterations": 2}, "num_iterations"),
     ({"vllm_mode": "server"}, "vllm_mode"),
     ({"steps_per_generation": 2}, "steps_per_generation"),
-    ({"loss_type": "cispo"}, "loss_type='cispo': AIPO's objective is fixed"),
-    ({"algorithm": "grpo", "loss_type": "vespo"}, "loss_type='vespo' is not supported"),
+    ({"aipo_rho": 2.0, "vllm_importance_sampling_mode": "token_mask"}, "two different corrections"),
+    ({"algorithm": "grpo", "loss_type": "vespo"}, "loss_type='vespo' needs a per-token correction"),
     ({"algorithm": "grpo", "vllm_importance_sampling_mode": "tokens"}, "vllm_importance_sampling_mode='tokens'"),
-    ({"vllm_importance_sampling_mode": "token_mask"}, "AIPO's importance weight min.pi/mu, aipo_rho. is its correction"),
+    ({"aipo_rho": 2.0, "vllm_importance_sampling_correction": False}, "turns the weight off"),
     ({"algorithm": "on_policy_pg", "loss_type": "bnpo"}, "the .on_policy_pg. algorithm does not use it"),
     ({"sync_ref_model": True}, "reference model .beta > 0. is the starting policy"),
     ({"top_entropy_quantile": 0.2}, "not each distribution's entropy"),
-    ({"epsilon": 0.3}, "the .aipo. algorithm does not use it"),
+    ({"algorithm": "on_policy_pg", "epsilon": 0.3}, "the .on_policy_pg. algorithm does not use it"),
+    ({"multi_objective_aggregation": "sum"}, "multi_objective_aggregation='sum'"),
     ({"algorithm": "grpo", "aipo_rho": 2.0}, "the .grpo. algorithm does not use it"),
     ({"num_generations": 1, "per_device_train_batch_size": 1}, "num_generations must be >= 2"),
     ({"per_device_train_batch_size": 6, "num_generations": 4}, "multiple of num_generations"),
@@ -97,11 +98,19 @@ def test_trls_loss_settings_reach_the_algorithm():
     grpo = make(algorithm="grpo", loss_type="cispo", epsilon_high=5.0, importance_sampling_level="sequence",
                 vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_cap=2.5,
                 off_policy_mask_threshold=0.4, mask_truncated_completions=True).build_algorithm()
-    assert (grpo.loss_type, grpo.epsilon_high, grpo.level, grpo.mode, grpo.clip, grpo.off_policy_mask_threshold) == (
-        "cispo", 5.0, "sequence", "token_truncate", (None, 2.5), 0.4)  # TRL maps the deprecated cap to clip_max
-    aipo = make(loss_type="dr_grpo", importance_sampling_level="sequence", aipo_rho=3.0).build_algorithm()
-    assert (aipo.loss_type, aipo.level, aipo.rho) == ("dr_grpo", "sequence", 3.0)
-    assert make().build_algorithm().loss_type == "dapo"  # TRL's default normalisation
+    from hfllamarl.policy_loss import Correction
+
+    o = grpo.objective
+    assert (o.loss_type, o.eps_high, o.importance_sampling_level, grpo.correction, grpo.off_policy_mask_threshold) == (
+        "cispo", 5.0, "sequence", Correction("token_truncate", None, 2.5), 0.4)  # TRL maps the cap to clip_max
+    aipo = make(loss_type="sapo", importance_sampling_level="sequence", aipo_rho=3.0, delta=1.5,
+                vespo_k_pos=1.0).build_algorithm()
+    assert (aipo.loss_type, aipo.objective.importance_sampling_level, aipo.objective.delta, aipo.rho) == (
+        "sapo", "sequence", 1.5, 3.0)
+    assert aipo.correction == Correction("token_truncate", None, 3.0)  # AIPO's truncation at aipo_rho
+    trl_mode = make(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5).build_algorithm()
+    assert trl_mode.correction == Correction("token_mask", 0.5, 3.0)  # TRL's mode as TRL reads its fields
+    assert make().build_algorithm().loss_type == "dapo"  # TRL's default
 
 
 def test_save_strategy_epoch_and_best(tmp_path):

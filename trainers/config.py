@@ -258,6 +258,11 @@ class AsyncAIPOConfig(GRPOConfig):
         self._check_replicas()
         if self.max_staleness < 0:
             raise ValueError("AsyncAIPOConfig: max_staleness must be >= 0 (0 = strictly on-policy).")
+        from hfllamarl.runtime.rewards import AGGREGATIONS
+
+        if self.multi_objective_aggregation not in AGGREGATIONS:
+            raise ValueError(f"AsyncAIPOConfig: multi_objective_aggregation={self.multi_objective_aggregation!r}; "
+                             f"choose one of {', '.join(map(repr, AGGREGATIONS))}.")
         self._check_partial_rollouts()
         self._check_sampling()
         if not (math.isfinite(self.aipo_rho) and self.aipo_rho >= 1.0):
