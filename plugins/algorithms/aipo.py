@@ -64,9 +64,11 @@ class AIPO:
         mask: torch.Tensor,  # [B, T] 1 on completion tokens
         ref_logprobs: torch.Tensor | None = None,  # [B, T] under the reference model (beta > 0)
         shape: StepShape | None = None,  # the step this micro-batch belongs to (normalisation)
+        old_logprobs: torch.Tensor | None = None,  # [B, T] log pi_old (before the batch's first pass); None: pi
+        entropy_mask: torch.Tensor | None = None,  # [B, T] 0/1: TRL's top_entropy_quantile mask on the loss
     ) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mask.to(logprobs.dtype)
-        log_ratio = logprobs.detach() - behavior_logprobs
+        log_ratio = (logprobs.detach() if old_logprobs is None else old_logprobs) - behavior_logprobs
         ratio = torch.exp(log_ratio)  # [B, T]
         if self.level == "sequence":
             ratio_w = torch.exp(sequence_log_ratio(log_ratio, mask))  # [B, 1]
@@ -75,6 +77,8 @@ class AIPO:
         weight = ratio_w.clamp(max=self.rho)
         adv = advantages[:, None]
         per_token = -weight * adv * logprobs
+        if entropy_mask is not None:
+            per_token = per_token * entropy_mask
         metrics = ratio_metrics(ratio, mask, log_ratio)
         if self.off_policy_mask_threshold is not None:
             keep = off_policy_mask(adv, logprobs, behavior_logprobs, mask, self.off_policy_mask_threshold)
