@@ -238,6 +238,7 @@ class TrainerExecutor(Executor):
             spec.optimizer.zero_grad(set_to_none=True)
             optimizer_seconds = time.perf_counter() - optimizer_t0
         backward_seconds = time.perf_counter() - backward_t0 - optimizer_seconds
+        lr = spec.scheduler.get_last_lr()[0] if spec.scheduler is not None else None  # the rate this step used (TRL's log)
         if spec.scheduler is not None:  # the schedule counts steps, trained or not
             spec.scheduler.step()
         self.version += 1
@@ -251,8 +252,8 @@ class TrainerExecutor(Executor):
         lender = self.topology.core_lender if self.topology is not None else None
         if lender is not None:  # the generators finished first and lent their cores for the rest of this step
             out["time/borrowed_cores"] = float(lender.borrowed)
-        if spec.scheduler is not None:
-            out["learning_rate"] = spec.scheduler.get_last_lr()[0]
+        if lr is not None:
+            out["learning_rate"] = lr
         return out
 
     def _check_staleness(self, groups: list[RolloutGroup]) -> None:
