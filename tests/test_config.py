@@ -32,7 +32,12 @@ def test_defaults_and_derived_sizes():
 
 
 @pytest.mark.parametrize("kw,match", [
-    ({"num_iterations": 2}, "num_iterations"),
+    ({"algorithm": "on_policy_pg", "num_iterations": 2}, "has no `old_logprobs` parameter in its loss"),
+    ({"num_iterations": 0}, "num_iterations=0; it must be a whole number >= 1"),
+    ({"algorithm": "on_policy_pg", "top_entropy_quantile": 0.2}, "has no `entropy_mask` parameter"),
+    ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile=1.5; it must be in \[0, 1\]"),
+    ({"sync_ref_model": True, "beta": 0.1, "ref_model_sync_steps": 0}, "ref_model_sync_steps=0"),
+    ({"sync_ref_model": True, "beta": 0.1, "ref_model_mixup_alpha": 1.5}, "ref_model_mixup_alpha=1.5"),
     ({"vllm_mode": "server"}, "vllm_mode"),
     ({"steps_per_generation": 2}, "steps_per_generation"),
     ({"aipo_rho": 2.0, "vllm_importance_sampling_mode": "token_mask"}, "two different corrections"),
@@ -40,8 +45,7 @@ def test_defaults_and_derived_sizes():
     ({"algorithm": "grpo", "vllm_importance_sampling_mode": "tokens"}, "vllm_importance_sampling_mode='tokens'"),
     ({"aipo_rho": 2.0, "vllm_importance_sampling_correction": False}, "turns the weight off"),
     ({"algorithm": "on_policy_pg", "loss_type": "bnpo"}, "the .on_policy_pg. algorithm does not use it"),
-    ({"sync_ref_model": True}, "reference model .beta > 0. is the starting policy"),
-    ({"top_entropy_quantile": 0.2}, "not each distribution's entropy"),
+    ({"sync_ref_model": True}, "sync_ref_model=True while beta=0.0"),
     ({"algorithm": "on_policy_pg", "epsilon": 0.3}, "the .on_policy_pg. algorithm does not use it"),
     ({"multi_objective_aggregation": "sum"}, "multi_objective_aggregation='sum'"),
     ({"algorithm": "grpo", "aipo_rho": 2.0}, "the .grpo. algorithm does not use it"),

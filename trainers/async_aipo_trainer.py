@@ -36,20 +36,22 @@ from hfllamarl.runtime.weight_sync import build_backend
 from .agent_setup import build_agent, check_dataset, placeholder_dataset, prepare_tokenizer, reward_weights
 from .config import AsyncAIPOConfig
 from .model_io import load_policy, resolve_model, save_for_generator
+from .iterations import check_iterations
 from .trainer_ranks import eval_delay, eval_every, save_every
 
 logger = logging.getLogger(__name__)
 
 
 def run_length(rows: int, prompts: int, args) -> tuple[int, int]:
-    """(generation batches of the run, batches per pass over the data set), as TRL counts steps: an epoch is the
-    whole batches the data set fills (TRL's sampler drops a partial last one) and `num_train_epochs` a (possibly
-    fractional) number of them, rounded up; `max_steps` wins. A data set smaller than one batch (TRL refuses it)
-    is one batch a pass, its prompts repeated."""
-    per_epoch = max(1, rows // prompts)
+    """(optimizer steps of the run, optimizer steps per pass over the data set), as TRL counts steps: an epoch is
+    the whole batches the data set fills (TRL's sampler drops a partial last one), each trained `num_iterations`
+    times, and `num_train_epochs` a (possibly fractional) number of them, rounded up; `max_steps` wins. A data
+    set smaller than one batch (TRL refuses it) is one batch a pass, its prompts repeated."""
+    k = args.num_iterations
+    per_epoch = max(1, rows // prompts) * k
     if args.max_steps and args.max_steps > 0:
         return args.max_steps, per_epoch
-    return max(1, math.ceil(args.num_train_epochs * (per_epoch if rows >= prompts else rows / prompts))), per_epoch
+    return max(1, math.ceil(args.num_train_epochs * (per_epoch if rows >= prompts else k * rows / prompts))), per_epoch
 
 
 class AsyncAIPOTrainer:
@@ -160,8 +162,12 @@ class AsyncAIPOTrainer:
         if self.eval_dataset is not None:
             validate_dataset(self.eval_dataset, encoder, args.max_completion_length, self.max_model_len)
         prompts = args.prompts_per_generation  # a generation batch: the step's prompts (+ dynamic sampling's extra)
-        num_batches, self.batches_per_epoch = run_length(len(train_dataset), prompts, args)
-        self.schedule = Schedule(num_batches, args.max_staleness, args.generation_ticks, prompts)
+        # batches_per_epoch: optimizer steps per pass over the data (batches x num_iterations), as TRL counts epochs
+        num_steps, self.batches_per_epoch = run_length(len(train_dataset), prompts, args)
+        self.schedule = Schedule.of_steps(num_steps, args.max_staleness, args.generation_ticks, prompts,
+                                          args.num_iterations)
+        check_iterations(args, self.schedule, self.batches_per_epoch, self.eval_dataset is not None, model_obj,
+                         peft_config)
         self.callbacks = callbacks
         self.model = None
         if self.topology.role == "generator":  # what a script touches of trainer.model on every process
@@ -178,8 +184,13 @@ class AsyncAIPOTrainer:
 
     @property
     def num_batches(self) -> int:
-        """Generation batches = trainer steps of the whole run."""
+        """Generation batches of the whole run (= optimizer steps with num_iterations=1)."""
         return self.schedule.num_batches
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps of the whole run (TRL's max_steps): num_iterations per generation batch."""
+        return self.schedule.num_steps
 
     # ------------------------------------------------------------------ public API
     def train(self, resume_from_checkpoint=None, **kwargs) -> TrainOutput:
@@ -191,7 +202,7 @@ class AsyncAIPOTrainer:
         if resume is not None:
             resume_dir, marker = resume
             checkpoint.check_resumable(resume_dir, marker, topo, self.args)
-            if marker["step"] >= self.num_batches:  # a finished run: nothing to do, as transformers' Trainer
+            if marker["step"] >= self.num_steps:  # a finished run: nothing to do, as transformers' Trainer
                 return self._finished(resume_dir, marker)
             start_tick = marker["tick"] + 1
             spec.unsampled = unsampled = checkpoint.unsampled_batches(marker, self.schedule)  # (a longer run)
@@ -218,7 +229,7 @@ class AsyncAIPOTrainer:
                     spec.model_path = spec.tokenizer_path = save_for_generator(
                         self._model_obj, self.processing_class, where)
                 run_job(GeneratorExecutor(spec, topo), backend, topo, self.schedule, start_tick)
-                return TrainOutput(self.num_batches, 0.0, {})
+                return TrainOutput(self.num_steps, 0.0, {})
             from .trainer_ranks import build_trainer_executor, load_best_model
 
             run_job(build_trainer_executor(self, backend, resume_dir, unsampled), backend, topo, self.schedule,
@@ -244,7 +255,7 @@ class AsyncAIPOTrainer:
         from transformers.trainer_callback import TrainerState
 
         logger.info("checkpoint %s is at step %d of a %d-step run: nothing left to train", directory, marker["step"],
-                    self.num_batches)
+                    self.num_steps)
         self.topology.release_prestarted()
         if self.topology.mode != "single":  # this rank ends normally: its silence from now on is no loss
             self.topology.liveness.mark_done()
@@ -363,14 +374,14 @@ class AsyncAIPOTrainer:
             weight_sync_backend=a.weight_sync_backend,
             weight_sync_options={"transfer_dtype": self._generator_dtype()},
             output_dir=a.output_dir,
-            save_steps=save_every(a, self.num_batches, self.batches_per_epoch),
+            save_steps=save_every(a, self.num_steps, self.batches_per_epoch),
             save_total_limit=a.save_total_limit,
             partial_rollout_tokens=a.partial_rollout_tokens,
             verify_weight_sync=a.verify_weight_sync,
             startup_timeout_s=a.vllm_server_timeout,
             reward_models=[f for f in self.reward_funcs if isinstance(f, RewardModel)],
             eval_dataset=self.eval_dataset,
-            eval_every=eval_every(a, self.num_batches, self.batches_per_epoch) if self.eval_dataset is not None else 0,
+            eval_every=eval_every(a, self.num_steps, self.batches_per_epoch) if self.eval_dataset is not None else 0,
             eval_on_start=bool(a.eval_on_start),
             eval_delay=eval_delay(a, self.batches_per_epoch),
             num_generations_eval=a.num_generations_eval or a.num_generations,

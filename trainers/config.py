@@ -1,8 +1,7 @@
 """`AsyncAIPOConfig`: TRL's `GRPOConfig` plus the settings of an asynchronous LlamaRL job.
 
 Every `GRPOConfig` field keeps its name and meaning. Fields that describe something this
-runtime does differently (a vLLM server, several optimisation passes per batch, transformers'
-own generation) are rejected with an explanation when set, never silently ignored.
+runtime does differently (a vLLM server, transformers' own generation) are rejected with an explanation when set, never silently ignored.
 """
 
 from __future__ import annotations
@@ -206,9 +205,12 @@ class AsyncAIPOConfig(GRPOConfig):
         self._check_dynamic_sampling()  # needs the topology (the trainer processes)
         self._check_tool_budget()  # needs collective_timeout_s as set (ddp_timeout) and the eval strategy
         try:  # a value the algorithm refuses (an unknown loss_type, ...) fails now, with TRL's aliases applied
-            self.build_algorithm()
+            algorithm = self.build_algorithm()
         except ValueError as exc:
             raise ValueError(f"AsyncAIPOConfig: algorithm {self.algorithm!r}: {exc}") from None
+        from .iterations import check_iteration_fields
+
+        check_iteration_fields(self, algorithm)  # num_iterations, top_entropy_quantile, sync_ref_model
 
     def _check_tool_budget(self) -> None:
         """Bound the tool work of one generator tick to `TOOL_SHARE` of collective_timeout_s (see `tool_tick_bound`)."""

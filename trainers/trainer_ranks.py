@@ -158,16 +158,16 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
         weights = MergedLoraWeights(model)
     optimizer = build_optimizer(model, args)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer,
-                              num_warmup_steps=args.get_warmup_steps(trainer.num_batches),
-                              num_training_steps=trainer.num_batches,
+                              num_warmup_steps=args.get_warmup_steps(trainer.num_steps),
+                              num_training_steps=trainer.num_steps,
                               scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
     reporter = Reporter(args, model, trainer.processing_class, optimizer, scheduler, trainer.callbacks,
-                        max_steps=trainer.num_batches, is_world_zero=topo.rank == 0,
+                        max_steps=trainer.num_steps, is_world_zero=topo.rank == 0,
                         batches_per_epoch=trainer.batches_per_epoch)
     trainer.state, trainer._reporter = reporter.state, reporter
     trainer.optimizer, trainer.lr_scheduler = optimizer, scheduler
 
-    every = save_every(args, trainer.num_batches, trainer.batches_per_epoch)
+    every = save_every(args, trainer.num_steps, trainer.batches_per_epoch)
     prompts_log = os.path.join(args.output_dir, f"trained_prompts-rank{topo.rank}.jsonl")
     holder = {}
 
@@ -181,9 +181,9 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
 
             clear_device_cache()
         reporter.control.should_save = False  # checkpoints follow `every`, on every rank alike
-        if step < trainer.num_batches:
+        if step < trainer.num_steps:
             reporter.step_begin()
-        return checkpoint.due(step, every, trainer.num_batches)
+        return checkpoint.due(step, every, trainer.num_steps)
 
     def on_save(step: int) -> None:
         directory = checkpoint.partial_dir(args.output_dir, step)
@@ -218,6 +218,8 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
         pad_to_multiple_of=args.pad_to_multiple_of,
         tools=trainer.agent.uses_tools,
         router_aux_loss_coef=trainer.router_aux_loss_coef,
+        top_entropy_quantile=args.top_entropy_quantile,
+        ref_sync=(args.ref_model_mixup_alpha, args.ref_model_sync_steps) if args.sync_ref_model else None,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)

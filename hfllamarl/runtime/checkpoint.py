@@ -44,6 +44,7 @@ from .durable import fsync_dir, load_plain, load_state, sync_tree, write_json
 
 MARKER = "hfllamarl.json"
 ADAPTERS = "adapters.pt"  # LoRA runs: the adapter weights (model.safetensors holds the merged policy)
+REFERENCE = "reference"  # sync_ref_model: the reference model's shards (it moves during the run)
 
 
 def due(step: int, save_steps: int, last_step: int) -> bool:
@@ -153,6 +154,9 @@ def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
             torch.save(adapters, os.path.join(directory, "hfllamarl", ADAPTERS))
     dcp.save({"optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer)},
              checkpoint_id=os.path.join(directory, "hfllamarl", "optimizer"))
+    ref = getattr(executor, "spec", None) and executor.spec.ref_model
+    if ref is not None and executor.spec.ref_sync is not None:  # sync_ref_model: the reference moved; keep its shards
+        dcp.save({"reference": ref.state_dict()}, checkpoint_id=os.path.join(directory, "hfllamarl", REFERENCE))
     if rank == 0:
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(directory, "scheduler.pt"))
         trainer._reporter.save_state(os.path.join(directory, "trainer_state.json"))
@@ -201,7 +205,8 @@ def job_signature(args) -> dict:
     return {"max_staleness": args.max_staleness, "num_generations": args.num_generations,
             "prompts_per_step": args.prompts_per_step, "seed": args.seed, "shuffle_dataset": args.shuffle_dataset,
             "prompts_per_generation": args.prompts_per_generation,
-            "drop_zero_variance_groups": args.drop_zero_variance_groups}
+            "drop_zero_variance_groups": args.drop_zero_variance_groups,
+            "num_iterations": args.num_iterations, "sync_ref_model": args.sync_ref_model}
 
 
 def check_resumable(path: str, marker: dict, topology, args) -> None:
@@ -424,6 +429,14 @@ def load_trainer_side(trainer, executor, directory: str, unsampled: list[int] = 
     state = {"optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer)}  # the layout to fill
     dcp.load(state, checkpoint_id=os.path.join(directory, "hfllamarl", "optimizer"))
     set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=state["optimizer"])
+    ref = executor.spec.ref_model if executor.spec.ref_sync is not None else None
+    if ref is not None:  # sync_ref_model: the reference as synced by the checkpoint's step, not the starting policy
+        where = os.path.join(directory, "hfllamarl", REFERENCE)
+        if not os.path.isdir(where):
+            raise ValueError(f"checkpoint {directory!r} holds no reference model, but this run syncs it "
+                             "(sync_ref_model=True): it was written by a run that did not; resume with its settings.")
+        held = {"reference": ref.state_dict()}  # the layout to fill (in place, shard by shard)
+        dcp.load(held, checkpoint_id=where)
     # Plain data only (numbers, lists, tuples, tensors), as transformers' Trainer loads these: a file that would
     # run code when unpickled is refused.
     trainer.lr_scheduler.load_state_dict(load_plain(os.path.join(directory, "scheduler.pt")))

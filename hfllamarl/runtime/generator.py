@@ -188,7 +188,7 @@ class GeneratorExecutor(Executor):
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_due(self) -> bool:
         schedule = self.spec.schedule
-        return checkpoint.due(schedule.step_done(self.tick), self.spec.save_steps, schedule.num_batches)
+        return checkpoint.due(schedule.step_done(self.tick), self.spec.save_steps, schedule.num_steps)
 
     def save_checkpoint(self) -> None:
         step = self.spec.schedule.step_done(self.tick)

@@ -16,6 +16,14 @@ order), independently: trainer rank k of T trains positions `trainer_positions(P
 generated them, and live replica r generates `replica_share(P, live, b)[r]`. So which prompts a trainer rank
 trains at each step depends only on (seed, batch index, T): not on the number of replicas, nor on which of
 them are still live.
+
+Several optimizer passes per batch (TRL's `num_iterations = k`): a tick still trains one generation batch, in
+k optimizer steps, each one policy version (so versions, `global_step`, `max_steps`, the learning-rate schedule,
+logging, saving and evaluation all count optimizer steps, as in TRL). A run of `num_steps` steps has
+ceil(num_steps / k) batches; the last one gets the passes left (TRL trains its last generation batch until
+max_steps too). Weights go to the generator once per tick, after the batch's last pass; checkpoints fall on
+batch boundaries only (the config refuses a save or eval interval that is not a multiple of k). A batch the
+generator starts at tick t was sampled with weights at most s batches = s * k versions old at its first pass.
 """
 
 from __future__ import annotations
@@ -64,6 +72,36 @@ class Schedule:
     max_staleness: int
     generation_ticks: int = 1  # ticks_per_batch(...)
     prompts_per_batch: int = 0  # prompts in one batch (P: positions 0 .. P-1)
+    iterations: int = 1  # optimizer passes over each batch (TRL's num_iterations)
+    steps: int | None = None  # optimizer steps of the run (max_steps); None: num_batches * iterations
+
+    def __post_init__(self):
+        if self.iterations < 1:
+            raise ValueError(f"Schedule: iterations={self.iterations}; it must be >= 1")
+        if self.steps is not None and not (self.num_batches - 1) * self.iterations < self.steps <= \
+                self.num_batches * self.iterations:
+            raise ValueError(f"Schedule: {self.steps} optimizer steps do not fill {self.num_batches} batches of "
+                             f"{self.iterations} passes (the last one may be partial)")
+
+    @classmethod
+    def of_steps(cls, steps: int, max_staleness: int, generation_ticks: int = 1, prompts_per_batch: int = 0,
+                 iterations: int = 1) -> "Schedule":
+        """The schedule of a run of `steps` optimizer steps, `iterations` passes per batch."""
+        return cls(-(-steps // iterations), max_staleness, generation_ticks, prompts_per_batch, iterations, steps)
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps (policy versions) of the whole run: TRL's max_steps."""
+        return self.steps if self.steps is not None else self.num_batches * self.iterations
+
+    @property
+    def version_staleness(self) -> int:
+        """The most policy versions a token may be stale at its batch's first pass: max_staleness batches."""
+        return self.max_staleness * self.iterations
+
+    def passes(self, batch: int) -> int:
+        """Optimizer passes over batch `batch` (iterations, fewer for a last batch cut by max_steps)."""
+        return max(0, min(self.iterations, self.num_steps - batch * self.iterations))
 
     @property
     def num_ticks(self) -> int:
@@ -84,12 +122,17 @@ class Schedule:
         return batch if 0 <= batch < self.num_batches else None
 
     def step_done(self, tick: int) -> int:
-        """The trainer step complete at the end of `tick` (0: none yet)."""
-        return max(0, min(tick - self.max_staleness + 1, self.num_batches))
+        """The optimizer step complete at the end of `tick` (0: none yet): the last pass of the batch trained."""
+        batches = max(0, min(tick - self.max_staleness + 1, self.num_batches))
+        return min(batches * self.iterations, self.num_steps)
 
     def tick_of_step(self, step: int) -> int:
-        """The tick at whose end trainer step `step` is complete (a checkpoint of that step resumes after it)."""
-        return step - 1 + self.max_staleness
+        """The tick at whose end optimizer step `step` is complete (a checkpoint of that step resumes after it);
+        with several passes per batch, `step` must end a batch (checkpoints fall on batch boundaries)."""
+        if step % self.iterations and step != self.num_steps:
+            raise ValueError(f"step {step} is inside a batch of {self.iterations} optimizer passes: only a batch's last "
+                             "pass can be checkpointed")
+        return -(-step // self.iterations) - 1 + self.max_staleness
 
     def generator_samples(self, tick: int) -> bool:
         """Whether the generator still samples at `tick`: a new batch, or completions carried from earlier ticks."""

@@ -1,9 +1,11 @@
-"""The trainer executor: scores rollouts, computes advantages and takes one optimizer step per batch.
+"""The trainer executor: scores rollouts, computes advantages and takes `num_iterations` optimizer steps per batch.
 
 The policy is sharded with FSDP2 over the trainer world. At tick t the trainer trains on
 generation batch `t - max_staleness` (its rows arrived over the `rollouts` channel), and offers
 its newest weights on the `policy_weights` channel whenever the generator still has batches to
-sample.
+sample. Each optimizer pass over the batch is one policy version and one step of the run
+(`hfllamarl.runtime.schedule`); the passes after the first clip against the policy before the first
+(`hfllamarl.runtime.iterations`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .batching import completion_logprobs, pack_batch, packing_agrees, pad_batch
 from .moe import balancing_loss_fn
 from .episodes import reward_arguments, tool_counts, tool_metrics
 from .executor import Executor, wait_for_startup
+from .iterations import high_entropy_mask, loss_keywords, mix_reference
 from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from .generator import ROLLOUTS
 from .rewards import RewardRunner
@@ -70,6 +73,8 @@ class TrainerSpec:
     pad_to_multiple_of: int | None = None  # round the micro-batch's width up to a multiple of this
     tools: bool = False  # tool calling (tools / environment_factory): log TRL's tools/* metrics
     router_aux_loss_coef: float = 0.0  # an MoE policy's load-balancing loss weight, as TRL resolves it (moe.py)
+    top_entropy_quantile: float = 1.0  # < 1: TRL's entropy mask on the per-token loss (`iterations.high_entropy_mask`)
+    ref_sync: tuple[float, int] | None = None  # sync_ref_model: (ref_model_mixup_alpha, ref_model_sync_steps)
 
 
 class TrainerExecutor(Executor):
@@ -84,7 +89,7 @@ class TrainerExecutor(Executor):
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.weights_channel = None  # set by the front-end; its `last_seconds` is logged
         self.dispatch = None  # `run_job` sets it: who generates what (`hfllamarl.runtime.dispatch`)
-        self.group_filter = (GroupFilter(spec.dynamic_sampling_groups, spec.schedule.max_staleness)
+        self.group_filter = (GroupFilter(spec.dynamic_sampling_groups, spec.schedule.version_staleness)
                              if spec.dynamic_sampling_groups else None)  # dynamic sampling (drop_zero_variance_groups)
         self.trained_rows: list[list[int]] = []  # dataset rows of each trained batch, in order
         self._save_due = False
@@ -186,56 +191,77 @@ class TrainerExecutor(Executor):
         if spec.on_samples is not None:  # log_completions: the step's samples, gathered to the first trainer rank
             logged_advantages = self._advantages(rewards, per_func)
             spec.on_samples(gather_samples(rollouts, per_func, logged_advantages, self.topology.rank == 0, extra))
+        advantages = self._advantages(trained_rewards, trained_scores) if train_rollouts else None  # [N]
+        staleness = [[self.version - v for v in r.sampled_versions()] for r in train_rollouts]  # per sampled token
+        self.trained_rows.append([r.row_index for r in train_rollouts[:: spec.num_generations]])
+        batch_index = groups[0].batch_index if groups else 0
+        old: list[torch.Tensor] = []  # pi_old per micro-batch: the first pass's log-probs, detached
+        save_due, metrics = False, {}
+        for p in range(max(1, spec.schedule.passes(batch_index))):  # each pass: one optimizer step, one version
+            step_metrics = self._optimizer_pass(train_rollouts, advantages, old)
+            if p == 0:  # what the batch generated and scored is logged once, with its first step (TRL: at generation)
+                metrics = self._step_metrics(groups, rollouts, rewards, per_func, staleness, step_metrics.pop("loss"),
+                                             step_metrics.pop("stats"))
+                if sampling:
+                    metrics.update(_all_sum(sampling))
+                metrics["reward_seconds"] = reward_seconds
+                metrics.update(_logged_means(logged))
+                metrics.update(spec.rewards.counters())
+                if self.dispatch is not None:
+                    metrics.update(self.dispatch.metrics())  # replicas/live, replicas/lost, replicas/regenerated_prompts
+            else:
+                metrics = reduce_metrics({"loss": [step_metrics.pop("loss")], **step_metrics.pop("stats")})
+            metrics.update(step_metrics)
+            metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
+            metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
+            metrics["train_step_seconds"] = time.perf_counter() - start
+            metrics["step_time"] = time.perf_counter() - self._tick_started  # TRL's name: the step's wall time
+            start = self._tick_started = time.perf_counter()  # the next pass's times start here
+            save_due = bool(spec.on_step(self.version, metrics)) or save_due
+        self._save_due = save_due
+        return metrics
+
+    def _optimizer_pass(self, rollouts: list[Rollout], advantages: torch.Tensor | None, old: list) -> dict:
+        """One optimizer step over the batch (none when it has nothing to train: the version still advances), then
+        the scheduler and, when due, the reference model's sync. Returns the step's loss, per-micro-batch `stats`
+        and timings. `old` holds pi_old per micro-batch (filled by the first pass)."""
+        spec = self.spec
         backward_t0 = time.perf_counter()
-        loss_total, stats, grad_norm = 0.0, {}, 0.0
-        optimizer_seconds = 0.0
-        if train_rollouts:  # every trainer rank alike (dynamic sampling agrees on the count)
-            advantages = self._advantages(trained_rewards, trained_scores)  # [N]
-            loss_total, stats = self._accumulate_gradients(train_rollouts, advantages)
+        loss_total, stats, grad_norm, optimizer_seconds = 0.0, {}, 0.0, 0.0
+        if rollouts:  # every trainer rank alike (dynamic sampling agrees on the count)
+            loss_total, stats = self._accumulate_gradients(rollouts, advantages, old)
             grad_norm = self._checked_grad_norm()
             optimizer_t0 = time.perf_counter()
             spec.optimizer.step()
             spec.optimizer.zero_grad(set_to_none=True)
             optimizer_seconds = time.perf_counter() - optimizer_t0
         backward_seconds = time.perf_counter() - backward_t0 - optimizer_seconds
+        lr = spec.scheduler.get_last_lr()[0] if spec.scheduler is not None else None  # the rate this step used (TRL's log)
         if spec.scheduler is not None:  # the schedule counts steps, trained or not
             spec.scheduler.step()
         self.version += 1
-
-        staleness = [[self.version - 1 - v for v in r.sampled_versions()] for r in train_rollouts]  # per sampled token
-        metrics = self._step_metrics(groups, rollouts, rewards, per_func, staleness, loss_total, stats)
-        if sampling:
-            metrics.update(_all_sum(sampling))
-        metrics["reward_seconds"] = reward_seconds
+        if spec.ref_sync is not None and spec.ref_model is not None and self.version % spec.ref_sync[1] == 0:
+            mix_reference(spec.model, spec.ref_model, spec.ref_sync[0])  # TRL: on_step_end of every N-th step
         # where the trainer's time went (hfllamarl bench vs-trl --profile): its channels this tick (waiting for the
         # rollouts, sending weights), the forward and backward passes, the optimizer
-        metrics["time/channels"] = self.channel_seconds
-        metrics["time/forward_backward"] = backward_seconds
-        metrics["time/optimizer"] = optimizer_seconds
-        lender = self.topology.core_lender
+        out = {"loss": loss_total, "stats": stats, "time/channels": self.channel_seconds,
+               "time/forward_backward": backward_seconds, "time/optimizer": optimizer_seconds, "grad_norm": grad_norm}
+        self.channel_seconds = 0.0  # the batch's later passes wait for nothing
+        lender = self.topology.core_lender if self.topology is not None else None
         if lender is not None:  # the generators finished first and lent their cores for the rest of this step
-            metrics["time/borrowed_cores"] = float(lender.borrowed)
-        metrics.update(_logged_means(logged))
-        metrics.update(spec.rewards.counters())
-        if self.dispatch is not None:
-            metrics.update(self.dispatch.metrics())  # replicas/live, replicas/lost, replicas/regenerated_prompts
-        metrics["grad_norm"] = grad_norm
-        if spec.scheduler is not None:
-            metrics["learning_rate"] = spec.scheduler.get_last_lr()[0]
-        metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
-        metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
-        metrics["train_step_seconds"] = time.perf_counter() - start
-        metrics["step_time"] = time.perf_counter() - self._tick_started  # TRL's name: the step's wall time
-        self.trained_rows.append([r.row_index for r in train_rollouts[:: spec.num_generations]])
-        self._save_due = bool(spec.on_step(self.version, metrics))
-        return metrics
+            out["time/borrowed_cores"] = float(lender.borrowed)
+        if lr is not None:
+            out["learning_rate"] = lr
+        return out
 
     def _check_staleness(self, groups: list[RolloutGroup]) -> None:
         """A token staler than max_staleness means a broken schedule: stop before anything is scored."""
         worst = max((self.version - v for g in groups for r in g.rollouts for v in r.sampled_versions()), default=0)
-        if worst > self.spec.schedule.max_staleness:
+        schedule = self.spec.schedule
+        if worst > schedule.version_staleness:
+            per = f" x num_iterations={schedule.iterations}" if schedule.iterations > 1 else ""
             raise RuntimeError(f"trainer: a token of batch {groups[0].batch_index} was sampled {worst} policy versions "
-                               f"ago, past max_staleness={self.spec.schedule.max_staleness}; the schedule is broken")
+                               f"ago, past max_staleness={schedule.max_staleness}{per}; the schedule is broken")
 
     def _advantages(self, rewards: list[float], per_func: dict[str, list]) -> torch.Tensor:
         """`[N]` advantages of the combined rewards (NaN: unscored, advantage 0): the algorithm's, or with
@@ -269,12 +295,18 @@ class TrainerExecutor(Executor):
                                  "lower the learning rate or clip gradients (max_grad_norm).")
         return grad_norm
 
-    def _accumulate_gradients(self, rollouts: list[Rollout], advantages: torch.Tensor) -> tuple[float, dict]:
+    def _accumulate_gradients(self, rollouts: list[Rollout], advantages: torch.Tensor,
+                              old: list | None = None) -> tuple[float, dict]:
         """Forward and backward over micro-batches (gradients summed, reduced once at the last one).
+
+        `old`: pi_old per micro-batch; an empty list (the batch's first pass) is filled with this pass's log-probs,
+        detached, which later passes give the algorithm as `old_logprobs` (when its loss names it). With
+        top_entropy_quantile < 1 the algorithm also gets TRL's `entropy_mask`.
 
         Returns the step's loss and, per metric the algorithm's loss returns (and `is_ratio/outside_support_frac`),
         one value per micro-batch.
         """
+        old = [] if old is None else old
         spec, model = self.spec, self.spec.model
         mb = spec.micro_batch_size
         steps = math.ceil(len(rollouts) / mb)
@@ -283,6 +315,7 @@ class TrainerExecutor(Executor):
         shape = StepShape(tokens=tokens, trainer_ranks=dist.get_world_size() if dist.is_initialized() else 1,
                           micro_batches=steps, max_completion_length=spec.max_completion_length)
         extra = {"shape": shape} if takes_shape(spec.algorithm) else {}
+        takes = loss_keywords(spec.algorithm)
         stats: dict[str, list[float]] = {}
         loss_total = 0.0
         for k in range(steps):
@@ -305,6 +338,12 @@ class TrainerExecutor(Executor):
                                                       batch["mask"], spec.sampling)
                     ref = torch.where(outside | ref_outside, logprobs.detach(), ref)  # KL only where both can sample
             kwargs = dict(extra, **({"ref_logprobs": ref} if ref is not None else {}))
+            if len(old) == k:  # the batch's first pass: this is pi_old
+                old.append(logprobs.detach())
+            if "old_logprobs" in takes:
+                kwargs["old_logprobs"] = old[k]
+            if spec.top_entropy_quantile < 1.0 and "entropy_mask" in takes:
+                kwargs["entropy_mask"] = high_entropy_mask(entropy, batch["mask"], spec.top_entropy_quantile)
             loss, m = checked_loss(spec.algorithm, spec.algorithm.loss(logprobs, batch["behavior_logprobs"],
                                                                        chunk_advantages, batch["mask"], **kwargs))
             if routers is not None:  # TRL's MoE load-balancing loss over the micro-batch's tokens, weighted

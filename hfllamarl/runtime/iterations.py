@@ -1,0 +1,81 @@
+"""Per-step pieces of TRL's `num_iterations`, `top_entropy_quantile` and `sync_ref_model`, on the trainer ranks.
+
+- pi_old (`num_iterations > 1`): the policy's log-probs before a batch's first optimizer pass. They are the first
+  pass's own log-probs, detached, kept per micro-batch (no extra forward pass); later passes hand them to the
+  algorithm as `old_logprobs`, which clips the ratio pi / pi_old as TRL's loss does.
+- The entropy mask (`top_entropy_quantile = q`): per micro-batch, the completion tokens whose entropy is at least
+  the (1 - q) quantile of the entropies of the completion tokens of that micro-batch on every trainer rank (TRL
+  gathers them across processes per micro-step too, `GRPOTrainer.get_high_entropy_mask`). It multiplies the
+  per-token loss.
+- Reference sync (`sync_ref_model`): after every `ref_model_sync_steps`-th optimizer step, each trainer rank mixes
+  its own shard of the reference model toward its shard of the policy, ref <- alpha * policy + (1 - alpha) * ref
+  (TRL's `SyncRefModelCallback`, on the parameters); nothing is gathered, since both are sharded alike.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+_PAD = -1e9  # a sentinel no entropy can take (entropies are >= 0)
+
+
+def loss_keywords(algorithm) -> set[str]:
+    """Which optional inputs the algorithm's `loss` names, of `old_logprobs` and `entropy_mask`."""
+    return {"old_logprobs", "entropy_mask"} & set(inspect.signature(algorithm.loss).parameters)
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """TRL's entropy mask: 1.0 on completion tokens whose entropy is >= the `1 - quantile` quantile of every trainer
+    rank's completion-token entropies of this micro-batch, else 0.0 (padding always 0).
+
+    Args:
+        entropies: `[B, T]` per-token entropy of the policy's distribution.
+        mask: `[B, T]` 1 on completion tokens.
+        quantile: TRL's `top_entropy_quantile` (the share of tokens kept).
+    """
+    entropies = entropies.detach()
+    local = entropies[mask.bool()].float()
+    values = _gather_padded(local)
+    if values.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.float32)
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return ((entropies >= threshold) & mask.bool()).float()
+
+
+def _gather_padded(local: torch.Tensor) -> torch.Tensor:
+    """`local` of every trainer rank, concatenated (the ranks' lengths differ: padded with a sentinel, then dropped)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    world = dist.get_world_size()
+    size = torch.tensor([local.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    width = int(max(s.item() for s in sizes))
+    padded = torch.full((width,), _PAD, dtype=torch.float32)
+    padded[:local.numel()] = local.cpu()
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    out = torch.cat(parts)
+    return out[out != _PAD].to(local.device)
+
+
+@torch.no_grad()
+def mix_reference(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> None:
+    """ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter, on this rank's shards (FSDP2 DTensors:
+    their local parts; both models are sharded with the same plan, so the parts line up)."""
+    ours = dict(policy.named_parameters())
+    theirs = dict(reference.named_parameters())
+    if ours.keys() != theirs.keys():
+        missing = sorted(set(ours) ^ set(theirs))[:3]
+        raise RuntimeError(f"sync_ref_model: the reference model's parameters differ from the policy's ({missing})")
+    for name, ref in theirs.items():
+        src = ours[name]
+        ref_local = ref.to_local() if hasattr(ref, "to_local") else ref.data
+        src_local = src.to_local() if hasattr(src, "to_local") else src.data
+        if ref_local.shape != src_local.shape:
+            raise RuntimeError(f"sync_ref_model: {name} is sharded differently in the reference "
+                               f"{tuple(ref_local.shape)} and the policy {tuple(src_local.shape)}")
+        ref_local.mul_(1.0 - alpha).add_(src_local.to(ref_local.dtype), alpha=alpha)
