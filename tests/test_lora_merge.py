@@ -142,3 +142,21 @@ def test_peft_inputs_accepted_and_refused(llama, tmp_path):
     qwen2 = build_tiny_model(str(tmp_path / "qwen2"), family="qwen2")  # tied word embeddings
     with pytest.raises(ValueError, match="tied word embeddings"):
         apply_peft(AutoModelForCausalLM.from_pretrained(qwen2), LoraConfig(target_modules=["embed_tokens", "q_proj"]))
+
+
+def test_sharded_merge_equals_peft_merge(llama):
+    """Two trainer ranks (FSDP2 over gloo): each merges its own rows of W (an embedding's vocabulary rows index A's
+    columns); gathered, the weights equal peft's merge_and_unload() of the unsharded model."""
+    import json
+
+    from conftest import SCRIPTS, run_script, tail
+
+    proc = run_script([str(SCRIPTS / "lora_sharded_merge.py"), llama], nproc=2, timeout=300)
+    assert proc.returncode == 0, tail(proc)
+    res = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
+    assert res["sharded"]  # every sent weight was a shard of rows on each rank
+    assert {k.split(".")[-2] for k in res["diffs"]} == {"embed_tokens", "q_proj", "k_proj", "v_proj", "gate_proj",
+                                                         "up_proj"}
+    assert all(d < 1e-6 for d in res["diffs"].values()), res["diffs"]
+    for k in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
+        assert res["moved"][k] > 1e-3  # the adapters change what the generator gets
