@@ -60,6 +60,25 @@ def test_lora_updates_reach_the_generator_every_step(tiny_model, tmp_path):
     assert steps[0]["weight_sync/bytes"] == qkv < full / 2
 
 
+def test_lora_as_users_write_it_on_every_family(tmp_path):
+    """One process trains, one run after another, each family (llama, qwen2, qwen3, mistral) with the default
+    `LoraConfig()` (by directory, or on a model object as TRL's tests pass it), then with a PeftModel built by the
+    user (other target_modules forms: all-linear, the seven projections + embed_tokens, embed_tokens + lm_head),
+    its adapters non-zero from the start. Synchronous fp32: pi/mu == 1 at step 1 and at step 2 (after the adapters
+    moved and were synced) means the generator sampled with exactly the merged policy."""
+    import json
+
+    proc = run_script([str(SCRIPTS / "lora_families.py"), str(tmp_path), "llama,qwen2,qwen3,mistral"], timeout=900)
+    assert proc.returncode == 0, tail(proc)
+    res = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
+    assert len(res) == 8, sorted(res)
+    for run, r in res.items():
+        assert len(r["steps"]) == 2, (run, r)
+        for h in r["steps"]:
+            assert_on_policy(h)
+        assert r["moved"] > 0 and all(h["grad_norm"] > 0 for h in r["steps"]), (run, r)  # the adapters trained
+
+
 def check_greedy_follows(proc) -> None:
     """Adapters set twice to new values; each time the generator loads what the trainer sends for a LoRA policy
     and its greedy completions (vLLM) must equal the peft model's (transformers)."""

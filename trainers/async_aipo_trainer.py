@@ -58,7 +58,8 @@ class AsyncAIPOTrainer:
     """Asynchronous off-policy RL trainer with `GRPOTrainer`'s signature.
 
     Args:
-        model: a local model directory (or hub id), or a `PreTrainedModel`.
+        model: a local model directory (or hub id), a `PreTrainedModel`, or a peft `PeftModel` of one (a LoRA
+            adapter; trained as given, with its own config; not together with `peft_config`, as in TRL).
         reward_funcs: a reward function with TRL's signature, a reward plugin name, a reward model (the directory
             of a sequence-classification model, or a `PreTrainedModel`: scored on the generator as each batch
             finishes), or a list mixing them.
@@ -135,6 +136,9 @@ class AsyncAIPOTrainer:
         self.rewards = RewardRunner(self.reward_funcs, reward_weights(args, len(user_funcs), agent),
                                     on_error=args.reward_errors, aggregation=args.multi_objective_aggregation)
         self.algorithm = args.build_algorithm()
+        from hfllamarl.runtime.lora import check_peft_inputs
+
+        check_peft_inputs(model, peft_config)  # every rank alike, before anything starts
         self.model_path, model_obj, model_config = resolve_model(model, args)
         self.model_config = model_config
         self.router_aux_loss_coef = aux_loss_coef(model_config, args.router_aux_loss_coef)  # MoE: as TRL adds it
@@ -342,10 +346,11 @@ class AsyncAIPOTrainer:
         self.callbacks = list(self.callbacks or []) + [callback]
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """Save the full (unsharded) policy and the tokenizer; call it on every trainer rank."""
+        """Save the policy and the tokenizer; call it on every trainer rank. As TRL's: a LoRA policy's adapters in
+        peft's format (adapter_config.json, adapter_model.safetensors), any other policy whole (unsharded)."""
         if self.topology.role != "trainer":
             return
-        checkpoint.save_policy(self, output_dir or self.args.output_dir)
+        checkpoint.save_model(self, output_dir or self.args.output_dir)
 
     # ------------------------------------------------------------------ internals
     def _generator_spec(self) -> GeneratorSpec:

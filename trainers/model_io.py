@@ -10,18 +10,21 @@ from hfllamarl.runtime.loading import hub_snapshot, looks_like_hub_id
 def resolve_model(model, args):
     """Return (local model directory, model object or None, model config).
 
-    A string is a local directory or a hub id (resolved to its local snapshot); a model object
-    is used as is by the trainer and saved to a directory for the generator when it needs one.
+    A string is a local directory or a hub id (resolved to its local snapshot); a model object (a PreTrainedModel,
+    or a peft PeftModel whose adapters are then trained as given) is used as is by the trainer and saved to a
+    directory for the generator when it needs one (merged, see `save_for_generator`).
     """
     from transformers import AutoConfig, PreTrainedModel
 
-    if isinstance(model, PreTrainedModel):
-        path = getattr(model.config, "_name_or_path", "") or ""
-        return path, model, model.config
+    from hfllamarl.runtime.lora import is_peft
+
+    plain = model.get_base_model() if is_peft(model) else model
+    if isinstance(plain, PreTrainedModel):
+        path = getattr(plain.config, "_name_or_path", "") or ""
+        return path, model, plain.config
     if not isinstance(model, (str, os.PathLike)):
-        hint = (" For LoRA, pass the base model and peft_config=LoraConfig(...): the trainer applies the adapters "
-                "itself." if type(model).__name__.startswith("Peft") else "")
-        raise TypeError(f"model must be a path, a hub id or a PreTrainedModel, got {type(model).__name__}.{hint}")
+        raise TypeError(f"model must be a path, a hub id, a PreTrainedModel or a peft PeftModel of one, got "
+                        f"{type(model).__name__}.")
     path = os.fspath(model)
     if not os.path.isdir(path):
         if not looks_like_hub_id(path):
@@ -42,9 +45,18 @@ def resolve_model(model, args):
 
 
 def save_for_generator(model, tokenizer, directory: str) -> str:
-    """Save a model object and its tokenizer where a generator process can load them; return the directory."""
+    """Save a model object and its tokenizer where a generator process can load them; return the directory.
+
+    A model carrying LoRA adapters (a PeftModel, or a model `get_peft_model` wrapped in place) is saved with its
+    adapters merged, under the model's own names: vLLM loads plain weights, never peft's `base_layer`/`lora_*`."""
+    from hfllamarl.runtime.lora import has_adapters, is_peft, merged_state_dict
+
     os.makedirs(directory, exist_ok=True)
-    model.save_pretrained(directory)
+    if has_adapters(model):
+        plain = model.get_base_model() if is_peft(model) else model
+        plain.save_pretrained(directory, state_dict=merged_state_dict(model))
+    else:
+        model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 

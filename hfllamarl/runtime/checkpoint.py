@@ -45,6 +45,7 @@ from .durable import fsync_dir, load_plain, load_state, sync_tree, write_json
 MARKER = "hfllamarl.json"
 ADAPTERS = "adapters.pt"  # LoRA runs: the adapter weights (model.safetensors holds the merged policy)
 REFERENCE = "reference"  # sync_ref_model: the reference model's shards (it moves during the run)
+ADAPTER_DIR = "adapter"  # LoRA runs: the same adapters in peft's format (PeftModel.from_pretrained)
 
 
 def due(step: int, save_steps: int, last_step: int) -> bool:
@@ -137,21 +138,53 @@ def save_policy(trainer, directory: str) -> None:
         dist.barrier()
 
 
+def gathered_adapters(model) -> dict[str, torch.Tensor]:
+    """A LoRA policy's adapter weights, whole and on the CPU, under peft's names (a collective over the trainer
+    world: every trainer rank calls it)."""
+    from hfllamarl.runtime.hf_export import full_tensor
+
+    return {n: full_tensor(p).cpu() for n, p in model.state_dict().items() if ".lora_" in n}
+
+
+def write_adapters(model, adapters: dict[str, torch.Tensor], directory: str) -> None:
+    """peft's own adapter files (adapter_config.json, adapter_model.safetensors) in `directory`: what TRL's
+    save_model writes for a PeftModel, loadable with `PeftModel.from_pretrained(base_model, directory)`."""
+    model.save_pretrained(directory, state_dict=adapters)
+
+
+def save_model(trainer, directory: str) -> None:
+    """`trainer.save_model()`: as TRL's, a LoRA policy's adapters in peft's format plus the tokenizer; any other
+    policy whole, in the Hugging Face format (a collective over the trainer world; trainer rank 0 writes)."""
+    import torch.distributed as dist
+
+    from hfllamarl.runtime.lora import is_peft
+
+    if not is_peft(trainer.model):
+        save_policy(trainer, directory)
+        return
+    adapters = gathered_adapters(trainer.model)
+    if trainer.topology.rank == 0:
+        write_adapters(trainer.model, adapters, directory)
+        trainer.processing_class.save_pretrained(directory)
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
     """Called on every trainer rank (the policy export and the optimizer's checkpoint are collectives)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from hfllamarl.runtime.hf_export import full_tensor
     from hfllamarl.runtime.lora import is_peft
 
     rank = trainer.topology.rank
     os.makedirs(os.path.join(directory, "hfllamarl"), exist_ok=True)
     save_policy(trainer, directory)
     if is_peft(trainer.model):  # the adapters themselves (small), to train on from where they were
-        adapters = {n: full_tensor(p).cpu() for n, p in trainer.model.state_dict().items() if ".lora_" in n}
+        adapters = gathered_adapters(trainer.model)
         if rank == 0:
             torch.save(adapters, os.path.join(directory, "hfllamarl", ADAPTERS))
+            write_adapters(trainer.model, adapters, os.path.join(directory, ADAPTER_DIR))
     dcp.save({"optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer)},
              checkpoint_id=os.path.join(directory, "hfllamarl", "optimizer"))
     ref = getattr(executor, "spec", None) and executor.spec.ref_model

@@ -7,8 +7,8 @@ checkpoint's safetensors files (`pread` at the rows' byte offsets: no file is ma
 tensor is built). So a rank's memory grows by its shard, about 1/N of the model, plus one tensor's
 rows in flight. The reference model (`beta > 0`) is loaded the same way.
 
-LoRA adapters created on the meta device get peft's default initialisation (A: Kaiming-uniform, the
-same on every rank; B: zeros), each rank keeping its rows. A checkpoint this loader cannot read
+LoRA adapters created on the meta device get peft's default initialisation (linear layers: A Kaiming-uniform,
+the same on every rank, B zeros; embeddings: A zeros, B standard normal), each rank keeping its rows. A checkpoint this loader cannot read
 (another format, weights under names that transformers converts when it loads them) is loaded whole
 with `from_pretrained` on every rank instead, and the log says so.
 """
@@ -183,16 +183,23 @@ def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def init_lora(model: torch.nn.Module, seed: int = 0) -> None:
-    """peft's default initialisation of every LoRA adapter, on sharded weights: A Kaiming-uniform from one
-    generator (so every rank draws the same full matrix and keeps its rows), B zero."""
+    """peft's default initialisation of every LoRA adapter, on sharded weights, from one generator (so every rank
+    draws the same full matrices and keeps its rows): a linear layer's A Kaiming-uniform and B zero; an embedding's
+    A zero and B standard normal (`peft.tuners.lora.LoraLayer.reset_lora_parameters`)."""
     generator = torch.Generator().manual_seed(seed)
+
+    def fill(p: torch.Tensor, draw) -> None:
+        full = torch.empty(tuple(p.shape))
+        draw(full)
+        local, offset = _local_rows(p)
+        local.copy_(full[offset:offset + local.shape[0]].to(local.dtype))
+
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if ".lora_A." in name:
-                full = torch.empty(tuple(p.shape))
-                bound = 1.0 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)) on [r, in]
-                full.uniform_(-bound, bound, generator=generator)
-                local, offset = _local_rows(p)
-                local.copy_(full[offset:offset + local.shape[0]].to(local.dtype))
-            elif ".lora_B." in name:
+                bound = 1.0 / math.sqrt(p.shape[1])  # kaiming_uniform_(a=sqrt(5)) on [r, in]
+                fill(p, lambda t: t.uniform_(-bound, bound, generator=generator))
+            elif ".lora_B." in name or ".lora_embedding_A." in name:
                 (p.to_local() if hasattr(p, "to_local") else p).zero_()
+            elif ".lora_embedding_B." in name:
+                fill(p, lambda t: t.normal_(0.0, 1.0, generator=generator))
