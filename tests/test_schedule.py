@@ -26,3 +26,23 @@ def test_partial_rollouts_keep_the_weights_coming_while_completions_are_carried(
     s = Schedule(num_batches=4, max_staleness=3, generation_ticks=3)
     # batch 3 starts at tick 3 and may finish at tick 5: the generator samples until then
     assert [s.generator_samples(t) for t in range(7)] == [True] * 6 + [False]
+
+
+def test_the_last_ticks_carry_the_evaluations_due_by_the_last_step():
+    # s=1, 3 batches, eval every 2 steps: version 2 is made at tick 2, reaches the generator at tick 3 (the last
+    # tick that trains), is evaluated there, and its results reach the trainer at tick 4: one tick more
+    s = Schedule(num_batches=3, max_staleness=1, eval_every=2)
+    assert [v for v in range(5) if s.evaluates(v)] == [2]
+    assert s.num_ticks == 4 and s.total_ticks == 5
+    assert [s.results_arrive(t) for t in range(5)] == [True] * 4 + [False]
+    # the last version itself (4 of 4): made at tick 4, evaluated at tick 5, logged at tick 6
+    assert Schedule(num_batches=4, max_staleness=1, eval_every=2).total_ticks == 7
+    # synchronous: version 3 reaches the generator at tick 3, is evaluated and logged in that tick
+    assert Schedule(num_batches=3, max_staleness=0, eval_every=1).total_ticks == 4
+    # no evaluation, or eval_delay past the run: no extra tick
+    # version 4 of 5 (s=2): made at tick 5, evaluated at tick 6, logged at tick 7 (the 8th)
+    assert Schedule(num_batches=5, max_staleness=2, eval_every=2).total_ticks == 8
+    assert Schedule(num_batches=6, max_staleness=2, eval_every=2).total_ticks == 10
+    assert Schedule(num_batches=3, max_staleness=1).total_ticks == 4
+    assert Schedule(num_batches=5, max_staleness=3, eval_every=3).total_ticks == 8  # (version 3: logged at tick 7)
+    assert Schedule(num_batches=3, max_staleness=1, eval_every=2, eval_delay=3).total_ticks == 4

@@ -64,10 +64,33 @@ class Schedule:
     max_staleness: int
     generation_ticks: int = 1  # ticks_per_batch(...)
     prompts_per_batch: int = 0  # prompts in one batch (P: positions 0 .. P-1)
+    eval_every: int = 0  # policy versions that are multiples of this are evaluated (0: none)
+    eval_delay: int = 0  # ... from this version on
 
     @property
     def num_ticks(self) -> int:
+        """The ticks that sample and train: the generator's batches and the trainer's steps."""
         return self.num_batches + self.max_staleness
+
+    def evaluates(self, version: int) -> bool:
+        """Whether policy version `version` (1 .. num_batches) is evaluated during the run (eval_on_start's version
+        0 aside), as transformers' DefaultFlowCallback decides it at step `version`."""
+        return (self.eval_every > 0 and 0 < version <= self.num_batches and version % self.eval_every == 0
+                and version >= self.eval_delay)
+
+    @property
+    def total_ticks(self) -> int:
+        """`num_ticks`, and the ticks after them that finish the evaluations due by the last step: version v reaches
+        the generator at tick v + s, is evaluated there, and its results reach the trainer at the next tick's rollouts
+        channel (the same tick when synchronous). Nothing is sampled or trained in those ticks."""
+        last = self.num_batches - self.num_batches % self.eval_every if self.eval_every > 0 else 0
+        if not self.evaluates(last):
+            return self.num_ticks
+        return max(self.num_ticks, last + 1 if self.synchronous else last + self.max_staleness + 2)
+
+    def results_arrive(self, tick: int) -> bool:
+        """Whether what the generator produces at `tick` still reaches the trainer within the run."""
+        return tick < self.total_ticks if self.synchronous else tick + 1 < self.total_ticks
 
     @property
     def synchronous(self) -> bool:
