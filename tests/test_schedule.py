@@ -46,3 +46,12 @@ def test_the_last_ticks_carry_the_evaluations_due_by_the_last_step():
     assert Schedule(num_batches=3, max_staleness=1).total_ticks == 4
     assert Schedule(num_batches=5, max_staleness=3, eval_every=3).total_ticks == 8  # (version 3: logged at tick 7)
     assert Schedule(num_batches=3, max_staleness=1, eval_every=2, eval_delay=3).total_ticks == 4
+
+
+def test_the_last_step_is_evaluated_as_transformers_does():
+    # DefaultFlowCallback evaluates at max_steps when it is not a multiple of eval_steps (eval_delay allowing)
+    s = Schedule(num_batches=3, max_staleness=1, eval_every=2, eval_last=True)
+    assert [v for v in range(5) if s.evaluates(v)] == [2, 3]
+    assert s.total_ticks == 3 + 1 + 2  # version 3: made at tick 3, evaluated at tick 4, logged at tick 5
+    late = Schedule(num_batches=3, max_staleness=1, eval_every=2, eval_delay=4, eval_last=True)
+    assert not any(late.evaluates(v) for v in range(5)) and late.total_ticks == 4

@@ -13,7 +13,7 @@ NOT_FOR_AIPO = {"clip_ratio/high_max", "clip_ratio/high_mean", "clip_ratio/low_m
 
 
 def rendered_length(model: str, custom: bool) -> int:
-    """Prompt tokens of the script's prompt under the custom template (or the model directory's own)."""
+    """Prompt tokens of the script's prompt under the custom template (or the model directory's own; 0: none)."""
     import sys
 
     sys.path.insert(0, str(SCRIPTS))
@@ -21,6 +21,8 @@ def rendered_length(model: str, custom: bool) -> int:
     from transformers import AutoTokenizer
 
     tok = tokenizer(model) if custom else AutoTokenizer.from_pretrained(model)
+    if tok.chat_template is None:  # (the model directory has none: a generator using it could not render the prompt)
+        return 0
     return len(tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
 
 
@@ -31,37 +33,43 @@ def check_prompt_tokens(entry: dict, steps: int, custom_length: int) -> None:
     assert steps * 8 <= completion_tokens <= steps * 8 * 4, (entry["num_tokens"], custom_length)
 
 
+def training(history: list[dict]) -> list[dict]:
+    return [h for h in history if not any(k.startswith("eval_") for k in h)]
+
+
 @pytest.mark.slow
-def test_short_run_logs_as_trl_evaluates_on_time_and_renders_with_the_users_template(tiny_model, tmp_path):
-    proc = run_script([str(SCRIPTS / "trl_short_run.py"), tiny_model, str(tmp_path)], timeout=900,
+def test_short_runs_log_as_trl_evaluate_on_time_and_render_with_the_users_template(tiny_model, tmp_path):
+    proc = run_script([str(SCRIPTS / "trl_short_run.py"), tiny_model, str(tmp_path)], timeout=1200,
                       env={"HF_HUB_OFFLINE": "1", **SIDE_BY_SIDE_ENV})
     assert proc.returncode == 0, tail(proc)
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    result = json.loads(line[len("RESULT "):])
-    trl, ours, resumed = result["trl"], result["ours"], result["resumed"]
+    runs = json.loads(line[len("RESULT "):])
 
-    # log_history: with logging_steps (10) past max_steps (3), TRL's only training entry is train()'s, and it holds
-    # the metrics gathered over the run (TRL's log() merges them in); ours the same, keys included
-    def training(history):
-        return [h for h in history if not any(k.startswith("eval_") for k in h)]
+    # log_history: with logging_steps (10) past max_steps (3), TRL's only training entry is train()'s. Without
+    # evaluation it holds the metrics gathered over the run (TRL's log() merges them in); after an evaluation of the
+    # last step it does not (TRL's log() merges the model's mode's metrics: eval, already logged). Ours: the same keys.
+    for kind in ("plain", "eval"):
+        theirs, mine = training(runs[f"trl_{kind}"]), training(runs[f"ours_{kind}"])
+        assert len(theirs) == len(mine) == 1, (kind, theirs, mine)
+        theirs, mine = theirs[0], mine[0]
+        assert mine["step"] == theirs["step"] == 3
+        assert ({"reward", "rewards/short/mean"} <= set(theirs)) == (kind == "plain"), sorted(theirs)
+        assert set(theirs) - NOT_FOR_AIPO - {"total_flos"} <= set(mine), sorted(set(theirs) - set(mine))
+        assert not {"loss", "grad_norm", "learning_rate"} & set(mine), sorted(mine)  # per-step logs, as TRL: not here
+        if kind == "eval":
+            assert set(mine) - {"total_flos"} == set(theirs) - {"total_flos"}, (sorted(mine), sorted(theirs))
 
-    assert len(training(trl)) == len(training(ours)) == 1, (training(trl), training(ours))
-    theirs, mine = training(trl)[0], training(ours)[0]
-    assert {"reward", "rewards/short/mean", "train_runtime", "train_loss"} <= set(theirs), sorted(theirs)
-    missing = set(theirs) - NOT_FOR_AIPO - {"total_flos"} - set(mine)
-    assert not missing, sorted(missing)
-    assert not {"loss", "grad_norm", "learning_rate"} & set(mine), sorted(mine)  # (per-step logs, as TRL: not here)
-    assert mine["step"] == theirs["step"] == 3
-
-    # evaluations: eval_steps=2 in a 3-step run evaluates version 2, as TRL evaluates at step 2; logged before
-    # train() returned, and the run resumed from checkpoint 2 evaluates that checkpoint's own version too
-    assert [h["step"] for h in trl if "eval_reward" in h] == [2]
-    assert [h["eval_policy_version"] for h in ours if "eval_reward" in h] == [2], ours
-    assert [h["eval_policy_version"] for h in resumed if "eval_reward" in h] == [2], resumed
-    assert training(resumed)[0]["step"] == 3 and "reward" in training(resumed)[0]
+    # evaluations: eval_steps=2 in a 3-step run evaluates versions 2 and 3, as TRL evaluates at steps 2 and 3 (the
+    # last); all logged before train() returned; the run resumed from checkpoint 2 evaluates that checkpoint's own
+    # version too: the same versions as the uninterrupted run
+    assert [h["step"] for h in runs["trl_eval"] if "eval_reward" in h] == [2, 3]
+    assert [h["eval_policy_version"] for h in runs["ours_eval"] if "eval_reward" in h] == [2, 3], runs["ours_eval"]
+    assert [h["eval_policy_version"] for h in runs["resumed_eval"] if "eval_reward" in h] == [2, 3], \
+        runs["resumed_eval"]
+    assert not any("eval_reward" in h for h in runs["ours_plain"] + runs["resumed_plain"])
 
     # the generator rendered the prompts with processing_class's template, before and after the resume
     custom, own = rendered_length(tiny_model, True), rendered_length(tiny_model, False)
     assert custom - own >= 8, (custom, own)  # (the test could tell them apart)
-    check_prompt_tokens(mine, 3, custom)
-    check_prompt_tokens(training(resumed)[0], 3, custom)
+    check_prompt_tokens(training(runs["ours_plain"])[0], 3, custom)
+    check_prompt_tokens(training(runs["resumed_plain"])[0], 3, custom)

@@ -164,7 +164,8 @@ class AsyncAIPOTrainer:
         self.schedule = Schedule(num_batches, args.max_staleness, args.generation_ticks, prompts,
                                  eval_every=eval_every(args, num_batches, self.batches_per_epoch)
                                  if self.eval_dataset is not None else 0,
-                                 eval_delay=eval_delay(args, self.batches_per_epoch))
+                                 eval_delay=eval_delay(args, self.batches_per_epoch),
+                                 eval_last=True)  # (as DefaultFlowCallback at max_steps, or the last epoch's end)
         self.callbacks = callbacks
         self.model = None
         if self.topology.role == "generator":  # what a script touches of trainer.model on every process

@@ -306,12 +306,12 @@ class GeneratorExecutor(Executor):
         return groups
 
     def eval_due(self) -> bool:
-        """An evaluation of the policy version held now: a multiple of `eval_every` (or the start, with
+        """An evaluation of the policy version held now: one `Schedule.evaluates` (or the start, with
         `eval_on_start`) not evaluated yet, while its results still reach the trainer (the loop runs the ticks that
         carry the last one: `Schedule.total_ticks`)."""
         spec = self.spec
-        return (self.eval_dataset is not None and spec.eval_every > 0 and self.version > self.evaluated
-                and self.version % spec.eval_every == 0 and (self.version >= spec.eval_delay or self.version == 0)
+        due = spec.schedule.evaluates(self.version) or (self.version == 0 and spec.eval_on_start)
+        return (self.eval_dataset is not None and spec.eval_every > 0 and self.version > self.evaluated and due
                 and spec.schedule.results_arrive(self.tick)
                 and self.topology.replica == self.live[0])  # one replica evaluates: the first live one
 

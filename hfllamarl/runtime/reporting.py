@@ -230,8 +230,11 @@ class Reporter:
         # As TRL's `log()`: the metrics gathered since the last logged step (a run shorter than logging_steps, or
         # its last steps) go into this entry, averaged; the Trainer's own per-step logs (loss, grad_norm,
         # learning_rate) are logged only at logging steps, as transformers' `_maybe_log_save_evaluate` does.
-        # (TRL's log() updates the very dict train() returns: those metrics are in it too)
-        summary.update({k: v for k, v in _mean_of(self._pending).items() if k not in TRAINER_STEP_LOGS})
+        # (TRL's log() updates the very dict train() returns: those metrics are in it too.) TRL merges the metrics of
+        # the model's mode: after an evaluation of the last step the model is in eval mode and the training metrics
+        # since the last log are left out, as here.
+        if self.last_evaluated != self.state.global_step:
+            summary.update({k: v for k, v in _mean_of(self._pending).items() if k not in TRAINER_STEP_LOGS})
         self._pending = []
         self.log(dict(summary))
         if self.state.epoch is not None:

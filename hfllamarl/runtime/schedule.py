@@ -66,6 +66,7 @@ class Schedule:
     prompts_per_batch: int = 0  # prompts in one batch (P: positions 0 .. P-1)
     eval_every: int = 0  # policy versions that are multiples of this are evaluated (0: none)
     eval_delay: int = 0  # ... from this version on
+    eval_last: bool = False  # and the last version (transformers evaluates at the last step: "steps" and "epoch")
 
     @property
     def num_ticks(self) -> int:
@@ -75,16 +76,17 @@ class Schedule:
     def evaluates(self, version: int) -> bool:
         """Whether policy version `version` (1 .. num_batches) is evaluated during the run (eval_on_start's version
         0 aside), as transformers' DefaultFlowCallback decides it at step `version`."""
-        return (self.eval_every > 0 and 0 < version <= self.num_batches and version % self.eval_every == 0
-                and version >= self.eval_delay)
+        return (self.eval_every > 0 and 0 < version <= self.num_batches and version >= self.eval_delay
+                and (version % self.eval_every == 0 or (self.eval_last and version == self.num_batches)))
 
     @property
     def total_ticks(self) -> int:
         """`num_ticks`, and the ticks after them that finish the evaluations due by the last step: version v reaches
         the generator at tick v + s, is evaluated there, and its results reach the trainer at the next tick's rollouts
         channel (the same tick when synchronous). Nothing is sampled or trained in those ticks."""
-        last = self.num_batches - self.num_batches % self.eval_every if self.eval_every > 0 else 0
-        if not self.evaluates(last):
+        last = max([v for v in (self.num_batches, self.num_batches - self.num_batches % max(self.eval_every, 1))
+                    if self.evaluates(v)], default=0)
+        if not last:
             return self.num_ticks
         return max(self.num_ticks, last + 1 if self.synchronous else last + self.max_staleness + 2)
 
