@@ -34,8 +34,8 @@ def notebook_run(tiny_model: str, out: str) -> subprocess.CompletedProcess:
 def check_notebook_run(proc: subprocess.CompletedProcess, out: str) -> None:
     """The generator is a child process; train() runs twice. With max_staleness=3 the generator runs up to 3
     versions ahead and no further, and every batch is trained. Evaluation during training (eval_steps=1,
-    eval_on_start): the generator evaluates each policy version it holds while it samples (0, 1, 2), and the eval_*
-    metrics reach log_history, on_evaluate and TensorBoard."""
+    eval_on_start): every version due by the last step (0 to 6) is evaluated, the last ones in the ticks after the last
+    step, before train() returns, and the eval_* metrics reach log_history, on_evaluate and TensorBoard."""
     from hfllamarl.runtime.prompts import batch_rows
 
     assert proc.returncode == 0, tail(proc)
@@ -64,13 +64,14 @@ def check_notebook_run(proc: subprocess.CompletedProcess, out: str) -> None:
     assert not orphans(out)
     line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
     evals = [h for h in json.loads(line[len("LOG_HISTORY "):]) if "eval_reward" in h]
-    assert [h["eval_policy_version"] for h in evals] == [0, 1, 2], evals
-    # version v is held from tick v + 3 and logged by the trainer at the next tick (its step v + 1; v=0: step 0)
-    assert [h["step"] for h in evals] == [0, 2, 3], evals
+    assert [h["eval_policy_version"] for h in evals] == [0, 1, 2, 3, 4, 5, 6], evals
+    # version v is held from tick v + 3 and logged by the trainer at the next tick (its step v + 1, at most the last
+    # step 6; v=0: step 0)
+    assert [h["step"] for h in evals] == [0, 2, 3, 4, 5, 6, 6], evals
     for h in evals:
         assert h["eval_samples"] == 12 and 0 < h["eval_completions/mean_length"] <= 4, h
         assert 0.0 <= h["eval_rewards/math_sympy/mean"] == h["eval_reward"] <= 1.0, h
-    assert proc.stdout.count("ON_EVALUATE") == 6, proc.stdout.count("ON_EVALUATE")  # 3 in each train()
+    assert proc.stdout.count("ON_EVALUATE") == 14, proc.stdout.count("ON_EVALUATE")  # 7 in each train()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tags = set()
@@ -204,11 +205,12 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     assert [h["step"] for h in step_logs(proc.stdout)] == [1, 2, 3, 4, 5]
     # As transformers' Trainer, the last step is checkpointed too (5: not a multiple of save_steps).
     assert {"checkpoint-2", "checkpoint-4", "checkpoint-5"} <= set(os.listdir(out)), os.listdir(out)
-    # Evaluations split over both trainer ranks (3 prompts x 2): version 1's, carried in checkpoint 2 with the
-    # generator's unsent output, and version 3's; version 2 was evaluated before the cut.
+    # Evaluations split over both trainer ranks (3 prompts x 2), every version as in an uninterrupted run: version
+    # 1's, carried in checkpoint 2 with the generator's unsent output; version 2, the checkpoint's own (evaluated after
+    # it was written), evaluated again by the resume; 3 to 5, the last ones after the last step.
     line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
     evals = [h for h in json.loads(line[len("LOG_HISTORY "):]) if "eval_reward" in h]
-    assert [(h["eval_policy_version"], h["eval_samples"]) for h in evals] == [(1, 6), (3, 6)], evals
+    assert [(h["eval_policy_version"], h["eval_samples"]) for h in evals] == [(v, 6) for v in range(1, 6)], evals
     ranks = [trained_rows(out, 0), trained_rows(out, 1)]
     for step in range(1, 6):
         # 2 ranks x 16 completions / 4 per prompt = 8 prompts per step, from 64 rows with seed 0.
@@ -333,7 +335,7 @@ def test_trls_loss_settings_train_from_plain_python(tiny_model, family_model, tm
 
 
 def check_best_model(proc, out) -> None:
-    """load_best_model_at_end with metric_for_best_model="reward": the best evaluated version (versions 1-3 are
+    """load_best_model_at_end with metric_for_best_model="reward": the best evaluated version (versions 1-4 are
     evaluated on-policy; the first of the highest eval_reward, as transformers' strict comparison picks) is
     state.best_global_step; its checkpoint survives save_total_limit=1 beside the newest; the model save_model()
     writes after train() holds that checkpoint's weights, not the final policy's."""
@@ -341,7 +343,7 @@ def check_best_model(proc, out) -> None:
 
     line = [l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1]
     evals = [h for h in json.loads(line[len("LOG_HISTORY "):]) if "eval_reward" in h]
-    assert [h["eval_policy_version"] for h in evals] == [1, 2, 3], evals
+    assert [h["eval_policy_version"] for h in evals] == [1, 2, 3, 4], evals
     best = int(max(evals, key=lambda h: (h["eval_reward"], -h["eval_policy_version"]))["eval_policy_version"])
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["best_global_step"] == best and state["best_metric"] == max(h["eval_reward"] for h in evals)

@@ -169,7 +169,11 @@ class AsyncAIPOTrainer:
         # batches_per_epoch: optimizer steps per pass over the data (batches x num_iterations), as TRL counts epochs
         num_steps, self.batches_per_epoch = run_length(len(train_dataset), prompts, args)
         self.schedule = Schedule.of_steps(num_steps, args.max_staleness, args.generation_ticks, prompts,
-                                          args.num_iterations)
+                                          args.num_iterations,
+                                          eval_every=eval_every(args, num_steps, self.batches_per_epoch)
+                                          if self.eval_dataset is not None else 0,
+                                          eval_delay=eval_delay(args, self.batches_per_epoch),
+                                          eval_last=True)  # (as DefaultFlowCallback at max_steps, or the last epoch's end)
         check_iterations(args, self.schedule, self.batches_per_epoch, self.eval_dataset is not None, model_obj,
                          peft_config)
         self.callbacks = callbacks
@@ -232,6 +236,9 @@ class AsyncAIPOTrainer:
                     where = os.path.join(self.args.output_dir, ".hfllamarl", f"generator-model-rank{topo.rank}")
                     spec.model_path = spec.tokenizer_path = save_for_generator(
                         self._model_obj, self.processing_class, where)
+                # (every rank built the same processing_class from the same script: this rank writes its own copy)
+                spec.tokenizer_path = self._save_tokenizer(
+                    os.path.join(self.args.output_dir, ".hfllamarl", f"generator-tokenizer-rank{topo.rank}"))
                 run_job(GeneratorExecutor(spec, topo), backend, topo, self.schedule, start_tick)
                 return TrainOutput(self.num_steps, 0.0, {})
             from .trainer_ranks import build_trainer_executor, load_best_model
@@ -405,6 +412,14 @@ class AsyncAIPOTrainer:
             dtype = next(self._model_obj.parameters()).dtype
         return str(dtype).replace("torch.", "")
 
+    def _save_tokenizer(self, directory: str) -> str:
+        """Write `processing_class` (the user's, with its chat template, or the model's) where the generator loads
+        it, so that prompts are rendered with the tokenizer the trainer uses, on a resume too (a checkpoint's copy,
+        as TRL saves it, is what the next run is given back). Returns `directory`."""
+        os.makedirs(directory, exist_ok=True)
+        self.processing_class.save_pretrained(directory)
+        return directory
+
     def _start_children(self, spec: GeneratorSpec, start_tick: int = 0) -> None:
         """Single-process mode: hand the generator its model, tokenizer and data through files."""
         os.makedirs(self.args.output_dir, exist_ok=True)
@@ -413,6 +428,7 @@ class AsyncAIPOTrainer:
         if self._model_obj is not None and not spec.resume_dir:
             spec.model_path = spec.tokenizer_path = save_for_generator(self._model_obj, self.processing_class,
                                                                        os.path.join(workdir, "model"))
+        spec.tokenizer_path = self._save_tokenizer(os.path.join(workdir, "tokenizer"))
         spec.reward_models = [m.portable(os.path.join(workdir, f"reward_model_{i}"))
                               for i, m in enumerate(spec.reward_models)]
         data_dir = os.path.join(workdir, "dataset")

@@ -82,7 +82,8 @@ def run_job(executor: Executor, backend, topology, schedule: Schedule, start_tic
     """Build the job's stages (`hfllamarl.runtime.dispatch.stages`: the weights and rollouts channels, and with
     generator_failure="continue" the recovery stage) and run the loop over the ticks of `schedule`
     (`hfllamarl.runtime.schedule`): with `max_staleness = s >= 1` the trainer trains batch t-s at tick t while the
-    generator samples batch t; `s = 0` runs the synchronous stage order.
+    generator samples batch t; `s = 0` runs the synchronous stage order. The loop ends after `schedule.total_ticks`:
+    the last ticks only carry the evaluations due by the last step, so every one is logged before it returns.
     """
     from .dispatch import stages
 
@@ -92,7 +93,7 @@ def run_job(executor: Executor, backend, topology, schedule: Schedule, start_tic
     try:
         executor.init()  # start-up failures (an engine that cannot start) are reported like any other
         topology.containing = True  # every rank is up: from now on a lost replica may be survived
-        ExecutorController(executor, stages_, num_ticks=schedule.num_ticks, start_tick=start_tick).run()
+        ExecutorController(executor, stages_, num_ticks=schedule.total_ticks, start_tick=start_tick).run()
     except Exception as exc:
         error = fail(topology, exc)
         culprit = topology.liveness.culprit if error is not exc else topology.rank

@@ -91,7 +91,9 @@ class GeneratorExecutor(Executor):
         self.in_flight: list[InFlightBatch] = []  # started batches with completions still carried
         self.weight_load_seconds = 0.0
         self.eval_dataset = None  # `init` loads spec.eval_dataset
-        self.evaluated = spec.initial_version if spec.initial_version or not spec.eval_on_start else -1
+        # The newest version evaluated. A resume evaluates the checkpoint's own version when it is due (an
+        # uninterrupted run evaluates it at the tick the resume starts with, after the checkpoint was written).
+        self.evaluated = spec.initial_version - 1 if spec.initial_version or spec.eval_on_start else 0
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.core_board = None  # single-process CPU job: where this child says it has finished a tick
         self.agent = None  # `MultiTurn`, when the job has tools, environments or a rollout_func
@@ -188,7 +190,8 @@ class GeneratorExecutor(Executor):
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_due(self) -> bool:
         schedule = self.spec.schedule
-        return checkpoint.due(schedule.step_done(self.tick), self.spec.save_steps, schedule.num_steps)
+        return self.tick < schedule.num_ticks and checkpoint.due(schedule.step_done(self.tick), self.spec.save_steps,
+                                                                 schedule.num_steps)  # (not in evaluation ticks)
 
     def save_checkpoint(self) -> None:
         step = self.spec.schedule.step_done(self.tick)
@@ -303,12 +306,13 @@ class GeneratorExecutor(Executor):
         return groups
 
     def eval_due(self) -> bool:
-        """An evaluation of the policy version held now: a multiple of `eval_every` (or the start, with
-        `eval_on_start`) not evaluated yet, while the generator still samples (its results reach the trainer)."""
+        """An evaluation of the policy version held now: one `Schedule.evaluates` (or the start, with
+        `eval_on_start`) not evaluated yet, while its results still reach the trainer (the loop runs the ticks that
+        carry the last one: `Schedule.total_ticks`)."""
         spec = self.spec
-        return (self.eval_dataset is not None and spec.eval_every > 0 and self.version > self.evaluated
-                and self.version % spec.eval_every == 0 and (self.version >= spec.eval_delay or self.version == 0)
-                and spec.schedule.generator_batch(self.tick) is not None
+        due = spec.schedule.evaluates(self.version) or (self.version == 0 and spec.eval_on_start)
+        return (self.eval_dataset is not None and spec.eval_every > 0 and self.version > self.evaluated and due
+                and spec.schedule.results_arrive(self.tick)
                 and self.topology.replica == self.live[0])  # one replica evaluates: the first live one
 
     def evaluate(self) -> list[RolloutGroup]:

@@ -26,6 +26,10 @@ from transformers.trainer_callback import (
 logger = logging.getLogger(__name__)
 
 
+# What transformers' Trainer itself logs at a logging step (`_maybe_log_save_evaluate`), not TRL's gathered metrics.
+TRAINER_STEP_LOGS = ("loss", "grad_norm", "learning_rate")
+
+
 class Reporter:
     """Holds the `TrainerState` and fires callbacks; one per trainer rank."""
 
@@ -76,7 +80,7 @@ class Reporter:
         epoch_ends = bool(self.batches_per_epoch) and step % self.batches_per_epoch == 0
         if epoch_ends:  # (logging_strategy="epoch" logs here, as transformers' Trainer)
             self.control = self.handler.on_epoch_end(self.args, self.state, self.control)
-        if self.control.should_log or step == self.state.max_steps:
+        if self.control.should_log:
             self.log(_mean_of(self._pending))
             self._pending = []
         due = self.control.should_save
@@ -223,7 +227,16 @@ class Reporter:
                    "train_samples_per_second": round(samples / runtime, 3) if runtime else 0.0,
                    "train_steps_per_second": round(self.state.global_step / runtime, 3) if runtime else 0.0,
                    "train_loss": sum(self._losses) / len(self._losses) if self._losses else 0.0}
-        self.log(summary)
+        # As TRL's `log()`: the metrics gathered since the last logged step (a run shorter than logging_steps, or
+        # its last steps) go into this entry, averaged; the Trainer's own per-step logs (loss, grad_norm,
+        # learning_rate) are logged only at logging steps, as transformers' `_maybe_log_save_evaluate` does.
+        # (TRL's log() updates the very dict train() returns: those metrics are in it too.) TRL merges the metrics of
+        # the model's mode: after an evaluation of the last step the model is in eval mode and the training metrics
+        # since the last log are left out, as here.
+        if self.last_evaluated != self.state.global_step:
+            summary.update({k: v for k, v in _mean_of(self._pending).items() if k not in TRAINER_STEP_LOGS})
+        self._pending = []
+        self.log(dict(summary))
         if self.state.epoch is not None:
             summary["epoch"] = self.state.epoch
         self.control = self.handler.on_train_end(self.args, self.state, self.control)
@@ -262,7 +275,7 @@ def finite_logs(logs: dict, step: int) -> dict:
 def _mean_of(rows: list[dict]) -> dict:
     """Average the steps since the last log (max for `*/max` keys, min for `*/min`)."""
     out = {}
-    for key in rows[-1]:
+    for key in rows[-1] if rows else []:
         vals = [r[key] for r in rows if key in r and isinstance(r[key], (int, float))]
         if not vals:
             continue

@@ -74,6 +74,9 @@ class Schedule:
     prompts_per_batch: int = 0  # prompts in one batch (P: positions 0 .. P-1)
     iterations: int = 1  # optimizer passes over each batch (TRL's num_iterations)
     steps: int | None = None  # optimizer steps of the run (max_steps); None: num_batches * iterations
+    eval_every: int = 0  # policy versions (optimizer steps) that are multiples of this are evaluated (0: none)
+    eval_delay: int = 0  # ... from this version on
+    eval_last: bool = False  # and the last version (transformers evaluates at the last step: "steps" and "epoch")
 
     def __post_init__(self):
         if self.iterations < 1:
@@ -85,9 +88,11 @@ class Schedule:
 
     @classmethod
     def of_steps(cls, steps: int, max_staleness: int, generation_ticks: int = 1, prompts_per_batch: int = 0,
-                 iterations: int = 1) -> "Schedule":
-        """The schedule of a run of `steps` optimizer steps, `iterations` passes per batch."""
-        return cls(-(-steps // iterations), max_staleness, generation_ticks, prompts_per_batch, iterations, steps)
+                 iterations: int = 1, **evaluations) -> "Schedule":
+        """The schedule of a run of `steps` optimizer steps, `iterations` passes per batch (`evaluations`: the
+        eval_* fields)."""
+        return cls(-(-steps // iterations), max_staleness, generation_ticks, prompts_per_batch, iterations, steps,
+                   **evaluations)
 
     @property
     def num_steps(self) -> int:
@@ -105,7 +110,32 @@ class Schedule:
 
     @property
     def num_ticks(self) -> int:
+        """The ticks that sample and train: the generator's batches and the trainer's steps."""
         return self.num_batches + self.max_staleness
+
+    def evaluates(self, version: int) -> bool:
+        """Whether policy version `version` (1 .. num_steps) is evaluated during the run (eval_on_start's version
+        0 aside), as transformers' DefaultFlowCallback decides it at step `version`. (With several passes per batch
+        the config keeps eval_steps a multiple of them: an evaluated version ends a batch.)"""
+        return (self.eval_every > 0 and 0 < version <= self.num_steps and version >= self.eval_delay
+                and (version % self.eval_every == 0 or (self.eval_last and version == self.num_steps)))
+
+    @property
+    def total_ticks(self) -> int:
+        """`num_ticks`, and the ticks after them that finish the evaluations due by the last step: version v (ending
+        batch b, 1-based) reaches the generator at tick b + s, is evaluated there, and its results reach the trainer
+        at the next tick's rollouts channel (the same tick when synchronous). Nothing is sampled or trained in those
+        ticks."""
+        last = max([v for v in (self.num_steps, self.num_steps - self.num_steps % max(self.eval_every, 1))
+                    if self.evaluates(v)], default=0)
+        if not last:
+            return self.num_ticks
+        batch = -(-last // self.iterations)  # version `last` ends this batch (1-based): its weights leave then
+        return max(self.num_ticks, batch + 1 if self.synchronous else batch + self.max_staleness + 2)
+
+    def results_arrive(self, tick: int) -> bool:
+        """Whether what the generator produces at `tick` still reaches the trainer within the run."""
+        return tick < self.total_ticks if self.synchronous else tick + 1 < self.total_ticks
 
     @property
     def synchronous(self) -> bool:

@@ -120,9 +120,11 @@ class TrainerExecutor(Executor):
     def get_output(self, channel: str):
         if channel != POLICY_WEIGHTS:
             return super().get_output(channel)
-        # New weights go out when there are some and the generator still samples: new batches, or the
-        # carried completions of partial rollouts.
-        if self.version > self.sent_version and self.spec.schedule.generator_samples(self.tick):
+        # New weights go out when there are some and the generator still samples (new batches, or the carried
+        # completions of partial rollouts) or evaluates them (an evaluation due by the last step).
+        schedule = self.spec.schedule
+        if self.version > self.sent_version and (schedule.generator_samples(self.tick)
+                                                 or schedule.evaluates(self.version)):
             self.sent_version = self.version
             if self.spec.verify_dir is not None:
                 self._export_for_verify(self.version)
