@@ -130,6 +130,9 @@ class AsyncAIPOTrainer:
             reward_funcs, reward_processing_classes, trust_remote_code=args.trust_remote_code,
             model_init_kwargs=args.model_init_kwargs)
         self.reward_funcs = user_funcs + agent.env_rewards  # an environment's get_reward: a reward named after it
+        # TRL's attribute: one tokenizer per reward function, None for a function that is not a model (and for a
+        # model given without one: it loads its own tokenizer when it first scores).
+        self.reward_processing_classes = [f._tokenizer if isinstance(f, RewardModel) else None for f in user_funcs]
         self.rewards = RewardRunner(self.reward_funcs, reward_weights(args, len(user_funcs), agent),
                                     on_error=args.reward_errors)
         self.algorithm = args.build_algorithm()
