@@ -129,7 +129,7 @@ def placeholder_dataset(agent: Agent, args, prompts_per_step: int):
     empty user messages and `max_steps` sets the length."""
     factories = agent.spec.factories if agent.spec is not None else None
     if not factories:
-        raise ValueError("train_dataset is required unless an environment_factory is provided.")
+        raise ValueError("`train_dataset` is required unless an `environment_factory` is provided.")
     if None not in factories:
         raise ValueError("A dict environment_factory (several environments) needs a train_dataset with an "
                          "`environment` column to route each row to its environment.")

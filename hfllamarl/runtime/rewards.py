@@ -47,7 +47,8 @@ def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_
     from .reward_models import RewardModel, is_model_dir
 
     if reward_funcs is None:
-        raise ValueError("reward_funcs is required: a callable, a reward plugin name, or a list of them.")
+        raise ValueError("No reward source provided: reward_funcs is required (a callable, a reward plugin name, or a "
+                         "list of them).")
     items = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not items:
         raise ValueError("reward_funcs is an empty list: give at least one reward function.")
@@ -57,7 +58,7 @@ def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_
         processing_classes = [processing_classes]
     if len(processing_classes) != len(items):
         raise ValueError(f"reward_processing_classes has {len(processing_classes)} entries for {len(items)} reward "
-                         "functions: give one per reward function (None for the functions that are not models).")
+                         "functions; the two must match: give one per reward function (None for the functions that are not models).")
     funcs = []
     for item, tokenizer in zip(items, processing_classes):
         if isinstance(item, (str, os.PathLike)) and os.fspath(item) not in installed("rewards") \
