@@ -49,6 +49,12 @@ def sides(ours=None):
     return [pytest.param("trl", id="trl"), pytest.param("hfllamarl", marks=marks, id="hfllamarl")]
 
 
+def by_side(values, ours=None):
+    """pytest parameters (value, side) for each value and both trainers; `ours` maps a value to hfllamarl's marks."""
+    return [pytest.param(v, p.values[0], marks=p.marks, id=f"{v}-{p.id}") for v in values
+            for p in sides((ours or {}).get(v))]
+
+
 def xfail_ours(reason: str):
     """hfllamarl's side is known to fail for `reason` ("<area>: <what fails>"); strict, so a fix flips it."""
     return pytest.mark.xfail(strict=True, reason=reason)
@@ -76,16 +82,20 @@ def zen(config: str = "standard_prompt_only", split: str | None = "train", strea
 
 @pytest.fixture(scope="session")
 def port_models(tmp_path_factory):
-    """Local stand-ins for TRL's tiny Hub models: {"model": tiny Qwen2 with Qwen2.5's chat template,
-    "reward": a sequence classifier on its body, "reward_llama": one on a tiny Llama (a different tokenizer)}."""
+    """Local stand-ins for TRL's tiny Hub models: {"model": tiny Qwen2 with Qwen2.5's chat template
+    and a context that holds TRL's default max_completion_length (512) after a prompt,
+    "reward": a sequence classifier on its body, "reward_llama": one on a tiny Llama with Phi-3's chat template (another template and vocabulary),
+    "qwen3": a tiny Qwen3 with Qwen3's chat template}."""
     from test_train_e2e import sequence_classifier
 
     from hfllamarl.tools.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("trl-port")
-    model = build_tiny_model(str(root / "qwen2"), family="qwen2", chat_template="qwen2_5")
-    llama = build_tiny_model(str(root / "llama"), family="llama", chat_template="llama3")
-    return {"model": model, "reward": sequence_classifier(model, root / "reward"),
+    model = build_tiny_model(str(root / "qwen2"), family="qwen2", chat_template="qwen2_5",
+                             max_position_embeddings=1024)
+    llama = build_tiny_model(str(root / "llama"), family="llama", chat_template="phi3")
+    qwen3 = build_tiny_model(str(root / "qwen3"), family="qwen3", chat_template="qwen3", max_position_embeddings=1024)
+    return {"model": model, "qwen3": qwen3, "reward": sequence_classifier(model, root / "reward"),
             "reward_llama": sequence_classifier(llama, root / "reward-llama")}
 
 
