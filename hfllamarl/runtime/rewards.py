@@ -192,8 +192,9 @@ class RewardRunner:
         missing = total.count(None)
         if missing:
             self.unscored_count += missing
-            logger.warning("%d of %d completions got no reward: every reward function returned None for them; "
-                           "they are left out of their groups' baselines and get advantage 0. Make at least one "
+            # TRL's wording first, so that a check for TRL's warning finds this one
+            logger.warning("All reward functions returned None for the following kwargs: those of %d of %d "
+                           "completions (they got no reward); they are left out of their groups' baselines and get advantage 0. Make at least one "
                            "reward function score every completion.", missing, len(total))
         return out
 
