@@ -377,8 +377,13 @@ def test_train_multiple_dataloader_workers(side, tmp_path, port_models):
 
 @pytest.mark.parametrize("side", sides())
 def test_train_with_generation_kwargs(side, tmp_path, port_models):
-    train_and_check(side, tmp_path, port_models, **LR,
-                    generation_kwargs={"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1})
+    kwargs = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1}
+    if side == "hfllamarl":  # refused: beam search is not sampling, so pi/mu would not be 1 even on-policy
+        with pytest.raises(ValueError, match=r"generation_kwargs\['do_sample'\] is not supported: it changes which "
+                                             "tokens can be sampled"):
+            train_and_check(side, tmp_path, port_models, generation_kwargs=kwargs, **LR)
+        return
+    train_and_check(side, tmp_path, port_models, generation_kwargs=kwargs, **LR)
 
 
 def reward_run(side, tmp_path, port_models, reward_func, **config):
@@ -402,7 +407,9 @@ def test_train_with_reward_func_accessing_trainer_state(side, tmp_path, port_mod
     reward_run(side, tmp_path, port_models, reward_func)
 
 
-@pytest.mark.parametrize("side", sides())
+@pytest.mark.parametrize("side", sides(xfail_ours(
+    "bug: no trainer._logs (TRL's private buffer of logged completions; log_extra's columns reach "
+    "output_dir/completions/*.parquet instead)")))
 def test_train_reward_func_with_log_extra(side, tmp_path, port_models):
     def reward_func(completions, **kwargs):
         kwargs["log_extra"]("test_column", [c[:5] for c in completions])
@@ -428,7 +435,9 @@ def test_train_sequence_importance_sampling(side, tmp_path, port_models):
     train_and_check(side, tmp_path, port_models, num_iterations=2, importance_sampling_level="sequence", **LR)
 
 
-@pytest.mark.parametrize("side", sides())
+@pytest.mark.parametrize("side", sides(xfail_ours(
+    "bug: before train(), trainer.model holds meta tensors when the model is loaded sharded (an untied Qwen3 given "
+    "as a path), so TRL's parameter snapshot fails (aten::equal with Meta tensors)")))
 def test_train_with_chat_template_kwargs(side, tmp_path, port_models):
     # TRL uses its tiny Qwen3 (a template that reads enable_thinking); here a tiny Qwen3 with Qwen3's template.
     Config, Trainer = classes(side)
