@@ -131,7 +131,7 @@ def placeholder_dataset(agent: Agent, args, prompts_per_step: int):
     if not factories:
         raise ValueError("`train_dataset` is required unless an `environment_factory` is provided.")
     if None not in factories:
-        raise ValueError("A dict environment_factory (several environments) needs a train_dataset with an "
+        raise ValueError("A dict environment_factory (several environments) requires a `train_dataset` with an "
                          "`environment` column to route each row to its environment.")
     if not args.max_steps or args.max_steps <= 0:
         raise ValueError("Without a train_dataset (the environment's reset() writes the prompts), set max_steps to "

@@ -135,6 +135,10 @@ class AsyncAIPOTrainer:
         self.reward_processing_classes = [f._tokenizer if isinstance(f, RewardModel) else None for f in user_funcs]
         self.rewards = RewardRunner(self.reward_funcs, reward_weights(args, len(user_funcs), agent),
                                     on_error=args.reward_errors)
+        # TRL's attributes: each reward's name (an environment's reward: its class) and weight, and the tools
+        self.reward_func_names = list(self.rewards.names)
+        self.reward_weights = torch.tensor(self.rewards.weights, dtype=torch.float32)
+        self.tools = list(agent.tools)
         self.algorithm = args.build_algorithm()
         self.model_path, model_obj, model_config = resolve_model(model, args)
         self.model_config = model_config
@@ -152,6 +156,9 @@ class AsyncAIPOTrainer:
         prepare_tokenizer(agent, processing_class, args)  # tools: a template that renders and parses tool calls
         if train_dataset is None:  # an environment's reset() writes the prompts (TRL)
             train_dataset = placeholder_dataset(agent, args, args.prompts_per_step)
+        elif agent.spec is not None and agent.spec.factories and "prompt" not in train_dataset.column_names:
+            # TRL: rows that only route to an environment; its reset() writes the prompt, as for placeholder rows
+            train_dataset = train_dataset.add_column("prompt", [[{"role": "user", "content": ""}]] * len(train_dataset))
         self.train_dataset = train_dataset = _used_columns(train_dataset, args)
         self.max_model_len = args.vllm_max_model_length or getattr(model_config, "max_position_embeddings", None)
         if not self.max_model_len:
