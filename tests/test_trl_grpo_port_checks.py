@@ -331,3 +331,113 @@ def test_single_reward_model_with_single_processing_class(side, tmp_path, port_m
     trainer = construct(side, port_models, tmp_path, reward_funcs=paths[0], reward_processing_classes=tokenizers[0])
     assert len(trainer.reward_processing_classes) == 1
     assert trainer.reward_processing_classes[0] == tokenizers[0]
+
+
+# ---------------------------------------------------------------------------------------------- environments
+# TRL's environment cases that need no scripted generate(): construction checks, and one train() that fails early.
+# TRL uses its tiny Qwen3 (MoE) for its tool-calling chat template; here the tiny Qwen3 with Qwen3's template.
+def construct_env(side, port_models, tmp_path, monkeypatch, **kwargs):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    Config, Trainer = classes(side)
+    config = kwargs.pop("args", {})
+    return Trainer(model=port_models["qwen3"], args=make_args(Config, tmp_path, **config), **kwargs)
+
+
+class Guesser:
+    def reset(self, **kwargs):
+        self._solved = False
+
+    def guess(self, word: str) -> str:
+        """
+        Submit a guess.
+
+        Args:
+            word: The guessed word.
+
+        Returns:
+            Feedback about the guess.
+        """
+        return "nope"
+
+    def get_reward(self) -> float:
+        return 1.0 if self._solved else 0.0
+
+
+class Scored:
+    def reset(self, **kwargs): ...
+
+    def act(self, x: int) -> int:
+        """
+        Act.
+
+        Args:
+            x: A value.
+
+        Returns:
+            The value.
+        """
+        return x
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+class Plain:
+    def reset(self, **kwargs): ...
+
+    def play(self, x: int) -> int:
+        """
+        Play.
+
+        Args:
+            x: A value.
+
+        Returns:
+            The value.
+        """
+        return x
+
+
+def format_reward(completions, **kwargs):
+    return [0.0 for _ in completions]
+
+
+@pytest.mark.parametrize("side", sides())
+def test_environment_owned_reward_coexists_with_reward_funcs(side, tmp_path, port_models, monkeypatch):
+    trainer = construct_env(side, port_models, tmp_path, monkeypatch, reward_funcs=format_reward,
+                            environment_factory=Guesser, args=dict(SMALL, max_steps=5, reward_weights=[0.5]))
+    assert trainer.reward_func_names == ["format_reward", "Guesser"]
+    assert trainer.reward_weights.tolist() == [0.5, 1.0]
+    assert len(trainer.reward_funcs) == 2
+    tool_names = [tool.__name__ for tool in trainer.tools]
+    assert "guess" in tool_names and "get_reward" not in tool_names
+
+
+@pytest.mark.parametrize("side", sides())
+def test_environment_owned_reward_mixed_environments(side, tmp_path, port_models, monkeypatch):
+    from datasets import Dataset
+
+    trainer = construct_env(side, port_models, tmp_path, monkeypatch, reward_funcs=format_reward, args=SMALL,
+                            train_dataset=Dataset.from_dict({"environment": ["scored", "scored2", "plain"]}),
+                            environment_factory={"scored": Scored, "scored2": Scored, "plain": Plain})
+    assert trainer.reward_func_names == ["format_reward", "Scored"]
+    assert trainer.reward_weights.tolist() == [1.0, 1.0]
+    assert trainer.reward_funcs[-1](environments=[Scored(), Plain()]) == [1.0, None]
+
+
+@pytest.mark.parametrize("side", sides())
+def test_environment_owned_data_requires_max_steps(side, tmp_path, port_models, monkeypatch):
+    class Wordle:
+        def reset(self, **kwargs):
+            return "Guess the 5-letter word."
+
+    with pytest.raises(ValueError, match="max_steps"):
+        construct_env(side, port_models, tmp_path, monkeypatch, reward_funcs=port_models["reward"],
+                      environment_factory=Wordle)
+
+
+@pytest.mark.parametrize("side", sides())
+def test_multiple_environments_without_dataset_raises(side, tmp_path, port_models, monkeypatch):
+    with pytest.raises(ValueError, match="requires a `train_dataset`"):
+        construct_env(side, port_models, tmp_path, monkeypatch, reward_funcs=port_models["reward"],
+                      environment_factory={"a": Scored, "b": Plain}, args={"max_steps": 1})
