@@ -31,8 +31,10 @@ EXCLUDED = {
     "test_train_with_mask_truncated_completions": "patches transformers' generate(), which neither vLLM side uses",
     "test_prepare_input_called_with_correct_data": "patches TRL's training_step and uses steps_per_generation "
                                                    "(refused here: the generation batch is the train batch)",
-    "test_train_with_tools, *environment*, test_train_with_malformed_tool_calls": "need the Hub's tiny Qwen3 "
-                                                                                 "tool-calling tokenizer; not ported",
+    "test_train_with_tools, test_train_with_multiple_environments, test_train_with_environment_factory, "
+    "test_train_with_environment_owned_reward, test_train_with_environment_owned_data, "
+    "test_train_with_malformed_tool_calls": "patch trainer.model.generate() with scripted token ids of the Hub's Qwen3 "
+                                            "tokenizer; hfllamarl generates with vLLM (no generate() to script)",
     "TestGRPORolloutDispatch": "mocks TRL's private _generate/_generate_single_turn/rollout_func dispatch; no "
                                "equivalent (hfllamarl's rollouts run on the generator ranks)",
     "TestTransformersContinuousBatchingContract": "transformers' continuous batching internals (TRL's non-vLLM "
@@ -423,6 +425,35 @@ def test_environment_owned_reward_mixed_environments(side, tmp_path, port_models
     assert trainer.reward_func_names == ["format_reward", "Scored"]
     assert trainer.reward_weights.tolist() == [1.0, 1.0]
     assert trainer.reward_funcs[-1](environments=[Scored(), Plain()]) == [1.0, None]
+
+
+@pytest.mark.parametrize("side", sides())
+def test_train_with_unknown_environment_raises(side, tmp_path, port_models, monkeypatch):
+    class Counter:
+        def reset(self, **kwargs): ...
+
+        def increment(self, step: int) -> int:
+            """
+            Increment the internal counter.
+
+            Args:
+                step: Value to add to the counter.
+
+            Returns:
+                The updated counter value.
+            """
+            return step
+
+    dataset = zen("conversational_prompt_only").map(lambda row: {"environment": "unknown"})
+    # TRL raises in train(); hfllamarl checks the rows' environments already at construction, so both are inside
+    with pytest.raises(ValueError, match="not among the environments"):
+        trainer = construct_env(side, port_models, tmp_path, monkeypatch, reward_funcs=port_models["reward"],
+                                train_dataset=dataset, environment_factory={"counter": Counter},
+                                args=dict(per_device_train_batch_size=3, num_generations=3, max_steps=1))
+        try:
+            trainer.train()
+        finally:
+            trainer.end()
 
 
 @pytest.mark.parametrize("side", sides())

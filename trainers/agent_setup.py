@@ -120,8 +120,8 @@ def check_dataset(agent: Agent, dataset) -> None:
                              f"{dataset.column_names}.")
         unknown = sorted({str(e) for e in dataset["environment"]} - set(map(str, factories)))
         if unknown:
-            raise ValueError(f"dataset rows name environments {unknown} that environment_factory does not have "
-                             f"(it has {sorted(map(str, factories))}).")
+            raise ValueError(f"dataset rows name environments {unknown}, not among the environments of "
+                             f"environment_factory ({sorted(map(str, factories))}).")
 
 
 def placeholder_dataset(agent: Agent, args, prompts_per_step: int):
