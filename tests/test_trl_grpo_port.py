@@ -12,8 +12,8 @@ import asyncio
 import pytest
 import torch
 
-from trl_port_support import (_full, assert_all_changed, by_side, classes, finish, make_args, port_models,  # noqa: F401
-                              run, sides, snapshot, xfail_ours, zen)
+from trl_port_support import (assert_all_changed, by_side, classes, finish, make_args, port_models,  # noqa: F401
+                              run, sides, snapshot, whole, xfail_ours, zen)
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +123,7 @@ def peft_case(side, tmp_path, port_models, as_peft_model=False, **config):
         trainer.train()
         assert trainer.state.log_history[-1]["train_loss"] is not None
         for n, old in before.items():
-            new = _full(trainer.model.get_parameter(n))
+            new = whole(trainer.model.get_parameter(n))
             if n in base_names:
                 torch.testing.assert_close(old, new, msg=f"Parameter {n} has changed.")
             elif "base_layer" not in n and "ref" not in n:
@@ -264,11 +264,11 @@ def test_train_with_sync_ref_model(side, tmp_path, port_models):
                       args=make_args(Config, tmp_path, beta=0.1, sync_ref_model=True, ref_model_sync_steps=2, **LR))
     before = snapshot(trainer)
     assert trainer.ref_model is not None
-    ref_before = {n: _full(p).detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    ref_before = {n: whole(p).detach().clone() for n, p in trainer.ref_model.named_parameters()}
 
     def ref_changed():
         for n in before:
-            assert not torch.equal(ref_before[n], _full(trainer.ref_model.get_parameter(n))), n
+            assert not torch.equal(ref_before[n], whole(trainer.ref_model.get_parameter(n))), n
 
     run_with(trainer, before, ref_changed)
 
@@ -338,7 +338,7 @@ def test_train_with_mask_truncated_completions_all_masked(side, tmp_path, port_m
         trainer.train()
         assert trainer.state.log_history[-1]["train_loss"] == pytest.approx(0.0)
         for n, old in before.items():
-            assert torch.equal(old, _full(trainer.model.get_parameter(n))), f"Parameter {n} has changed."
+            assert torch.equal(old, whole(trainer.model.get_parameter(n))), f"Parameter {n} has changed."
     finally:
         finish(trainer)
 

@@ -84,8 +84,8 @@ def zen(config: str = "standard_prompt_only", split: str | None = "train", strea
 def port_models(tmp_path_factory):
     """Local stand-ins for TRL's tiny Hub models: {"model": tiny Qwen2 with Qwen2.5's chat template
     and a context that holds TRL's default max_completion_length (512) after a prompt,
-    "reward": a sequence classifier on its body, "reward_llama": one on a tiny Llama with Phi-3's chat template (another template and vocabulary),
-    "qwen3": a tiny Qwen3 with Qwen3's chat template}."""
+    "reward": a sequence classifier on its body, "reward_llama": one on a tiny Llama with Phi-3's chat template
+    (another template and vocabulary), "qwen3": a tiny Qwen3 with Qwen3's chat template}."""
     from test_train_e2e import sequence_classifier
 
     from hfllamarl.tools.tiny import build_tiny_model
@@ -104,7 +104,7 @@ def make_args(Config, tmp_path, **kwargs):
     return Config(output_dir=str(tmp_path / "out"), **CPU, **kwargs)
 
 
-def _full(p: torch.Tensor) -> torch.Tensor:
+def whole(p: torch.Tensor) -> torch.Tensor:
     # AsyncAIPOTrainer shards the policy with FSDP2 once train() starts, so its parameters are DTensors afterwards;
     # the whole tensor is what TRL's assertion compares.
     return p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -112,14 +112,14 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 def snapshot(trainer, trainable_only: bool = False) -> dict:
     """Parameters before training, as TRL's tests take them (`previous_trainable_params`)."""
-    return {n: _full(p).detach().clone() for n, p in trainer.model.named_parameters()
+    return {n: whole(p).detach().clone() for n, p in trainer.model.named_parameters()
             if p.requires_grad or not trainable_only}
 
 
 def assert_all_changed(trainer, before: dict) -> None:
     """TRL's check after train(): every parameter has changed."""
     for n, old in before.items():
-        assert not torch.equal(old, _full(trainer.model.get_parameter(n))), f"Parameter {n} has not changed."
+        assert not torch.equal(old, whole(trainer.model.get_parameter(n))), f"Parameter {n} has not changed."
 
 
 def finish(trainer) -> None:
