@@ -66,7 +66,7 @@ def test_model_path_that_does_not_exist(config, data, tmp_path):
 def test_unsupported_trainer_arguments(tiny_model, config, data):
     with pytest.raises(ValueError, match="eval_dataset"):
         AsyncAIPOTrainer(tiny_model, reward_funcs="math_sympy", args=config, train_dataset=data, eval_dataset=data)
-    with pytest.raises(ValueError, match="train_dataset is required"):
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
         AsyncAIPOTrainer(tiny_model, reward_funcs="math_sympy", args=config)
     with pytest.raises(TypeError, match="must be an AsyncAIPOConfig"):
         from trl import GRPOConfig

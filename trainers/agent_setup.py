@@ -120,8 +120,8 @@ def check_dataset(agent: Agent, dataset) -> None:
                              f"{dataset.column_names}.")
         unknown = sorted({str(e) for e in dataset["environment"]} - set(map(str, factories)))
         if unknown:
-            raise ValueError(f"dataset rows name environments {unknown} that environment_factory does not have "
-                             f"(it has {sorted(map(str, factories))}).")
+            raise ValueError(f"dataset rows name environments {unknown}, not among the environments of "
+                             f"environment_factory ({sorted(map(str, factories))}).")
 
 
 def placeholder_dataset(agent: Agent, args, prompts_per_step: int):
@@ -129,9 +129,9 @@ def placeholder_dataset(agent: Agent, args, prompts_per_step: int):
     empty user messages and `max_steps` sets the length."""
     factories = agent.spec.factories if agent.spec is not None else None
     if not factories:
-        raise ValueError("train_dataset is required unless an environment_factory is provided.")
+        raise ValueError("`train_dataset` is required unless an `environment_factory` is provided.")
     if None not in factories:
-        raise ValueError("A dict environment_factory (several environments) needs a train_dataset with an "
+        raise ValueError("A dict environment_factory (several environments) requires a `train_dataset` with an "
                          "`environment` column to route each row to its environment.")
     if not args.max_steps or args.max_steps <= 0:
         raise ValueError("Without a train_dataset (the environment's reset() writes the prompts), set max_steps to "

@@ -133,8 +133,15 @@ class AsyncAIPOTrainer:
             reward_funcs, reward_processing_classes, trust_remote_code=args.trust_remote_code,
             model_init_kwargs=args.model_init_kwargs)
         self.reward_funcs = user_funcs + agent.env_rewards  # an environment's get_reward: a reward named after it
+        # TRL's attribute: one tokenizer per reward function, None for a function that is not a model (and for a
+        # model given without one: it loads its own tokenizer when it first scores).
+        self.reward_processing_classes = [f._tokenizer if isinstance(f, RewardModel) else None for f in user_funcs]
         self.rewards = RewardRunner(self.reward_funcs, reward_weights(args, len(user_funcs), agent),
                                     on_error=args.reward_errors, aggregation=args.multi_objective_aggregation)
+        # TRL's attributes: each reward's name (an environment's reward: its class) and weight, and the tools
+        self.reward_func_names = list(self.rewards.names)
+        self.reward_weights = torch.tensor(self.rewards.weights, dtype=torch.float32)
+        self.tools = list(agent.tools)
         self.algorithm = args.build_algorithm()
         from hfllamarl.runtime.lora import check_peft_inputs
 
@@ -155,6 +162,9 @@ class AsyncAIPOTrainer:
         prepare_tokenizer(agent, processing_class, args)  # tools: a template that renders and parses tool calls
         if train_dataset is None:  # an environment's reset() writes the prompts (TRL)
             train_dataset = placeholder_dataset(agent, args, args.prompts_per_step)
+        elif agent.spec is not None and agent.spec.factories and "prompt" not in train_dataset.column_names:
+            # TRL: rows that only route to an environment; its reset() writes the prompt, as for placeholder rows
+            train_dataset = train_dataset.add_column("prompt", [[{"role": "user", "content": ""}]] * len(train_dataset))
         self.train_dataset = train_dataset = _used_columns(train_dataset, args)
         self.max_model_len = args.vllm_max_model_length or getattr(model_config, "max_position_embeddings", None)
         if not self.max_model_len:

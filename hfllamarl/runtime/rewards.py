@@ -47,7 +47,8 @@ def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_
     from .reward_models import RewardModel, is_model_dir
 
     if reward_funcs is None:
-        raise ValueError("reward_funcs is required: a callable, a reward plugin name, or a list of them.")
+        raise ValueError("No reward source provided: reward_funcs is required (a callable, a reward plugin name, or a "
+                         "list of them).")
     items = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not items:
         raise ValueError("reward_funcs is an empty list: give at least one reward function.")
@@ -57,7 +58,7 @@ def resolve_reward_funcs(reward_funcs, processing_classes=None, *, trust_remote_
         processing_classes = [processing_classes]
     if len(processing_classes) != len(items):
         raise ValueError(f"reward_processing_classes has {len(processing_classes)} entries for {len(items)} reward "
-                         "functions: give one per reward function (None for the functions that are not models).")
+                         "functions; the two must match: give one per reward function (None for the functions that are not models).")
     funcs = []
     for item, tokenizer in zip(items, processing_classes):
         if isinstance(item, (str, os.PathLike)) and os.fspath(item) not in installed("rewards") \
@@ -191,9 +192,11 @@ class RewardRunner:
         missing = total.count(None)
         if missing:
             self.unscored_count += missing
-            logger.warning("%d of %d completions got no reward: every reward function returned None for them; "
-                           "they are left out of the baselines and reward statistics and get advantage 0. Make at "
-                           "least one reward function score every completion.", missing, len(total))
+            # TRL's wording first, so that a check for TRL's warning finds this one
+            logger.warning("All reward functions returned None for the following kwargs: those of %d of %d "
+                           "completions (they got no reward); they are left out of the baselines and reward "
+                           "statistics and get advantage 0. Make at least one reward function score every "
+                           "completion.", missing, len(total))
         return [math.nan if t is None else t for t in total]
 
     def counters(self) -> dict[str, float]:
