@@ -51,12 +51,7 @@ def test_train_dataset_format(side, config_name, tmp_path, port_models):
     train_and_check(side, tmp_path, port_models, dataset=zen(config_name), **LR)
 
 
-LOSSES_XFAIL = {t: xfail_ours(f"losses: loss_type={t!r} is refused under the default algorithm")
-                for t in ("cispo", "sapo", "luspo", "vespo")}
-
-
-@pytest.mark.parametrize("loss_type,side", by_side(("bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"),
-                                                   LOSSES_XFAIL))
+@pytest.mark.parametrize("loss_type,side", by_side(("bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")))
 def test_train_loss_types(side, loss_type, tmp_path, port_models):
     train_and_check(side, tmp_path, port_models, loss_type=loss_type,
                     importance_sampling_level="sequence" if loss_type == "luspo" else "token",
@@ -100,7 +95,7 @@ def test_train_with_iterable_dataset(side, tmp_path, port_models):
     run(trainer, snapshot(trainer))
 
 
-@pytest.mark.parametrize("side", sides(xfail_ours("iters: num_iterations=2 is refused")))
+@pytest.mark.parametrize("side", sides())
 def test_train_multiple_iterations(side, tmp_path, port_models):
     train_and_check(side, tmp_path, port_models, num_iterations=2, **LR)
 
@@ -132,21 +127,17 @@ def peft_case(side, tmp_path, port_models, as_peft_model=False, **config):
         finish(trainer)
 
 
-LORA_DEFAULT = xfail_ours("lora: default LoraConfig() on Qwen2 (q_proj, v_proj) fails on the generator "
-                          "(QKVParallelLinear has no attribute base_layer)")
-
-
-@pytest.mark.parametrize("side", sides(LORA_DEFAULT))
+@pytest.mark.parametrize("side", sides())
 def test_train_peft_config(side, tmp_path, port_models):
     peft_case(side, tmp_path, port_models, **LR)
 
 
-@pytest.mark.parametrize("side", sides(xfail_ours("lora: a PeftModel passed as model is refused")))
+@pytest.mark.parametrize("side", sides())
 def test_train_peft_model(side, tmp_path, port_models):
     peft_case(side, tmp_path, port_models, as_peft_model=True, **LR)
 
 
-@pytest.mark.parametrize("side", sides(LORA_DEFAULT))
+@pytest.mark.parametrize("side", sides())
 def test_train_peft_with_gradient_checkpointing(side, tmp_path, port_models):
     peft_case(side, tmp_path, port_models, gradient_checkpointing=True, **LR)
 
@@ -206,11 +197,7 @@ def test_train_multiple_reward_funcs_with_None_output(side, tmp_path, port_model
     run(trainer, snapshot(trainer, trainable_only=True))
 
 
-LAST_ENTRY = xfail_ours("evals: the last log_history entry holds only the train() summary, not the step's reward "
-                        "metrics (TRL merges them into it)")
-
-
-@pytest.mark.parametrize("side", sides(LAST_ENTRY))
+@pytest.mark.parametrize("side", sides())
 def test_train_multiple_reward_funcs_with_weights(side, tmp_path, port_models):
     last = train_and_check(side, tmp_path, port_models, reward_funcs=[length_reward, unique_letters_reward],
                            reward_weights=[0.7, 0.3], **LR)
@@ -219,10 +206,7 @@ def test_train_multiple_reward_funcs_with_weights(side, tmp_path, port_models):
         assert key in last, key
 
 
-@pytest.mark.parametrize("aggregation,side", by_side(("sum_then_normalize", "normalize_then_sum"), {
-    "sum_then_normalize": LAST_ENTRY,
-    "normalize_then_sum": xfail_ours("losses: multi_objective_aggregation='normalize_then_sum' is refused (then evals: "
-                                     "the last log entry has no 'reward')")}))
+@pytest.mark.parametrize("aggregation,side", by_side(("sum_then_normalize", "normalize_then_sum")))
 def test_reward_metric_reflects_reward_weights(side, aggregation, tmp_path, port_models):
     def one(completions, **kwargs):
         return [1.0] * len(completions)
@@ -257,7 +241,7 @@ def test_train_reward_func_additional_column(side, tmp_path, port_models):
     train_and_check(side, tmp_path, port_models, reward_funcs=reward_func, dataset=dataset, **LR)
 
 
-@pytest.mark.parametrize("side", sides(xfail_ours("iters: sync_ref_model=True is refused")))
+@pytest.mark.parametrize("side", sides())
 def test_train_with_sync_ref_model(side, tmp_path, port_models):
     Config, Trainer = classes(side)
     trainer = Trainer(model=port_models["model"], reward_funcs=port_models["reward"], train_dataset=zen(),
@@ -304,7 +288,7 @@ def test_train_with_off_policy_mask(side, tmp_path, port_models):
     train_and_check(side, tmp_path, port_models, off_policy_mask_threshold=0.5, **LR)
 
 
-@pytest.mark.parametrize("side", sides(xfail_ours("iters: top_entropy_quantile=0.2 is refused")))
+@pytest.mark.parametrize("side", sides())
 def test_train_with_entropy_filter(side, tmp_path, port_models):
     train_and_check(side, tmp_path, port_models, top_entropy_quantile=0.2, **LR)
 
@@ -314,8 +298,7 @@ def test_train_with_additional_generation_kwargs(side, tmp_path, port_models):
     train_and_check(side, tmp_path, port_models, top_p=0.9, top_k=10, min_p=0.01, repetition_penalty=1.1, **LR)
 
 
-@pytest.mark.parametrize("side", sides(xfail_ours("losses: multi_objective_aggregation='normalize_then_sum' is "
-                                                  "refused")))
+@pytest.mark.parametrize("side", sides())
 def test_train_normalize_then_sum_aggregation(side, tmp_path, port_models):
     train_and_check(side, tmp_path, port_models, reward_funcs=[length_reward, unique_letters_reward],
                     multi_objective_aggregation="normalize_then_sum", **LR)
@@ -364,7 +347,7 @@ def test_train_num_generations_larger_than_batch_size(side, tmp_path, port_model
     train_and_check(side, tmp_path, port_models, **dict(LR, num_generations=6, gradient_accumulation_steps=2))
 
 
-@pytest.mark.parametrize("side", sides(xfail_ours("losses: delta=2.0 is refused under the default algorithm")))
+@pytest.mark.parametrize("side", sides())
 def test_train_delta_clipping(side, tmp_path, port_models):
     train_and_check(side, tmp_path, port_models, delta=2.0, **LR)
 
@@ -429,8 +412,7 @@ def test_train_reward_func_with_log_metric(side, tmp_path, port_models):
     assert "custom_accuracy" in {k for entry in trainer.state.log_history for k in entry}
 
 
-@pytest.mark.parametrize("side", sides(xfail_ours("iters: num_iterations=2 is refused (sequence-level IS with "
-                                                  "several iterations)")))
+@pytest.mark.parametrize("side", sides())
 def test_train_sequence_importance_sampling(side, tmp_path, port_models):
     train_and_check(side, tmp_path, port_models, num_iterations=2, importance_sampling_level="sequence", **LR)
 

@@ -247,9 +247,10 @@ def high_entropy_mask(side, entropies, mask, threshold):
         trainer.accelerator.gather = lambda x: x
         trainer.accelerator.pad_across_processes = lambda x, dim, pad_index: x
         return GRPOTrainer.get_high_entropy_mask(trainer, entropies, mask, threshold)
-    from hfllamarl.losses import high_entropy_mask as ours
+    from hfllamarl.runtime.iterations import high_entropy_mask as ours
 
-    return ours(entropies, mask, threshold)
+    # TRL's method takes the quantile of the threshold (1 - top_entropy_quantile); ours the share of tokens kept
+    return ours(entropies, mask, 1.0 - threshold).bool()
 
 
 ENT = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.7, 0.8, 0.9, 1.0, 1.1, 1.2]])
@@ -264,11 +265,9 @@ ENTROPY_CASES = {  # TRL's TestGetHighEntropyMask: (entropies, mask, threshold, 
     "threshold_1": (ENT, ENT_MASK, 1.0, [[0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0]]),
     "all_masked": (ENT, torch.zeros((2, 6), dtype=torch.long), 0.5, [[0] * 6, [0] * 6]),
 }
-NO_ENTROPY_MASK = xfail_ours("iters: top_entropy_quantile has no entropy mask (hfllamarl.losses.high_entropy_mask "
-                             "does not exist)")
 
 
-@pytest.mark.parametrize("case,side", by_side(ENTROPY_CASES, {c: NO_ENTROPY_MASK for c in ENTROPY_CASES}))
+@pytest.mark.parametrize("case,side", by_side(ENTROPY_CASES))
 def test_high_entropy_mask(side, case):
     entropies, mask, threshold, expected = ENTROPY_CASES[case]
     got = high_entropy_mask(side, entropies, mask, threshold)
@@ -280,12 +279,7 @@ def zero_reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-SEQ_LEVEL = xfail_ours("losses: importance_sampling_level='sequence' with a token-summed loss_type gives no warning "
-                       "(TRL: it weights each sequence by its completion length)")
-
-
-@pytest.mark.parametrize("loss_type,side", by_side(("grpo", "bnpo", "dr_grpo", "dapo", "cispo"),
-                                                   {t: SEQ_LEVEL for t in ("bnpo", "dr_grpo", "dapo", "cispo")}))
+@pytest.mark.parametrize("loss_type,side", by_side(("grpo", "bnpo", "dr_grpo", "dapo", "cispo")))
 def test_warning_raised_sequence_level_with_token_summed_loss(side, loss_type, caplog, tmp_path, port_models):
     with caplog.at_level(logging.WARNING):
         construct(side, port_models, tmp_path, reward_funcs=zero_reward,

@@ -143,6 +143,10 @@ class AsyncAIPOTrainer:
         self.reward_weights = torch.tensor(self.rewards.weights, dtype=torch.float32)
         self.tools = list(agent.tools)
         self.algorithm = args.build_algorithm()
+        if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            logger.warning("importance_sampling_level='sequence' with loss_type=%r: that loss sums per-token terms, "
+                           "which weights each sequence by its completion length instead of optimising the "
+                           "per-sequence objective; for GSPO's setup use loss_type='grpo'.", args.loss_type)
         from hfllamarl.runtime.lora import check_peft_inputs
 
         check_peft_inputs(model, peft_config)  # every rank alike, before anything starts
@@ -193,7 +197,8 @@ class AsyncAIPOTrainer:
 
             self.model = GeneratorRankModel(model_config, self.model_path)
         if self.topology.role == "trainer":
-            self.model = model_obj if model_obj is not None else load_policy(self.model_path, args, model_config)
+            self.model = model_obj if model_obj is not None else load_policy(self.model_path, args, model_config,
+                                                                              self.topology.num_trainers)
             if peft_config is not None:  # the trainer trains adapters; the generator gets merged weights
                 from hfllamarl.runtime.lora import apply_peft
 
@@ -421,6 +426,18 @@ class AsyncAIPOTrainer:
         if self._model_obj is not None:
             dtype = next(self._model_obj.parameters()).dtype
         return str(dtype).replace("torch.", "")
+
+    @property
+    def _logs(self) -> dict:
+        """TRL's buffer of the completions last logged, in TRL's shape (`prompt`, `completion`, `rewards` per
+        function, `advantages`, `extra`: log_extra's columns), on the first trainer rank with `log_completions`
+        (empty elsewhere: the samples are gathered there only to be logged)."""
+        samples = getattr(getattr(self, "_reporter", None), "logged_samples", None) or {}
+        skip = ("prompt", "completion", "advantage", "extra")
+        return {"prompt": list(samples.get("prompt", [])), "completion": list(samples.get("completion", [])),
+                "rewards": {k: list(v) for k, v in samples.items() if k not in skip},
+                "advantages": list(samples.get("advantage", [])),
+                "extra": {k: list(v) for k, v in (samples.get("extra") or {}).items()}, "images": []}
 
     def _save_tokenizer(self, directory: str) -> str:
         """Write `processing_class` (the user's, with its chat template, or the model's) where the generator loads

@@ -61,10 +61,12 @@ def save_for_generator(model, tokenizer, directory: str) -> str:
     return directory
 
 
-def load_policy(path: str, args, config):
-    """The policy of the model at `path` for a trainer rank: built on the meta device, to be sharded and then
-    filled rank by rank (`hfllamarl.runtime.loading`), when this loader can read the checkpoint; otherwise loaded whole
-    with `from_pretrained` (said in the log)."""
+def load_policy(path: str, args, config, trainer_ranks: int = 2):
+    """The policy of the model at `path` for a trainer rank. With several trainer ranks: built on the meta device, to
+    be sharded and then filled rank by rank (`hfllamarl.runtime.loading`), when this loader can read the checkpoint;
+    otherwise loaded whole with `from_pretrained` (said in the log). With one trainer rank, whose shard is the whole
+    model anyway: loaded with `from_pretrained` now, as TRL does, so that a script can read `trainer.model`'s
+    weights before `train()`."""
     import logging
 
     import torch
@@ -78,16 +80,17 @@ def load_policy(path: str, args, config):
         dtype = getattr(torch, dtype)
     attn = kwargs.pop("attn_implementation", None)
     remote = bool(kwargs.pop("trust_remote_code", args.trust_remote_code))
-    if not kwargs and dtype != "auto":  # nothing from_pretrained would do that the sharded loader does not
-        model = build_empty(config, dtype, attn, remote)
-        unread = readable(model, path)
-        if not unread:
-            return model
-        reason = f"its weights are not all readable by name ({unread[:3]})"
-    else:
-        reason = f"model_init_kwargs {sorted(kwargs) or ['dtype=auto']} need from_pretrained"
-    logging.getLogger(__name__).warning(
-        "Loading %s whole on every trainer rank (%s); sharded loading reads only each rank's rows.", path, reason)
+    if trainer_ranks > 1:
+        if not kwargs and dtype != "auto":  # nothing from_pretrained would do that the sharded loader does not
+            model = build_empty(config, dtype, attn, remote)
+            unread = readable(model, path)
+            if not unread:
+                return model
+            reason = f"its weights are not all readable by name ({unread[:3]})"
+        else:
+            reason = f"model_init_kwargs {sorted(kwargs) or ['dtype=auto']} need from_pretrained"
+        logging.getLogger(__name__).warning(
+            "Loading %s whole on every trainer rank (%s); sharded loading reads only each rank's rows.", path, reason)
     full = dict(args.model_init_kwargs or {})
     full.setdefault("dtype", torch.float32)
     return AutoModelForCausalLM.from_pretrained(path, **full)

@@ -58,6 +58,7 @@ class Reporter:
         self._losses: list[float] = []  # every step's loss since train_begin (train_loss, as transformers' Trainer)
         self._stop_said = False
         self._samples: dict | None = None  # log_completions: the newest step's samples (first trainer rank)
+        self.logged_samples: dict = {}  # ... and the last ones logged (TRL's `trainer._logs`)
         self.last_evaluated = -1  # the newest policy version whose evaluation arrived
 
     def train_begin(self) -> None:
@@ -101,7 +102,7 @@ class Reporter:
         self.control.should_log = False
         if self._samples is not None and self.state.is_world_process_zero:
             log_completions(self.args, self.state.global_step, self._samples)
-            self._samples = None
+            self.logged_samples, self._samples = self._samples, None
 
     def evaluate(self, metrics: dict) -> None:
         """An evaluation during training: its eval_* metrics go to `log_history`, `on_log` (report_to) and
