@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trl_port_support import (assert_all_changed, by_side, classes, finish, make_args, port_models,  # noqa: F401
-                              run, sides, snapshot, whole, xfail_ours, zen)
+                              run, sides, snapshot, whole, zen)
 
 pytestmark = pytest.mark.slow
 
@@ -390,9 +390,7 @@ def test_train_with_reward_func_accessing_trainer_state(side, tmp_path, port_mod
     reward_run(side, tmp_path, port_models, reward_func)
 
 
-@pytest.mark.parametrize("side", sides(xfail_ours(
-    "bug: no trainer._logs (TRL's private buffer of logged completions; log_extra's columns reach "
-    "output_dir/completions/*.parquet instead)")))
+@pytest.mark.parametrize("side", sides())
 def test_train_reward_func_with_log_extra(side, tmp_path, port_models):
     def reward_func(completions, **kwargs):
         kwargs["log_extra"]("test_column", [c[:5] for c in completions])
@@ -417,9 +415,7 @@ def test_train_sequence_importance_sampling(side, tmp_path, port_models):
     train_and_check(side, tmp_path, port_models, num_iterations=2, importance_sampling_level="sequence", **LR)
 
 
-@pytest.mark.parametrize("side", sides(xfail_ours(
-    "bug: before train(), trainer.model holds meta tensors when the model is loaded sharded (an untied Qwen3 given "
-    "as a path), so TRL's parameter snapshot fails (aten::equal with Meta tensors)")))
+@pytest.mark.parametrize("side", sides())
 def test_train_with_chat_template_kwargs(side, tmp_path, port_models):
     # TRL uses its tiny Qwen3 (a template that reads enable_thinking); here a tiny Qwen3 with Qwen3's template.
     Config, Trainer = classes(side)

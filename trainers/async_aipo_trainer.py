@@ -428,6 +428,23 @@ class AsyncAIPOTrainer:
         return str(dtype).replace("torch.", "")
 
     @property
+    def ref_model(self):
+        """TRL's reference model: None without one (`beta == 0`) and on generator ranks. Read before `train()`, it is
+        built then (a frozen copy of the starting policy, as TRL builds it at construction) and is the one the
+        trainer ranks then shard and use; during and after `train()`, that sharded model."""
+        if self.args.beta == 0 or self.topology.role != "trainer":
+            return None
+        if getattr(self, "_ref_model", None) is None:
+            import copy
+
+            from .model_io import is_meta, load_policy
+
+            start = (load_policy(self.model_path, self.args, self.model_config, 1) if is_meta(self.model)
+                     else copy.deepcopy(self.model))
+            self._ref_model = start.requires_grad_(False).eval()
+        return self._ref_model
+
+    @property
     def _logs(self) -> dict:
         """TRL's buffer of the completions last logged, in TRL's shape (`prompt`, `completion`, `rewards` per
         function, `advantages`, `extra`: log_extra's columns), on the first trainer rank with `log_completions`
@@ -445,6 +462,9 @@ class AsyncAIPOTrainer:
         as TRL saves it, is what the next run is given back). Returns `directory`."""
         os.makedirs(directory, exist_ok=True)
         self.processing_class.save_pretrained(directory)
+        # vLLM reads the model's config from the tokenizer's directory too (without it: a parse error and two
+        # retries, seconds of start-up)
+        self.model_config.save_pretrained(directory)
         return directory
 
     def _start_children(self, spec: GeneratorSpec, start_tick: int = 0) -> None:

@@ -109,6 +109,14 @@ def prepare_policy(trainer, device: torch.device, resume_dir: str | None) -> Non
 def prepare_reference(trainer, device: torch.device) -> torch.nn.Module:
     """The frozen reference policy (`beta > 0`): the starting policy, also after a resume, sharded like it."""
     args, topo = trainer.args, trainer.topology
+    built = getattr(trainer, "_ref_model", None)
+    if built is not None and not getattr(built, "_hfllamarl_sharded", False):  # a script read trainer.ref_model
+        built.to(device).eval()
+        shard_model(built, topo.device_type, "bf16" if args.bf16 else None)
+        built._hfllamarl_sharded = True
+        return built
+    if built is not None:
+        return built
     if is_meta(trainer.model):
         dtype = next(trainer.model.parameters()).dtype
         init = args.model_init_kwargs or {}
@@ -149,6 +157,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     ref_model = prepare_reference(trainer, device) if args.beta > 0 else None
+    trainer._ref_model = ref_model  # (TRL's `trainer.ref_model`)
     prepare_policy(trainer, device, resume_dir)
     model.train()
     weights = None

@@ -63,9 +63,23 @@ def _gather_padded(local: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _resharded(model: torch.nn.Module) -> None:
+    """Put every FSDP2 unit of `model` back in its sharded state. FSDP2 keeps the root unit's parameters gathered
+    after a forward pass (the reference's, after its no-grad forward): the module then holds plain gathered copies,
+    and changing those would be lost at the next reshard."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+@torch.no_grad()
 def mix_reference(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> None:
     """ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter, on this rank's shards (FSDP2 DTensors:
     their local parts; both models are sharded with the same plan, so the parts line up)."""
+    _resharded(policy)
+    _resharded(reference)
     ours = dict(policy.named_parameters())
     theirs = dict(reference.named_parameters())
     if ours.keys() != theirs.keys():
