@@ -5,15 +5,14 @@ ranks, unscored completions (NaN) as TRL's nanmean/nanstd, multi_objective_aggre
 
 import math
 import socket
-from collections import defaultdict
 from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hfllamarl import load_plugin
 from hfllamarl.losses import StepShape, group_advantages, normalize_then_sum_advantages
+from trl_loss_reference import trl_loss
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 RHO = 2.0
@@ -78,42 +77,6 @@ def hand_loss(loss_type, level, correction, logp, old, mu, adv, mask, delta=None
     return per.sum() / mask.sum()  # bnpo, and dapo/cispo/vespo with one micro-batch on one rank
 
 
-def trl_loss(logp, old, mu, mask, adv, options: dict):
-    """TRL 1.16's `GRPOTrainer._compute_loss` on these log-probs (one process, one micro-batch), with its vLLM
-    importance-sampling weight computed as `_generate_and_score_completions` does."""
-    from trl import GRPOConfig, GRPOTrainer
-
-    args = GRPOConfig(output_dir="/tmp/unused", use_cpu=True, bf16=False, report_to="none", **options)
-    inputs = {}
-    if args.vllm_importance_sampling_correction:
-        d = (old - mu) * mask
-        if args.vllm_importance_sampling_mode.startswith("sequence"):
-            d = d.sum(-1, keepdim=True)
-        r = torch.exp(d)
-        lo, hi = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
-        if args.vllm_importance_sampling_mode.endswith("truncate"):
-            r = r.clamp(min=lo, max=hi)
-        else:
-            r = r.masked_fill((r < (lo if lo is not None else -math.inf)) | (r > (hi if hi is not None else math.inf)),
-                              0.0)
-        inputs["importance_sampling_ratio"] = r
-    B, T = logp.shape
-    fake = SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros(B, T), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=args.off_policy_mask_threshold,
-        get_off_policy_mask=GRPOTrainer.get_off_policy_mask, get_gamma_weights=GRPOTrainer.get_gamma_weights,
-        importance_sampling_level=args.importance_sampling_level, beta=args.beta, args=args,
-        loss_type=args.loss_type, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high, use_vllm=True,
-        vllm_importance_sampling_correction=args.vllm_importance_sampling_correction,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
-        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x,
-                                    reduce=lambda x, reduction="sum": x, sync_gradients=True),
-        max_completion_length=args.max_completion_length, _entropy_bonus_enabled=False, aux_loss_enabled=False,
-        _metrics=defaultdict(lambda: defaultdict(list)))
-    inputs.update(prompt_ids=torch.zeros(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
-                  completion_ids=torch.zeros(B, T, dtype=torch.long), completion_mask=mask.long(),
-                  advantages=adv, old_per_token_logps=old, sampling_per_token_logps=mu, num_items_in_batch=mask.sum())
-    return GRPOTrainer._compute_loss(fake, None, inputs)
 
 
 def aipo_plugin(loss_type, level, correction_name, **extra):
@@ -157,7 +120,7 @@ def test_objective_x_correction_x_level_equals_the_hand_formula_and_trl(loss_typ
         trl_options.update(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=lo,
                            vllm_importance_sampling_clip_max=hi)
     trl_logp = LOGP.clone().requires_grad_()
-    trl_value = trl_loss(trl_logp, OLD, MU, MASK, ADV[:, None], trl_options)
+    trl_value = trl_loss(trl_logp, MU, MASK, ADV[:, None], trl_options, old=OLD)
     trl_value.backward()
     assert loss.item() == pytest.approx(trl_value.item(), rel=1e-5, abs=1e-7)
     assert torch.allclose(logp.grad, trl_logp.grad, rtol=1e-5, atol=1e-7)

@@ -2,8 +2,6 @@
 normalisations) against hand values, and the `grpo` plugin against TRL's own `GRPOTrainer._compute_loss`."""
 
 import math
-from collections import defaultdict
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +9,7 @@ import torch
 from hfllamarl import load_plugin
 from hfllamarl.losses import (StepShape, aggregate, behavior_weight, off_policy_mask, per_token_objective,
                               policy_ratio)
+from trl_loss_reference import trl_loss
 
 
 # ----------------------------------------------------------------------------- the objectives, by hand
@@ -142,42 +141,6 @@ def test_aipo_is_grpo_with_a_truncated_token_weight_at_rho():
 
 
 # ----------------------------------------------------------------------------- grpo against TRL itself
-def trl_loss(logp, mu, ref, mask, adv, options: dict):
-    """TRL 1.16's `GRPOTrainer._compute_loss` on these log-probs, one process, one micro-batch per generation
-    batch, num_iterations=1 (so its old log-probs are the current policy's), using vLLM (so it applies its
-    importance-sampling weight, computed from its formula in `_generate_and_score_completions`)."""
-    from trl import GRPOConfig, GRPOTrainer
-
-    args = GRPOConfig(output_dir="/tmp/unused", use_cpu=True, bf16=False, report_to="none", **options)
-    old = logp.detach()
-    diff = (old - mu) * mask
-    if args.vllm_importance_sampling_mode.startswith("sequence"):
-        diff = diff.sum(-1, keepdim=True)
-    ratio = torch.exp(diff)
-    lo, hi = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
-    if args.vllm_importance_sampling_mode.endswith("truncate"):
-        ratio = ratio.clamp(min=lo, max=hi)
-    else:
-        ratio = ratio.masked_fill((ratio < (lo if lo is not None else -math.inf)) |
-                                  (ratio > (hi if hi is not None else math.inf)), 0.0)
-    B, T = logp.shape
-    fake = SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros(B, T), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=args.off_policy_mask_threshold,
-        get_off_policy_mask=GRPOTrainer.get_off_policy_mask, importance_sampling_level=args.importance_sampling_level,
-        beta=args.beta, args=args, loss_type=args.loss_type, epsilon_low=args.epsilon,
-        epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon, use_vllm=True,
-        vllm_importance_sampling_correction=args.vllm_importance_sampling_correction,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
-        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x,
-                                    reduce=lambda x, reduction="sum": x, sync_gradients=True),
-        max_completion_length=args.max_completion_length, _entropy_bonus_enabled=False, aux_loss_enabled=False,
-        _metrics=defaultdict(lambda: defaultdict(list)))
-    inputs = dict(prompt_ids=torch.zeros(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
-                  completion_ids=torch.zeros(B, T, dtype=torch.long), completion_mask=mask.long(),
-                  advantages=adv, old_per_token_logps=old, sampling_per_token_logps=mu,
-                  importance_sampling_ratio=ratio, ref_per_token_logps=ref, num_items_in_batch=mask.sum())
-    return GRPOTrainer._compute_loss(fake, None, inputs)
 
 
 TRL_CASES = [
@@ -215,7 +178,7 @@ def test_grpo_loss_and_gradient_equal_trls(options):
     shape = StepShape(tokens=float(mask.sum()), max_completion_length=config.max_completion_length)
 
     logp_trl = logp0.clone().requires_grad_()
-    expected = trl_loss(logp_trl, mu, ref, mask, adv[:, None], options)
+    expected = trl_loss(logp_trl, mu, mask, adv[:, None], options, ref=ref)
     expected.backward()
     logp = logp0.clone().requires_grad_()
     loss, _ = ours.loss(logp, mu, adv, mask, ref_logprobs=ref if config.beta else None, shape=shape)
