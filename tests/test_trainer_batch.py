@@ -122,3 +122,31 @@ def test_the_trainer_refuses_a_token_staler_than_max_staleness():
                          batch_tokens=5)
     with pytest.raises(RuntimeError, match="batch 3 was sampled 3 policy versions ago, past max_staleness=2"):
         trainer.train_on([group])
+
+
+def test_an_unscored_eval_completion_is_out_of_the_eval_reward_as_in_trl():
+    """TRL leaves a completion no reward function scored out of `reward`/`reward_std` in eval mode too (NaN, then
+    nanmean/nanstd); counting it as 0 would lower eval accuracy for a grader's timeout."""
+    from hfllamarl.runtime.rewards import RewardRunner
+    from hfllamarl.runtime.rollout import RolloutGroup
+    from hfllamarl.runtime.trainer import TrainerExecutor, TrainerSpec
+
+    def graded(completions, **kwargs):  # "x" could not be graded
+        return [None if c == "x" else float(c) for c in completions]
+
+    job = TrainerSpec(model=None, optimizer=None, scheduler=None, algorithm=None, rewards=RewardRunner([graded]),
+                      backend=None, schedule=Schedule(10, 1), num_generations=2, micro_batch_size=2,
+                      sampling=Sampling(), max_grad_norm=None, pad_token_id=0, device="cpu")
+    rollouts = [Rollout(prompt="p", prompt_ids=[1], completion_ids=[2], behavior_logprobs=[-1.0], versions=[3],
+                        finish_reason="stop", completion_text=text) for text in ("1", "0", "x", "1")]
+    groups = [RolloutGroup(rollouts=rollouts[:2], batch_index=0, policy_version=3, generation_seconds=0.0,
+                           batch_tokens=2, eval_version=3),
+              RolloutGroup(rollouts=rollouts[2:], batch_index=0, policy_version=3, generation_seconds=0.0,
+                           batch_tokens=2, eval_version=3)]
+    metrics = TrainerExecutor(job, topology=None).evaluation_metrics(groups)
+    scored = [1.0, 0.0, 1.0]  # by hand: the three graded completions
+    mean = sum(scored) / 3
+    assert metrics["eval_reward"] == pytest.approx(mean)
+    assert metrics["eval_reward_std"] == pytest.approx((sum((x - mean) ** 2 for x in scored) / 3) ** 0.5)
+    assert metrics["eval_rewards/graded/mean"] == pytest.approx(mean)
+    assert metrics["eval_reward_unscored"] == 1 and metrics["eval_samples"] == 4

@@ -29,6 +29,8 @@ from .executor import Executor, wait_for_startup
 from .iterations import high_entropy_mask, loss_keywords, mix_reference
 from .finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from .generator import ROLLOUTS
+from .rank_metrics import all_max as _all_max, all_sum as _all_sum, evaluation_metrics
+from .rank_metrics import logged_means as _logged_means
 from .rewards import RewardRunner
 from .dynamic_sampling import GroupFilter, join_scored, split_scored
 from .rollout import Rollout, RolloutGroup
@@ -382,36 +384,8 @@ class TrainerExecutor(Executor):
         return [p for p in problems if p]
 
     def evaluation_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
-        """The eval_* metrics of one evaluation (every trainer rank scores its share with the same reward path as
-        training, then the sums are reduced): mean and std of the reward, each function's mean (of a 0/1 reward:
-        the accuracy), completion length and truncated share, the policy version and the generation time."""
-        spec = self.spec
-        rollouts = [r for g in groups for r in g.rollouts]
-        local = {"count": 0.0, "reward_sum": 0.0, "reward_sq": 0.0, "len_sum": 0.0, "truncated": 0.0}
-        for name in spec.rewards.names:
-            local[f"{name}/sum"] = local[f"{name}/n"] = 0.0
-        logged: dict[str, tuple[float, int]] = {}
-        if rollouts:
-            rewards, per_func = spec.rewards(**reward_arguments(rollouts), trainer_state=spec.trainer_state)
-            logged = spec.rewards.drain(len(rollouts))[0]
-            local.update(count=len(rewards), reward_sum=sum(rewards), reward_sq=sum(x * x for x in rewards),
-                         len_sum=sum(r.num_sampled for r in rollouts),
-                         truncated=sum(r.finish_reason == "length" for r in rollouts))
-            for name, scores in per_func.items():
-                scored = [x for x in scores if x is not None]
-                local[f"{name}/sum"], local[f"{name}/n"] = sum(scored), len(scored)
-        total = _all_sum(local)
-        n = max(total["count"], 1.0)
-        mean = total["reward_sum"] / n
-        metrics = {"eval_reward": mean, "eval_reward_std": math.sqrt(max(total["reward_sq"] / n - mean * mean, 0.0))}
-        for name in spec.rewards.names:
-            metrics[f"eval_rewards/{name}/mean"] = total[f"{name}/sum"] / max(total[f"{name}/n"], 1.0)
-        metrics.update({"eval_completions/mean_length": total["len_sum"] / n,
-                        "eval_completions/truncated_frac": total["truncated"] / n, "eval_samples": total["count"],
-                        "eval_policy_version": float(groups[0].eval_version),
-                        "eval_generation_seconds": groups[0].generation_seconds})
-        metrics.update({f"eval_{name}": value for name, value in _logged_means(logged).items()})
-        return metrics
+        """The eval_* metrics of one evaluation (`hfllamarl.runtime.rank_metrics.evaluation_metrics`)."""
+        return evaluation_metrics(self.spec, groups)
 
     def _step_metrics(self, groups: list[RolloutGroup], rollouts: list[Rollout], rewards: list[float], per_func: dict,
                       staleness: list[list[int]], loss_total: float, stats: dict) -> dict[str, float]:
@@ -503,41 +477,6 @@ class TrainerExecutor(Executor):
 
     def save_checkpoint(self) -> None:
         self.spec.save_checkpoint(self.version)
-
-
-def _all_sum(values: dict[str, float]) -> dict[str, float]:
-    """Sum a dict of floats over the trainer world (identity with one trainer rank)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return dict(values)
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return dict(zip(keys, t.tolist()))
-
-
-def _all_max(values: list[float]) -> list[float]:
-    """Element-wise maximum over the trainer world (identity with one trainer rank)."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _logged_means(logged: dict[str, tuple[float, int]]) -> dict[str, float]:
-    """Metrics reward functions logged with `log_metric` (name -> this rank's sum and count), averaged over every
-    call on every trainer rank, as TRL does. Every trainer rank calls it (a name only some ranks logged counts
-    theirs)."""
-    parts = [logged]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, logged)
-    totals: dict[str, list[float]] = {}
-    for part in parts:
-        for name, (total, count) in part.items():
-            acc = totals.setdefault(name, [0.0, 0])
-            acc[0] += total
-            acc[1] += count
-    return {name: total / count for name, (total, count) in sorted(totals.items()) if count}
 
 
 def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool,
