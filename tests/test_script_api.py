@@ -239,8 +239,9 @@ def test_evaluations_wait_for_eval_delay_as_transformers_trainer(tmp_path, strat
             flow.on_epoch_end(args, state, control)
         if control.should_evaluate:
             theirs.append(step)
-    spec = SimpleNamespace(eval_every=eval_every(args, steps, per_epoch), eval_delay=eval_delay(args, per_epoch),
-                           schedule=Schedule(steps + 1, 0))
+    every, delay_versions = eval_every(args, steps, per_epoch), eval_delay(args, per_epoch)
+    spec = SimpleNamespace(eval_every=every, eval_on_start=False,
+                           schedule=Schedule(steps, 0, eval_every=every, eval_delay=delay_versions, eval_last=True))
     ours = []
     for version in range(1, steps + 1):
         gen = SimpleNamespace(eval_dataset=[1], spec=spec, version=version, evaluated=version - 1, tick=version,
@@ -252,11 +253,11 @@ def test_evaluations_wait_for_eval_delay_as_transformers_trainer(tmp_path, strat
 
 def test_num_input_tokens_seen_is_logged_when_asked(tmp_path):
     for asked in ("all", "no"):
-        args = AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", disable_tqdm=True,
+        args = AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", disable_tqdm=True, logging_steps=1,
                                include_num_input_tokens_seen=asked)
         reporter = Reporter(args, None, None, None, None, [], max_steps=2, is_world_zero=True)
         reporter.state.num_input_tokens_seen = 123  # (the trainer adds each step's prompt + completion tokens)
-        reporter.step_end(2, {"loss": 0.5})  # (the last step logs)
+        reporter.step_end(2, {"loss": 0.5})  # (a logging step)
         assert reporter.state.log_history[-1].get("num_input_tokens_seen") == (123 if asked == "all" else None)
 
 
