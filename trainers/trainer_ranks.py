@@ -110,12 +110,12 @@ def prepare_reference(trainer, device: torch.device) -> torch.nn.Module:
     """The frozen reference policy (`beta > 0`): the starting policy, also after a resume, sharded like it."""
     args, topo = trainer.args, trainer.topology
     built = getattr(trainer, "_ref_model", None)
-    if built is not None and not getattr(built, "_hfllamarl_sharded", False):  # a script read trainer.ref_model
-        built.to(device).eval()
-        shard_model(built, topo.device_type, "bf16" if args.bf16 else None)
-        built._hfllamarl_sharded = True
-        return built
-    if built is not None:
+    if built is not None:  # a script read trainer.ref_model (built then), or an earlier train() sharded it
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(built, FSDPModule):
+            built.to(device).eval()
+            shard_model(built, topo.device_type, "bf16" if args.bf16 else None)
         return built
     if is_meta(trainer.model):
         dtype = next(trainer.model.parameters()).dtype
