@@ -84,7 +84,8 @@ def main() -> None:
     first, last = sum(rewards[:10]) / len(rewards[:10]), sum(rewards[-10:]) / len(rewards[-10:])
     png = os.path.join(args.output_dir, "reward_curve.png")
     plot_rewards(trainer.state.log_history, png)
-    tb = trainer._reporter.integration("TensorBoardCallback")
+    callbacks = trainer.callback_handler.callbacks if trainer.callback_handler is not None else []
+    tb = next((cb for cb in callbacks if type(cb).__name__ == "TensorBoardCallback"), None)
     summary = {
         "reward_first_10": round(first, 4),
         "reward_last_10": round(last, 4),

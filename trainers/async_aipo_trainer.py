@@ -367,6 +367,13 @@ class AsyncAIPOTrainer:
         """Add a `transformers.TrainerCallback` (an instance or a class), as `Trainer.add_callback`."""
         self.callbacks = list(self.callbacks or []) + [callback]
 
+    @property
+    def callback_handler(self):
+        """The run's `transformers.CallbackHandler` (its `.callbacks`: the `report_to` integrations, the progress
+        bar and the callbacks added), as `Trainer.callback_handler`; None before `train()` and on generator ranks."""
+        reporter = getattr(self, "_reporter", None)
+        return reporter.handler if reporter is not None else None
+
     def save_model(self, output_dir: str | None = None) -> None:
         """Save the policy and the tokenizer; call it on every trainer rank. As TRL's: a LoRA policy's adapters in
         peft's format (adapter_config.json, adapter_model.safetensors), any other policy whole (unsharded)."""
