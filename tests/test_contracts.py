@@ -1,5 +1,5 @@
 """The extension points are written down: every entry-point group, every method of each contract and every
-built-in plugin is documented in the README's "Plugins" section (a plugin author reads that, not the code), and
+built-in plugin is documented on the docs site's plugins page (a plugin author reads that, not the code), and
 every built-in plugin follows its contract."""
 
 import inspect
@@ -17,8 +17,9 @@ CONTRACTS = {"rewards": contracts.RewardFunction, "algorithms": contracts.Algori
 
 
 def plugins_section() -> str:
-    readme = (REPO / "README.md").read_text()
-    return re.search(r"^## Plugins\n(.*?)^## ", readme, re.S | re.M).group(1)
+    """The plugins page up to its "Publishing" section: the contracts and the built-ins."""
+    page = (REPO / "docs" / "guides" / "plugins.md").read_text()
+    return re.search(r"^# Plugins\n(.*?)^## Publishing", page, re.S | re.M).group(1)
 
 
 def built_ins(group: str) -> list[str]:
