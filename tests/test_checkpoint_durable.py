@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from hfllamarl.runtime import checkpoint, durable
-from hfllamarl.runtime.durable import load_plain
+from hfllamarl.runtime.weights import checkpoint
+from hfllamarl.runtime.weights import durable
+from hfllamarl.runtime.weights.durable import load_plain
 
 STEP = 5
 
@@ -175,10 +176,10 @@ def test_a_state_file_loads_the_records_a_checkpoint_holds_and_refuses_anything_
 
     import numpy as np
 
-    from hfllamarl.runtime.dynamic_sampling import ScoredGroup
-    from hfllamarl.runtime.durable import load_state
-    from hfllamarl.runtime.episodes import Episode
-    from hfllamarl.runtime.rollout import InFlightBatch, Rollout, RolloutGroup
+    from hfllamarl.runtime.training.dynamic_sampling import ScoredGroup
+    from hfllamarl.runtime.weights.durable import load_state
+    from hfllamarl.runtime.data.episodes import Episode
+    from hfllamarl.runtime.loop.rollout import InFlightBatch, Rollout, RolloutGroup
 
     rollout = Rollout(prompt=[{"role": "user", "content": "1+1?"}], prompt_ids=[1, 2], completion_ids=[3],
                       behavior_logprobs=[-0.5], versions=[2], finish_reason="", completion_text="2",
