@@ -25,7 +25,7 @@ import os
 from datasets import Dataset
 
 from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
-from hfllamarl.tools.tiny import prepare_demo_model, successor_rows
+from hfllamarl.testing.tiny import prepare_demo_model, successor_rows
 
 
 def plot_rewards(log_history: list[dict], path: str) -> None:

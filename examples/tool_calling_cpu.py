@@ -3,7 +3,7 @@
 The task: "What is 37+45?"; the reward (`math_sympy`) is 1 when the last assistant message boxes the sum. The
 model is built locally (random init, the Qwen3 chat template with its tool-call tokens: no model hub) and warmed up
 on the two formats of an answer: calling `calculator(expression)` then boxing what it returns, or boxing a guess
-without the tool (`hfllamarl.tools.tiny_chat.prepare_tool_model`: first every example calls the tool, so the model
+without the tool (`hfllamarl.testing.tiny_chat.prepare_tool_model`: first every example calls the tool, so the model
 learns to copy the numbers, then only a quarter do). It starts calling the tool in about 15 % of its answers and
 never learned which way pays. A tiny model cannot add two-digit numbers itself, so RL (AIPO, staleness 1:
 generation of step k+1 overlaps training on step k) has to learn that calling the tool pays.
@@ -29,7 +29,7 @@ import os
 from datasets import Dataset
 
 from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
-from hfllamarl.tools.tiny_chat import calculator, calculator_rows, prepare_tool_model
+from hfllamarl.testing.tiny_chat import calculator, calculator_rows, prepare_tool_model
 
 
 def plot(log_history: list[dict], path: str) -> None:

@@ -14,7 +14,7 @@ __all__ = ["AsyncAIPOConfig", "AsyncAIPOTrainer", "load_plugin"]
 def __getattr__(name):
     if name not in ("AsyncAIPOConfig", "AsyncAIPOTrainer"):
         raise AttributeError(f"module 'hfllamarl' has no attribute {name!r}")
-    from .runtime.collector import collector_paused
+    from .runtime.world.collector import collector_paused
 
     # The first of these imports torch, transformers, peft and trl (the collector's pause saves about 0.4 s of the
     # 4.7 s); nothing of the user's process is frozen, and the collector is left as it was.

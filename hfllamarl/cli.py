@@ -1,15 +1,15 @@
 """The `hfllamarl` command.
 
     hfllamarl plugins list      every installed plugin: group, name, distribution, version (nothing imported)
-    hfllamarl eval ...          generate with vLLM on a JSONL data set and score with a reward (hfllamarl.tools.evaluate)
-    hfllamarl bench weight-sync ...   time the weight-sync backends side by side (hfllamarl.tools.bench_weight_sync)
-    hfllamarl bench learning ...      learning vs staleness on the demo task (hfllamarl.tools.bench_learning)
-    hfllamarl bench profile ...       measure decode-step and training-token times for plan --profile (hfllamarl.tools.bench_profile)
-    hfllamarl bench load ...          each trainer rank's memory while loading the policy, sharded vs whole (hfllamarl.tools.bench_load)
-    hfllamarl bench vs-trl ...        TRL's GRPOTrainer and AsyncAIPOTrainer on the same job, timed (hfllamarl.tools.bench_vs_trl)
-    hfllamarl bench grader ...        math_sympy against graders' test suites, Math-Verify side by side (hfllamarl.tools.bench_grader)
-    hfllamarl bench multi-turn ...    multi-turn tool calling, synchronous vs asynchronous throughput (hfllamarl.tools.bench_multi_turn)
-    hfllamarl plan ...          recommend a trainer/generator GPU split from the memory and step-time model (hfllamarl.tools.plan)
+    hfllamarl eval ...          generate with vLLM on a JSONL data set and score with a reward (hfllamarl.commands.evaluate)
+    hfllamarl bench weight-sync ...   time the weight-sync backends side by side (hfllamarl.commands.bench_weight_sync)
+    hfllamarl bench learning ...      learning vs staleness on the demo task (hfllamarl.commands.bench_learning)
+    hfllamarl bench profile ...       measure decode-step and training-token times for plan --profile (hfllamarl.commands.bench_profile)
+    hfllamarl bench load ...          each trainer rank's memory while loading the policy, sharded vs whole (hfllamarl.commands.bench_load)
+    hfllamarl bench vs-trl ...        TRL's GRPOTrainer and AsyncAIPOTrainer on the same job, timed (hfllamarl.commands.bench_vs_trl)
+    hfllamarl bench grader ...        math_sympy against graders' test suites, Math-Verify side by side (hfllamarl.commands.bench_grader)
+    hfllamarl bench multi-turn ...    multi-turn tool calling, synchronous vs asynchronous throughput (hfllamarl.commands.bench_multi_turn)
+    hfllamarl plan ...          recommend a trainer/generator GPU split from the memory and step-time model (hfllamarl.commands.plan)
     hfllamarl version
 """
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="action", required=True)
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
     # light modules: heavy imports happen inside their run()
-    from .tools import bench_grader, bench_learning, bench_load, bench_multi_turn, bench_profile, bench_vs_trl, bench_weight_sync as bench, evaluate, plan
+    from .commands import bench_grader, bench_learning, bench_load, bench_multi_turn, bench_profile, bench_vs_trl, bench_weight_sync as bench, evaluate, plan
 
     _command(sub, "eval", "generate on a JSONL data set and score it", evaluate)
     bench_parser = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)

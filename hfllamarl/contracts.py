@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # the core's types, for annotations only
     import torch
 
-    from hfllamarl.runtime.topology import Topology
+    from hfllamarl.runtime.world.topology import Topology
 
 Box = tuple[tuple[int, int], ...]  # one [start, end) per dimension of a weight
 
@@ -156,8 +156,8 @@ class WeightSyncBackend:
     `send`/`receive`), the backend how.
 
     With several generator replicas and generator_failure="continue", a send to a replica that is lost raises
-    `hfllamarl.runtime.liveness.ReplicaLostError` from the channel helpers (`hfllamarl.runtime.channels`); a
-    backend catches it, leaves that replica out and finishes the others (`hfllamarl.runtime.weight_sync.settle`)."""
+    `hfllamarl.runtime.world.liveness.ReplicaLostError` from the channel helpers (`hfllamarl.runtime.loop.channels`); a
+    backend catches it, leaves that replica out and finishes the others (`hfllamarl.runtime.loop.weights_channel.settle`)."""
 
     def __init__(self, topology: Topology, transfer_dtype: str | torch.dtype | None = None, **options):
         import torch

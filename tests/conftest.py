@@ -26,7 +26,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A random-init tiny Llama with the answer format warmed up, saved with save_pretrained."""
-    from hfllamarl.tools.tiny import build_tiny_model, warm_start_format
+    from hfllamarl.testing.tiny import build_tiny_model, warm_start_format
 
     path = str(tmp_path_factory.mktemp("tiny") / "model")
     build_tiny_model(path, seed=0)
@@ -39,8 +39,8 @@ def tool_model(tmp_path_factory) -> str:
     """The tiny model with Qwen3's chat template (tool-call markers as tokens), warmed up on the calculator task's
     two answer formats: a tool call (about a fifth of its answers), or a boxed guess; half the warm-up questions end
     with an environment's text, as test environments add it."""
-    from hfllamarl.tools.tiny import build_tiny_model
-    from hfllamarl.tools.tiny_chat import warm_start_tool_calls
+    from hfllamarl.testing.tiny import build_tiny_model
+    from hfllamarl.testing.tiny_chat import warm_start_tool_calls
 
     path = str(tmp_path_factory.mktemp("tool") / "model")
     build_tiny_model(path, chat_template="qwen3", max_position_embeddings=512, seed=0)
@@ -50,8 +50,8 @@ def tool_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def family_model(tmp_path_factory):
-    """`family_model(name)`: a random-init model of one of `hfllamarl.tools.tiny.FAMILIES`, built once per session."""
-    from hfllamarl.tools.tiny import build_tiny_model
+    """`family_model(name)`: a random-init model of one of `hfllamarl.testing.tiny.FAMILIES`, built once per session."""
+    from hfllamarl.testing.tiny import build_tiny_model
 
     built = {}
 

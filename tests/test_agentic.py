@@ -14,8 +14,8 @@ import pytest
 
 from conftest import REPO, SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, run_script, step_logs, tail
 
-from hfllamarl.runtime.rollout import Rollout
-from hfllamarl.runtime.tool_calls import ToolRunner
+from hfllamarl.runtime.loop.rollout import Rollout
+from hfllamarl.runtime.agents.tool_calls import ToolRunner
 
 
 def call(name, **arguments):
@@ -108,7 +108,7 @@ def test_the_python_sandbox_bounds_time_and_memory_and_has_no_network():
 # ---------------------------------------------------------------------------- the loss mask
 def test_the_loss_mask_excludes_tool_tokens_and_staleness_counts_sampled_tokens_only():
     """The trainer's loss mask (padded and packed layouts) is env_mask: tool tokens are in the input, not trained."""
-    from hfllamarl.runtime.batching import pack_batch, pad_batch
+    from hfllamarl.runtime.training.batching import pack_batch, pad_batch
 
     def rollout(prompt, completion, mask, versions):
         return Rollout(prompt="p", prompt_ids=prompt, completion_ids=completion, versions=versions,
@@ -134,7 +134,7 @@ def test_an_environment_that_cannot_be_pickled_is_explained():
     import pickle
     import threading
 
-    from hfllamarl.runtime.episodes import Episode, snapshot, unpickled
+    from hfllamarl.runtime.data.episodes import Episode, snapshot, unpickled
 
     class Connected:
         def __init__(self):
@@ -157,8 +157,8 @@ def test_prompts_and_tool_results_are_the_tokens_trls_trainer_builds(tool_model)
     from transformers import AutoTokenizer
     from trl import GRPOTrainer
 
-    from hfllamarl.runtime.tool_chat import ToolChat
-    from hfllamarl.tools.tiny_chat import calculator, calculator_rows
+    from hfllamarl.runtime.agents.tool_chat import ToolChat
+    from hfllamarl.testing.tiny_chat import calculator, calculator_rows
 
     ours = AutoTokenizer.from_pretrained(tool_model)
     kwargs = {"enable_thinking": False}
@@ -199,7 +199,7 @@ def test_settings_the_multi_turn_loop_cannot_honour_are_refused(tool_model, tmp_
     from datasets import Dataset
 
     from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
-    from hfllamarl.tools.tiny_chat import calculator, calculator_rows
+    from hfllamarl.testing.tiny_chat import calculator, calculator_rows
 
     rows = calculator_rows(8)
     if ctor.pop("string_prompts", False):

@@ -111,7 +111,7 @@ def test_an_option_the_algorithm_does_not_take_is_refused_not_ignored():
 
 
 def test_algorithm_metrics_reduce_by_their_names():
-    from hfllamarl.runtime.trainer import reduce_metrics
+    from hfllamarl.runtime.training.trainer import reduce_metrics
 
     out = reduce_metrics({"loss": [0.5], "mine/thing": [1.0, 3.0], "is_ratio/max": [1.5, 4.0],
                           "is_ratio/min": [0.5, 0.25], "empty": []})
@@ -119,7 +119,7 @@ def test_algorithm_metrics_reduce_by_their_names():
 
 
 def test_an_algorithm_that_breaks_the_contract_is_named():
-    from hfllamarl.runtime.trainer import checked_loss
+    from hfllamarl.runtime.training.trainer import checked_loss
 
     class Broken:
         pass

@@ -9,7 +9,7 @@ from datasets import Dataset
 
 from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
 from hfllamarl.registry import PluginError
-from hfllamarl.tools.tiny import successor_rows
+from hfllamarl.testing.tiny import successor_rows
 
 from conftest import REPO
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from conftest import SIDE_BY_SIDE_ENV
-from hfllamarl.runtime.preflight import cpu_has_bf16
-from hfllamarl.tools.bench_rank import llama_config_for
+from hfllamarl.runtime.generation.preflight import cpu_has_bf16
+from hfllamarl.commands.bench_rank import llama_config_for
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from hfllamarl.runtime import checkpoint, durable
-from hfllamarl.runtime.durable import load_plain
+from hfllamarl.runtime.weights import checkpoint
+from hfllamarl.runtime.weights import durable
+from hfllamarl.runtime.weights.durable import load_plain
 
 STEP = 5
 
@@ -175,10 +176,10 @@ def test_a_state_file_loads_the_records_a_checkpoint_holds_and_refuses_anything_
 
     import numpy as np
 
-    from hfllamarl.runtime.dynamic_sampling import ScoredGroup
-    from hfllamarl.runtime.durable import load_state
-    from hfllamarl.runtime.episodes import Episode
-    from hfllamarl.runtime.rollout import InFlightBatch, Rollout, RolloutGroup
+    from hfllamarl.runtime.training.dynamic_sampling import ScoredGroup
+    from hfllamarl.runtime.weights.durable import load_state
+    from hfllamarl.runtime.data.episodes import Episode
+    from hfllamarl.runtime.loop.rollout import InFlightBatch, Rollout, RolloutGroup
 
     rollout = Rollout(prompt=[{"role": "user", "content": "1+1?"}], prompt_ids=[1, 2], completion_ids=[3],
                       behavior_logprobs=[-0.5], versions=[2], finish_reason="", completion_text="2",
@@ -214,6 +215,26 @@ def test_a_state_file_loads_the_records_a_checkpoint_holds_and_refuses_anything_
     with pytest.raises(pickle.UnpicklingError, match="asks to build posix.system"):
         load_state(str(path))
     assert not created.exists()
+
+
+def test_a_state_file_written_before_the_runtime_was_grouped_still_loads(tmp_path):
+    """Records pickled under their old module names (`hfllamarl.runtime.rollout`, before the runtime's subpackages)
+    load as today's classes; an old name the checkpoint never held stays refused."""
+    import pickle
+
+    from hfllamarl.runtime.loop.rollout import RolloutGroup
+    from hfllamarl.runtime.weights.durable import load_state
+
+    group = RolloutGroup([], batch_index=1, policy_version=0, generation_seconds=0.0, batch_tokens=0)
+    data = pickle.dumps([group], protocol=2)
+    new_name = b"hfllamarl.runtime.loop.rollout"
+    assert data.count(new_name) == 1
+    path = tmp_path / "generator.pt"
+    path.write_bytes(data.replace(new_name, b"hfllamarl.runtime.rollout"))  # protocol 2 names a class in text
+    assert load_state(str(path)) == [group]
+    path.write_bytes(data.replace(new_name, b"hfllamarl.runtime.channels").replace(b"RolloutGroup", b"Channel_____"))
+    with pytest.raises(pickle.UnpicklingError, match="asks to build"):
+        load_state(str(path))
 
 
 def test_flushing_a_directory_other_ranks_are_still_writing_into(tmp_path):

@@ -141,24 +141,28 @@ def test_generation_batch_fields_set_to_what_they_mean_here_are_accepted():
 
 
 def test_every_grpo_config_field_is_read_refused_or_explained():
-    """Each field of the installed TRL's GRPOConfig is read somewhere in the package, refused when set
-    (`UNSUPPORTED`), or listed with why nothing here reads it (`NOT_READ_HERE`): a field a new TRL adds fails
-    this test until it is placed. The lists name real fields only, and no field is in both."""
+    """Each field of the installed TRL's GRPOConfig is in exactly one table: read somewhere in the package
+    (`READ_HERE`), refused when set (`UNSUPPORTED`), or listed with why nothing here reads it (`NOT_READ_HERE`):
+    a field a new TRL adds fails this test until it is placed. The tables name real fields only."""
     import re
     from pathlib import Path
 
-    from hfllamarl.trainers.config_fields import NOT_READ_HERE, UNSUPPORTED
+    from hfllamarl.trainers.config_fields import NOT_READ_HERE, READ_HERE, UNSUPPORTED
 
     root = Path(__file__).resolve().parent.parent
     tables = root / "trainers" / "config_fields.py"
     source = "\n".join(p.read_text() for d in ("hfllamarl", "trainers", "plugins") for p in (root / d).rglob("*.py")
                        if p != tables)
     names = {f.name for f in dataclasses.fields(GRPOConfig)}
-    assert set(UNSUPPORTED) <= names and set(NOT_READ_HERE) <= names
-    assert not set(UNSUPPORTED) & set(NOT_READ_HERE)
-    unplaced = sorted(n for n in names - set(UNSUPPORTED) - set(NOT_READ_HERE)
-                      if not re.search(rf"\b{n}\b", source))
-    assert not unplaced, f"GRPOConfig fields nothing reads, refuses or explains: {unplaced}"
+    placed = {"READ_HERE": set(READ_HERE), "UNSUPPORTED": set(UNSUPPORTED), "NOT_READ_HERE": set(NOT_READ_HERE)}
+    not_fields = {k: sorted(v - names) for k, v in placed.items() if v - names}
+    assert not not_fields, f"table entries that are not GRPOConfig fields: {not_fields}"
+    twice = sorted(n for n in names if sum(n in v for v in placed.values()) > 1)
+    assert not twice, f"GRPOConfig fields in more than one table of config_fields.py: {twice}"
+    unplaced = sorted(names - set().union(*placed.values()))
+    assert not unplaced, f"GRPOConfig fields in no table of config_fields.py (read, refused or explained): {unplaced}"
+    unread = sorted(n for n in READ_HERE if not re.search(rf"\b{n}\b", source))
+    assert not unread, f"listed in READ_HERE, but nothing in the package names them: {unread}"
     read_anyway = sorted(n for n in NOT_READ_HERE if re.search(rf"(args|config|self|a)\.{n}\b", source))
     assert not read_anyway, f"listed as not read, but read: {read_anyway}"
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from hfllamarl.runtime.core_lending import CoreBoard, CoreLender
+from hfllamarl.runtime.world.core_lending import CoreBoard, CoreLender
 
 CPUS = sorted(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="needs two cores")

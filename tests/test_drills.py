@@ -44,7 +44,7 @@ def ranks_of(proc: subprocess.Popen, launch: str) -> dict[str, psutil.Process]:
     """The job's processes by role."""
     if launch == "python":
         kids = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                if "hfllamarl.runtime.generator_child" in " ".join(cmdline(p))]
+                if "hfllamarl.runtime.generation.generator_child" in " ".join(cmdline(p))]
         return {"trainer0": psutil.Process(proc.pid), "generator": kids[0]}
     out = {}
     for p in psutil.Process(proc.pid).children():
@@ -297,7 +297,7 @@ def test_a_lost_generator_replica_is_survived_or_named(tiny_model, tmp_path):
     logged and counted, every prompt of the epoch is trained exactly once and every step is on-policy (the prompts
     the lost replica owed are generated again under the current weights). With "stop" the job ends naming it.
     Four jobs side by side."""
-    from hfllamarl.runtime.prompts import batch_rows
+    from hfllamarl.runtime.data.prompts import batch_rows
 
     results: dict = {}
     threads = [threading.Thread(target=replica_job, args=(tiny_model, str(tmp_path / name), name, results))

@@ -9,9 +9,9 @@ import shutil
 import pytest
 
 from conftest import SCRIPTS, SIDE_BY_SIDE_ENV, run_script, step_logs, tail, trained_rows
-from hfllamarl.runtime.dynamic_sampling import GroupFilter, ScoredGroup, join_scored, split_scored
-from hfllamarl.runtime.prompts import batch_rows
-from hfllamarl.runtime.rollout import Rollout, RolloutGroup
+from hfllamarl.runtime.training.dynamic_sampling import GroupFilter, ScoredGroup, join_scored, split_scored
+from hfllamarl.runtime.data.prompts import batch_rows
+from hfllamarl.runtime.loop.rollout import Rollout, RolloutGroup
 
 
 def group(row: int, rewards: list[float], version: int = 0, batch: int = 0) -> ScoredGroup:
@@ -134,7 +134,7 @@ def test_two_trainer_ranks_drop_refill_and_resume_with_the_reserve(family_model,
 
 
 def _answers():
-    from hfllamarl.tools.tiny import successor_rows
+    from hfllamarl.testing.tiny import successor_rows
 
     return [r["answer"] for r in successor_rows(64, seed=2)]  # train_tiny.py's training set
 
@@ -148,11 +148,11 @@ def test_a_step_with_no_group_with_signal_trains_nothing():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hfllamarl.plugins.algorithms.aipo import AIPO
-    from hfllamarl.runtime.rewards import RewardRunner
-    from hfllamarl.runtime.sampling import Sampling
-    from hfllamarl.runtime.schedule import Schedule
-    from hfllamarl.runtime.topology import Topology
-    from hfllamarl.runtime.trainer import TrainerExecutor, TrainerSpec
+    from hfllamarl.runtime.data.rewards import RewardRunner
+    from hfllamarl.runtime.loop.sampling import Sampling
+    from hfllamarl.runtime.loop.schedule import Schedule
+    from hfllamarl.runtime.world.topology import Topology
+    from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

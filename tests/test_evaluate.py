@@ -13,10 +13,10 @@ import pytest
 from conftest import SIDE_BY_SIDE_ENV
 
 from hfllamarl import load_plugin
-from hfllamarl.tools.eval_data import (INSTRUCTION, EvalDataError, build_prompt, check_rows, columns_of, default_reward,
+from hfllamarl.commands.eval_data import (INSTRUCTION, EvalDataError, build_prompt, check_rows, columns_of, default_reward,
                                  detect_shape, gold_answer, read_jsonl, score_completions)
-from hfllamarl.tools.evaluate import request_seed, summarize
-from hfllamarl.tools.tiny import build_tokenizer
+from hfllamarl.commands.evaluate import request_seed, summarize
+from hfllamarl.testing.tiny import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -214,7 +214,7 @@ def test_cli_errors_exit_2_without_loading_a_model(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
 def tiny_long_model(tmp_path_factory) -> str:
-    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.testing.tiny import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny_eval") / "model"), max_position_embeddings=2048)
 

@@ -5,15 +5,15 @@ import copy
 import pytest
 import torch
 
-from hfllamarl.runtime.finite import NonFiniteError
+from hfllamarl.runtime.training.finite import NonFiniteError
 from hfllamarl.losses import masked_mean
 from hfllamarl.plugins.algorithms.aipo import AIPO
-from hfllamarl.runtime.rewards import RewardRunner
-from hfllamarl.runtime.sampling import Sampling
-from hfllamarl.runtime.schedule import Schedule
-from hfllamarl.runtime.rollout import Rollout, RolloutGroup
-from hfllamarl.runtime.topology import Topology
-from hfllamarl.runtime.trainer import TrainerExecutor, TrainerSpec
+from hfllamarl.runtime.data.rewards import RewardRunner
+from hfllamarl.runtime.loop.sampling import Sampling
+from hfllamarl.runtime.loop.schedule import Schedule
+from hfllamarl.runtime.loop.rollout import Rollout, RolloutGroup
+from hfllamarl.runtime.world.topology import Topology
+from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
 
 
 @pytest.fixture

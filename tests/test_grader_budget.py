@@ -12,8 +12,8 @@ import torch
 from hfllamarl.plugins.algorithms.aipo import AIPO
 from hfllamarl.plugins.rewards import math_sympy as module
 from hfllamarl.plugins.rewards.math_sympy import math_sympy
-from hfllamarl.runtime.rewards import RewardRunner
-from hfllamarl.tools.grader_batch import math_batch, math_verify_verdicts, read_rows
+from hfllamarl.runtime.data.rewards import RewardRunner
+from hfllamarl.commands.grader_batch import math_batch, math_verify_verdicts, read_rows
 
 MATH_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "math_test.jsonl"
 SLOW = r"So the answer is $\boxed{10^{10^{10}}}$."  # sympy builds the integer: past any timeout (test_rewards)
@@ -151,7 +151,7 @@ def test_one_worker_and_several_give_the_same_scores():
 
 def test_unscored_totals_reach_the_log_as_the_newest_total():
     """counters() reports running totals; a log line covering several steps shows the newest, not a mean."""
-    from hfllamarl.runtime.reporting import _mean_of
+    from hfllamarl.runtime.training.reporting import _mean_of
 
     rows = [{"rewards/math_sympy/unscored": 1.0, "reward_unscored": 1.0, "loss": 1.0},
             {"rewards/math_sympy/unscored": 4.0, "reward_unscored": 2.0, "loss": 3.0}]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hfllamarl.tools import bench_grader, grader_suites
+from hfllamarl.commands import bench_grader
+from hfllamarl.commands import grader_suites
 
 MATH_VERIFY_TEST = '''
 import math

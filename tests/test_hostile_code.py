@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hfllamarl.runtime.sandbox import Sandbox, SandboxError, SandboxTimeout, SandboxUnavailable
+from hfllamarl.sandbox.client import Sandbox, SandboxError, SandboxTimeout, SandboxUnavailable
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 
@@ -300,7 +300,7 @@ def test_a_failed_isolation_step_fails_closed():
 
 _REFUSED_SCRIPT = """
 from hfllamarl.plugins.environments.python_sandbox import PythonSandbox
-from hfllamarl.runtime.sandbox import SandboxUnavailable
+from hfllamarl.sandbox.client import SandboxUnavailable
 try:
     PythonSandbox(timeout_s=5)
 except SandboxUnavailable as exc:

@@ -10,13 +10,13 @@ import torch
 
 from conftest import SCRIPTS, SIDE_BY_SIDE_ENV, run_script, tail
 from hfllamarl.plugins.algorithms.aipo import AIPO
-from hfllamarl.runtime.iterations import high_entropy_mask, mix_reference
-from hfllamarl.runtime.rewards import RewardRunner
-from hfllamarl.runtime.rollout import Rollout, RolloutGroup
-from hfllamarl.runtime.sampling import Sampling
-from hfllamarl.runtime.schedule import Schedule
-from hfllamarl.runtime.topology import Topology
-from hfllamarl.runtime.trainer import TrainerExecutor, TrainerSpec
+from hfllamarl.runtime.training.iterations import high_entropy_mask, mix_reference
+from hfllamarl.runtime.data.rewards import RewardRunner
+from hfllamarl.runtime.loop.rollout import Rollout, RolloutGroup
+from hfllamarl.runtime.loop.sampling import Sampling
+from hfllamarl.runtime.loop.schedule import Schedule
+from hfllamarl.runtime.world.topology import Topology
+from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
 
 
 def test_schedule_counts_optimizer_steps():

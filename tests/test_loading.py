@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from hfllamarl.runtime.loading import SafetensorsRows
+from hfllamarl.runtime.weights.loading import SafetensorsRows
 
 
 def test_rows_are_read_at_their_offsets_in_any_dtype(tmp_path):

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from hfllamarl.runtime.lora import MergedLoraWeights, check_peft_inputs, merged_state_dict
+from hfllamarl.runtime.weights.lora import MergedLoraWeights, check_peft_inputs, merged_state_dict
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> str:
-    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.testing.tiny import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("llama") / "model"), family="llama", seed=0)
 
@@ -78,7 +78,7 @@ def test_meta_device_adapters_get_peft_init(llama):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hfllamarl.runtime.loading import build_empty, init_lora, load_shards, materialize
+    from hfllamarl.runtime.weights.loading import build_empty, init_lora, load_shards, materialize
 
     targets = ["q_proj", "down_proj", "embed_tokens"]
     model = get_peft_model(build_empty(AutoConfig.from_pretrained(llama), torch.float32), LoraConfig(target_modules=targets))
@@ -111,7 +111,7 @@ def test_adapter_files_load_with_peft(llama, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from hfllamarl.runtime.checkpoint import gathered_adapters, write_adapters
+    from hfllamarl.runtime.weights.checkpoint import gathered_adapters, write_adapters
 
     model = peft_model(llama, ["q_proj", "v_proj", "embed_tokens"]).eval()
     write_adapters(model, gathered_adapters(model), str(tmp_path / "adapter"))
@@ -126,8 +126,8 @@ def test_peft_inputs_accepted_and_refused(llama, tmp_path):
     from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
-    from hfllamarl.runtime.lora import apply_peft
-    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.runtime.weights.lora import apply_peft
+    from hfllamarl.testing.tiny import build_tiny_model
 
     model = peft_model(llama, ["q_proj", "v_proj"])
     check_peft_inputs(model, None)  # a PeftModel alone: accepted

@@ -10,7 +10,7 @@ import torch
 
 from hfllamarl import load_plugin
 from hfllamarl.losses import behavior_kl, ratio_metrics
-from hfllamarl.runtime.sampling import Sampling, within_support
+from hfllamarl.runtime.loop.sampling import Sampling, within_support
 
 
 def test_k3_on_in_support_tokens_matches_hand_values():
@@ -78,9 +78,9 @@ def test_a_ratio_past_float32s_range_stays_finite():
 
 
 def test_the_logging_point_drops_a_non_finite_metric_with_a_warning_naming_it(caplog):
-    from hfllamarl.runtime.reporting import finite_logs
+    from hfllamarl.runtime.training.reporting import finite_logs
 
-    with caplog.at_level(logging.WARNING, logger="hfllamarl.runtime.reporting"):
+    with caplog.at_level(logging.WARNING, logger="hfllamarl.runtime.training.reporting"):
         out = finite_logs({"loss": 0.5, "behavior_kl": math.inf, "entropy": math.nan, "epoch": 1}, step=7)
     assert out == {"loss": 0.5, "epoch": 1}
     text = caplog.text

@@ -5,21 +5,21 @@ import pytest
 import torch
 
 from hfllamarl.plugins.algorithms.aipo import AIPO
-from hfllamarl.runtime.batching import completion_logprobs, pack_batch, pad_batch
-from hfllamarl.runtime.moe import aux_loss_coef, balancing_loss_fn
-from hfllamarl.runtime.rewards import RewardRunner
-from hfllamarl.runtime.rollout import Rollout
-from hfllamarl.runtime.sampling import Sampling
-from hfllamarl.runtime.schedule import Schedule
-from hfllamarl.runtime.topology import Topology
-from hfllamarl.runtime.trainer import TrainerExecutor, TrainerSpec
+from hfllamarl.runtime.training.batching import completion_logprobs, pack_batch, pad_batch
+from hfllamarl.runtime.training.moe import aux_loss_coef, balancing_loss_fn
+from hfllamarl.runtime.data.rewards import RewardRunner
+from hfllamarl.runtime.loop.rollout import Rollout
+from hfllamarl.runtime.loop.sampling import Sampling
+from hfllamarl.runtime.loop.schedule import Schedule
+from hfllamarl.runtime.world.topology import Topology
+from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.testing.tiny import build_tiny_model
 
     path = build_tiny_model(str(tmp_path_factory.mktemp("moe") / "m"), family="qwen3_moe", seed=2)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -36,7 +36,7 @@ def launch_nodes(launcher: str, nodes: int, per_node: int, script_args: list[str
 
 def test_two_nodes_train_and_the_generator_ends_with_the_trainers_weights(tiny_model, tmp_path):
     """The same job launched by torchrun and by accelerate launch, side by side."""
-    from hfllamarl.runtime.prompts import batch_rows
+    from hfllamarl.runtime.data.prompts import batch_rows
 
     jobs = {}
     for launcher in ("torchrun", "accelerate"):
@@ -74,7 +74,7 @@ def test_two_replicas_of_tensor_parallel_two_one_per_node(tiny_model, tmp_path):
     node 1 runs replica 1 (ranks 4-5). The trainers feed replica 0, which relays every piece to replica 1 across the
     node boundary; after every sync both replicas' engines hold exactly what vLLM's own loader makes of the
     trainer's weights (verify_weight_sync) and sample on-policy, and every rank trains exactly its prompts."""
-    from hfllamarl.runtime.prompts import batch_rows
+    from hfllamarl.runtime.data.prompts import batch_rows
 
     out = str(tmp_path / "replicas")
     procs = launch_nodes("torchrun", 2, 3, [str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "3",

@@ -25,7 +25,7 @@ def test_only_hfllamarl_is_a_top_level_name(tmp_path):
 def test_the_collector_paused_while_a_generator_starts_is_restored_and_its_garbage_collected():
     code = """
 import gc, weakref
-from hfllamarl.runtime.collector import collector_paused
+from hfllamarl.runtime.world.collector import collector_paused
 
 class Node:
     pass
@@ -54,3 +54,71 @@ print('ok')
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# The runtime's layers, bottom first, as ARCHITECTURE.md draws them; the two sides never import each other.
+LAYERS = ["world", "loop", "weights", "data", "agents", "generation", "training"]
+PUBLIC = {"hfllamarl", "hfllamarl.contracts", "hfllamarl.losses", "hfllamarl.policy_loss", "hfllamarl.registry",
+          "hfllamarl.weight_sync", "hfllamarl.sandbox"}
+
+
+def _imports(path):
+    """Every module a file imports (module level and inside functions), as absolute dotted names."""
+    import ast
+
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0 or not path.startswith("hfllamarl/runtime"), f"{path}: relative import"
+            if node.level == 0 and node.module:
+                out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def _root():
+    import os
+
+    return os.path.join(os.path.dirname(__file__), "..")
+
+
+def test_each_runtime_layer_imports_only_the_layers_below_it():
+    import os
+
+    os.chdir(_root())
+    wrong = []
+    for layer in LAYERS:
+        folder = os.path.join("hfllamarl", "runtime", layer)
+        for name in sorted(os.listdir(folder)):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            for module in _imports(path):
+                parts = module.split(".")
+                if parts[0] != "hfllamarl" or len(parts) < 2:
+                    continue
+                if parts[1] in ("commands", "testing", "trainers", "plugins", "cli"):
+                    wrong.append(f"{path} imports {module} (the runtime never imports what sits around it)")
+                elif parts[1] == "runtime" and len(parts) > 2 and parts[2] in LAYERS:
+                    other = parts[2]
+                    if LAYERS.index(other) > LAYERS.index(layer) or {layer, other} == {"generation", "training"}:
+                        wrong.append(f"{path} ({layer}) imports {module} ({other})")
+    assert not wrong, "\n".join(wrong)
+    assert sorted(d for d in os.listdir("hfllamarl/runtime") if not d.startswith(("_", "."))) == sorted(LAYERS)
+
+
+def test_plugins_import_only_the_public_core():
+    import os
+
+    os.chdir(_root())
+    wrong = []
+    for folder, _, names in os.walk("plugins"):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                for module in _imports(path):
+                    if module.startswith("hfllamarl.") and not module.startswith("hfllamarl.plugins") and not any(
+                            module == p or module.startswith(p + ".") and p != "hfllamarl" for p in PUBLIC):
+                        wrong.append(f"{path} imports {module}")
+    assert not wrong, "\n".join(wrong)

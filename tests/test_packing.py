@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hfllamarl.runtime.batching import completion_logprobs, pack_batch, packing_agrees, pad_batch
-from hfllamarl.runtime.rollout import Rollout
-from hfllamarl.runtime.sampling import Sampling, sampled_logprobs, seen_tokens
+from hfllamarl.runtime.training.batching import completion_logprobs, pack_batch, packing_agrees, pad_batch
+from hfllamarl.runtime.loop.rollout import Rollout
+from hfllamarl.runtime.loop.sampling import Sampling, sampled_logprobs, seen_tokens
 
 FAMILIES = ["llama", "llama_gqa", "qwen2", "qwen3", "qwen3_moe", "mistral", "llama32"]  # mistral: window 4
 SAMPLINGS = [Sampling(temperature=0.7),
@@ -39,7 +39,7 @@ def alone(model, r: Rollout, sampling: Sampling) -> torch.Tensor:
 def models(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.testing.tiny import build_tiny_model
 
     built = {}
     for family in FAMILIES:

@@ -68,7 +68,7 @@ def test_partial_rollouts_survive_a_kill_and_run_through_a_tensor_parallel_gener
     Beside it, torchrun with 3 processes: one trainer and one generator engine sharded over 2 ranks (TP=2); the
     continued completions are sampled by the sharded engine under each new set of weights, each token still scored
     against the version it came from. (The jobs run side by side: much of each is start-up.)"""
-    from hfllamarl.runtime.prompts import batch_rows
+    from hfllamarl.runtime.data.prompts import batch_rows
 
     tp_out = str(tmp_path / "tp")
     tp_job = beside(run_script, [str(SCRIPTS / "train_tiny.py"), tiny_model, tp_out, "--steps", "4", "--max-staleness",

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from hfllamarl import cli
-from hfllamarl.tools import plan as pl, plan_model as pm
+from hfllamarl.commands import plan as pl
+from hfllamarl.commands import plan_model as pm
 
 from conftest import REPO
 
@@ -337,7 +338,7 @@ def test_command_line_last_line_is_json():
 def test_bench_profile_feeds_plan(capsys, tmp_path):
     """`hfllamarl bench profile` measures this machine (vLLM decode steps, transformers training) and writes
     the file `plan --profile` reads; the plan then uses it."""
-    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.testing.tiny import build_tiny_model
 
     model = tmp_path / "tiny"
     build_tiny_model(str(model), seed=0)

@@ -42,7 +42,7 @@ def test_example_declares_its_entry_point_without_dependencies():
 def test_example_environment_keeps_state_and_scores_itself():
     """TRL's environment contract, with hand values: reset takes the row, the tool answers, get_reward pays."""
     from hfllamarl.contracts import Environment
-    from hfllamarl.runtime.environments import probe
+    from hfllamarl.runtime.agents.environments import probe
 
     spec = importlib.util.spec_from_file_location("example_environment", EXAMPLE / "hfllamarl_plugin_example" /
                                                   "environment.py")

@@ -5,8 +5,8 @@ from datasets import Dataset
 from transformers import LlamaConfig, Qwen3MoeConfig
 
 from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
-from hfllamarl.runtime.preflight import PreflightError, check_generator, cpu_attention_head_sizes, cpu_has_bf16
-from hfllamarl.tools.tiny import build_tiny_model, successor_rows
+from hfllamarl.runtime.generation.preflight import PreflightError, check_generator, cpu_attention_head_sizes, cpu_has_bf16
+from hfllamarl.testing.tiny import build_tiny_model, successor_rows
 
 
 def llama(**kw):

@@ -14,8 +14,8 @@ import time
 import psutil
 import pytest
 
-from hfllamarl.runtime.spawn import Prestarted
-from hfllamarl.runtime.topology import Topology
+from hfllamarl.runtime.world.spawn import Prestarted
+from hfllamarl.runtime.world.topology import Topology
 
 pytestmark = pytest.mark.slow  # real processes, each importing vLLM
 
@@ -60,7 +60,7 @@ def test_a_prestarted_child_runs_the_job_it_is_handed_and_one_started_for_anothe
     spec.write_bytes(pickle.dumps(Touch(str(tmp_path / "read"))))
     try:
         monkeypatch.setenv("HFLLAMARL_TEST_SETTING", "changed after the trainer was built")
-        with caplog.at_level(logging.INFO, logger="hfllamarl.runtime.spawn"):
+        with caplog.at_level(logging.INFO, logger="hfllamarl.runtime.world.spawn"):
             assert prestarted.claim(topo, 2, {}, {}, str(spec)) is None
         assert gone(pids[2], 1.0), "a child started for another environment was left running"
         assert "rank 2: a new generator process starts" in caplog.text and "HFLLAMARL_TEST_SETTING" in caplog.text
@@ -100,8 +100,8 @@ def test_released_children_and_those_of_a_killed_trainer_end_at_once_even_while_
 
     # A trainer process SIGKILLed while its child imports: the child sees its parent gone within a second.
     script = ("import sys, time\n"
-              "from hfllamarl.runtime.spawn import Prestarted\n"
-              "from hfllamarl.runtime.topology import Topology\n"
+              "from hfllamarl.runtime.world.spawn import Prestarted\n"
+              "from hfllamarl.runtime.world.topology import Topology\n"
               "p = Prestarted(Topology(mode='single', rank=0, world_size=2, num_generators=1, timeout_s=30.0, "
               "use_cpu=True), sys.argv[1])\n"
               "print(*(proc.pid for proc, _ in p.children.values()), flush=True)\n"

@@ -3,8 +3,8 @@
 import pytest
 from datasets import Dataset
 
-from hfllamarl.runtime.prompts import PromptEncoder, batch_rows, validate_dataset
-from hfllamarl.tools.tiny import build_tokenizer
+from hfllamarl.runtime.data.prompts import PromptEncoder, batch_rows, validate_dataset
+from hfllamarl.testing.tiny import build_tokenizer
 
 
 def test_batches_cover_each_epoch_once_and_are_reproducible():
@@ -27,7 +27,7 @@ def test_a_run_by_epochs_is_as_many_steps_as_trls(tmp_path):
     from trl import GRPOConfig, GRPOTrainer
 
     from hfllamarl import AsyncAIPOConfig
-    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.testing.tiny import build_tiny_model
     from hfllamarl.trainers.async_aipo_trainer import run_length
 
     model = build_tiny_model(str(tmp_path / "model"))

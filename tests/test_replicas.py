@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import SCRIPTS, assert_on_policy, free_port, orphans, run_script, step_logs, tail, trained_rows
-from hfllamarl.runtime.schedule import Schedule, position_owner, replica_share, trainer_positions
-from hfllamarl.runtime.topology import Topology
+from hfllamarl.runtime.loop.schedule import Schedule, position_owner, replica_share, trainer_positions
+from hfllamarl.runtime.world.topology import Topology
 
 
 def topology(rank=0, world=5, generators=4, tp=2, failure="stop", **kw) -> Topology:
@@ -70,7 +70,7 @@ def test_hand_values_of_the_two_splits():
 
 
 def test_rollouts_reach_the_trainer_rank_of_their_position_whichever_replica_sent_them():
-    from hfllamarl.runtime.rollout import RolloutGroup, split_by_position
+    from hfllamarl.runtime.loop.rollout import RolloutGroup, split_by_position
 
     split = split_by_position(8)
     from_replica_1 = [RolloutGroup([], 5, 0, 0.0, 0, position=p, replica=1) for p in (2, 3, 4, 5)]
@@ -82,7 +82,7 @@ def test_rollouts_reach_the_trainer_rank_of_their_position_whichever_replica_sen
 
 
 def _dispatch(rank=1, trainers=2, replicas=2, failure="continue"):
-    from hfllamarl.runtime.dispatch import Dispatch
+    from hfllamarl.runtime.loop.dispatch import Dispatch
 
     topo = topology(rank=rank, world=trainers + replicas, generators=replicas, tp=1, failure=failure)
     topo.containing = True
@@ -90,7 +90,7 @@ def _dispatch(rank=1, trainers=2, replicas=2, failure="continue"):
 
 
 def test_the_ledger_owes_exactly_what_a_lost_replica_did_not_deliver():
-    from hfllamarl.runtime.rollout import RolloutGroup
+    from hfllamarl.runtime.loop.rollout import RolloutGroup
 
     topo, d = _dispatch(rank=1)
     tick = type("Executor", (), {"tick": 5})()
@@ -110,7 +110,7 @@ def test_the_ledger_owes_exactly_what_a_lost_replica_did_not_deliver():
 
 
 def test_a_trainer_rank_trains_exactly_its_positions_once_in_order():
-    from hfllamarl.runtime.rollout import RolloutGroup
+    from hfllamarl.runtime.loop.rollout import RolloutGroup
 
     _, d = _dispatch(rank=1)
     group = lambda p: RolloutGroup([], 3, 2, 0.0, 0, position=p)  # noqa: E731
@@ -122,7 +122,7 @@ def test_a_trainer_rank_trains_exactly_its_positions_once_in_order():
 
 
 def test_every_generator_replica_lost_stops_the_job_naming_them():
-    from hfllamarl.runtime.dispatch import NoReplicaLeftError
+    from hfllamarl.runtime.loop.dispatch import NoReplicaLeftError
 
     topo, d = _dispatch(rank=0)
     topo.lost.update({0: "rank 2 (generator 0, replica 0) was killed by signal 9", 1: "rank 3 froze"})
@@ -173,7 +173,7 @@ def test_trls_data_parallel_size_is_the_replica_count():
 
 
 def test_a_resume_with_another_replica_count_is_refused_with_the_reason():
-    from hfllamarl.runtime.checkpoint import check_resumable
+    from hfllamarl.runtime.weights.checkpoint import check_resumable
 
     marker = {"world_size": 4, "num_generators": 2, "num_replicas": 2, "job": {}}
     with pytest.raises(ValueError, match=r"generator replicas: 2 -> 1\).* own file .* cannot be handed to another "
@@ -215,7 +215,7 @@ def test_the_watchdog_marks_a_failed_replica_lost_and_stops_only_when_none_is_le
 def rows_of(rank: int, step: int, trainers: int, prompts: int) -> list[int]:
     """The independent reference: the dataset rows trainer rank `rank` trains at `step`, from the data schedule
     (seed 0, 64 rows) and the positions it owns: the same with one replica or many."""
-    from hfllamarl.runtime.prompts import batch_rows
+    from hfllamarl.runtime.data.prompts import batch_rows
 
     rows = batch_rows(64, prompts, step - 1, seed=0)
     return [rows[p] for p in trainer_positions(prompts, trainers, rank)]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hfllamarl.registry import PluginError
-from hfllamarl.runtime.reward_models import RewardModel
-from hfllamarl.runtime.rewards import RewardRunner, resolve_reward_funcs
+from hfllamarl.runtime.data.reward_models import RewardModel
+from hfllamarl.runtime.data.rewards import RewardRunner, resolve_reward_funcs
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -20,7 +20,7 @@ def classifier(tmp_path_factory):
     """A tiny Llama sequence classifier (random init, one logit) saved with a tokenizer that has a chat template."""
     from transformers import AutoModelForSequenceClassification, LlamaConfig
 
-    from hfllamarl.tools.tiny import build_tokenizer
+    from hfllamarl.testing.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE

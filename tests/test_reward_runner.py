@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from hfllamarl.runtime.rewards import RewardFunctionError, RewardRunner, resolve_reward_funcs
+from hfllamarl.runtime.data.rewards import RewardFunctionError, RewardRunner, resolve_reward_funcs
 
 
 def call(runner, prompts, completions, **columns):

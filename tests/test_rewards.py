@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hfllamarl.runtime import sandbox as _sandbox
+from hfllamarl.sandbox import client as _sandbox
 from hfllamarl.plugins.rewards.format import boxed_format, length, length_penalty
 from hfllamarl.plugins.rewards.gsm8k import gsm8k
 from hfllamarl.plugins.rewards.math_sympy import extract_answer, math_sympy, normalize_answer
@@ -77,7 +77,7 @@ def test_extract_answer(text, expected):
 
 
 def test_builtin_grader_suite_agrees_with_its_hand_verdicts():
-    from hfllamarl.tools import bench_grader
+    from hfllamarl.commands import bench_grader
 
     cases = bench_grader.load_cases([], builtin=True)
     table = bench_grader.score(cases)["hfllamarl"]
@@ -86,7 +86,7 @@ def test_builtin_grader_suite_agrees_with_its_hand_verdicts():
 
 
 def test_grader_suite_files_are_checked(tmp_path):
-    from hfllamarl.tools import bench_grader
+    from hfllamarl.commands import bench_grader
 
     good = tmp_path / "suite.jsonl"
     good.write_text(json.dumps({"gold": "1", "prediction": "0.5", "expected": False, "input_kind": "answer"}) + "\n")
@@ -361,7 +361,7 @@ def test_idle_worker_exits_when_its_parent_dies():
 def test_busy_worker_exits_when_its_parent_dies():
     pid = _orphan_worker_pid(  # the worker is stuck in C when its parent dies
         "import hashlib, threading\n"
-        "from hfllamarl.runtime.sandbox import Sandbox\n"
+        "from hfllamarl.sandbox.client import Sandbox\n"
         "w = Sandbox('sandbox_targets:pbkdf2')\n"
         "w.wait_ready(30)\n"
         "print(w.pid, flush=True)\n"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hfllamarl import AsyncAIPOConfig
-from hfllamarl.runtime.sampling import Sampling, processed_logits, sampled_logprobs, seen_tokens
+from hfllamarl.runtime.loop.sampling import Sampling, processed_logits, sampled_logprobs, seen_tokens
 
 LOGITS = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]])  # [B=1, T=1, V=4]
 P = torch.softmax(LOGITS[0, 0], -1).tolist()  # 0.644, 0.237, 0.087, 0.032
@@ -111,7 +111,7 @@ def test_a_stale_token_the_current_policy_can_no_longer_sample_weighs_zero():
     0 and nothing turns NaN (loss, gradient, the KL to a reference), as it would with log pi = -inf. Padding
     (here the second sample's last position) does not count either."""
     from hfllamarl.plugins.algorithms.aipo import AIPO
-    from hfllamarl.runtime.sampling import within_support
+    from hfllamarl.runtime.loop.sampling import within_support
 
     s = Sampling(top_k=2)
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0]],

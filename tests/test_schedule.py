@@ -1,6 +1,6 @@
-"""The job's clock, by hand: which batch each side works on at each tick (hfllamarl.runtime.schedule)."""
+"""The job's clock, by hand: which batch each side works on at each tick (hfllamarl.runtime.loop.schedule)."""
 
-from hfllamarl.runtime.schedule import Schedule, ticks_per_batch
+from hfllamarl.runtime.loop.schedule import Schedule, ticks_per_batch
 
 
 def test_staleness_two():

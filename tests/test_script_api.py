@@ -6,7 +6,7 @@ import pytest
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from hfllamarl import AsyncAIPOConfig
-from hfllamarl.runtime.reporting import Reporter
+from hfllamarl.runtime.training.reporting import Reporter
 from hfllamarl.trainers.script_api import GeneratorRankModel
 from hfllamarl.trainers.trainer_ranks import build_optimizer
 
@@ -109,8 +109,8 @@ def test_the_steps_checkpointed_are_those_transformers_trainer_saves(tmp_path, m
     transformers' DefaultFlowCallback decides step by step; the generator asks the same question of its clock."""
     from transformers.trainer_callback import DefaultFlowCallback, TrainerControl, TrainerState
 
-    from hfllamarl.runtime import checkpoint
-    from hfllamarl.runtime.schedule import Schedule
+    from hfllamarl.runtime.weights import checkpoint
+    from hfllamarl.runtime.loop.schedule import Schedule
     from hfllamarl.trainers.trainer_ranks import save_every
 
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", save_strategy="steps",
@@ -143,7 +143,7 @@ def test_early_stopping_callback_stops_where_transformers_trainer_would(tmp_path
     from transformers.trainer_callback import TrainerControl, TrainerState
     from transformers.trainer_utils import rotate_checkpoints
 
-    from hfllamarl.runtime import checkpoint
+    from hfllamarl.runtime.weights import checkpoint
 
     rewards = [0.2, 0.5, 0.4, 0.5, 0.45, 0.6]  # eval_reward at versions 1..6: best 0.5 at 2, then 3 evaluations worse
     args = AsyncAIPOConfig(output_dir=str(tmp_path), report_to="none", disable_tqdm=True, save_steps=1,
@@ -221,8 +221,8 @@ def test_evaluations_wait_for_eval_delay_as_transformers_trainer(tmp_path, strat
 
     from transformers.trainer_callback import DefaultFlowCallback, TrainerControl, TrainerState
 
-    from hfllamarl.runtime.generator import GeneratorExecutor
-    from hfllamarl.runtime.schedule import Schedule
+    from hfllamarl.runtime.generation.generator import GeneratorExecutor
+    from hfllamarl.runtime.loop.schedule import Schedule
     from hfllamarl.trainers.trainer_ranks import eval_delay, eval_every
 
     steps, per_epoch = 12, 3
@@ -267,7 +267,7 @@ def test_checkpoint_rotation_is_transformers_and_keeps_pending_evaluations(tmp_p
     best kept); a checkpoint whose evaluation has not arrived yet is kept too."""
     from transformers.trainer_utils import rotate_checkpoints
 
-    from hfllamarl.runtime import checkpoint
+    from hfllamarl.runtime.weights import checkpoint
 
     def make(root):
         for step in range(1, 7):

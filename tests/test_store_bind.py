@@ -60,7 +60,7 @@ def test_a_plain_tcpstore_listens_everywhere_so_the_check_can_fail():
 def test_the_single_process_jobs_store_listens_on_loopback_only_and_serves_its_children():
     import torch.distributed as dist
 
-    from hfllamarl.runtime.topology import Topology
+    from hfllamarl.runtime.world.topology import Topology
 
     topo = Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=5, use_cpu=True)
     store = topo.store()
@@ -74,7 +74,7 @@ def test_the_single_process_jobs_store_listens_on_loopback_only_and_serves_its_c
 
 def test_a_launcher_rank_hosting_the_store_at_a_loopback_rendezvous_listens_there_only(monkeypatch):
     """A launcher whose rank 0 hosts the store (no agent store) at MASTER_ADDR=127.0.0.1: same guarantee."""
-    from hfllamarl.runtime.topology import Topology
+    from hfllamarl.runtime.world.topology import Topology
 
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     with socket.socket() as s:  # a free port to name as MASTER_PORT
@@ -88,7 +88,7 @@ def test_a_launcher_rank_hosting_the_store_at_a_loopback_rendezvous_listens_ther
 
 
 def test_a_busy_port_is_refused_with_what_to_do():
-    from hfllamarl.runtime.topology import TopologyError, host_store
+    from hfllamarl.runtime.world.topology import TopologyError, host_store
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 
 from hfllamarl import AsyncAIPOConfig
-from hfllamarl.runtime.episodes import completion, tool_counts, tool_metrics
-from hfllamarl.runtime.multi_turn import AgentSpec, MultiTurn
-from hfllamarl.runtime.tool_calls import ToolRunner
+from hfllamarl.runtime.data.episodes import completion, tool_counts, tool_metrics
+from hfllamarl.runtime.agents.multi_turn import AgentSpec, MultiTurn
+from hfllamarl.runtime.agents.tool_calls import ToolRunner
 
 SLEEP_S, CALLS, TIMEOUT_S = 0.5, 50, 1.0
 STARTED = []  # (tool, monotonic time) of every call that started, from any thread
@@ -107,7 +107,7 @@ class Scripted(MultiTurn):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from hfllamarl.tools.tiny_chat import build_chat_tokenizer
+    from hfllamarl.testing.chat_tokenizer import build_chat_tokenizer
 
     return build_chat_tokenizer("qwen3")
 
@@ -435,9 +435,9 @@ def test_get_rewards_that_time_out_run_together_leave_their_rollouts_unscored_an
     ends within one bound (three in a row without); they are unscored (None), not 0, and left out of their group's
     baseline (TRL's NaN: advantage 0), the other two keep their scores; reward_errors='raise' does not stop the job
     for a timeout. A get_reward that raises still follows reward_errors."""
-    from hfllamarl.runtime.environments import EnvironmentReward
-    from hfllamarl.runtime.episodes import reward_arguments
-    from hfllamarl.runtime.rewards import RewardRunner
+    from hfllamarl.runtime.agents.environments import EnvironmentReward
+    from hfllamarl.runtime.data.episodes import reward_arguments
+    from hfllamarl.runtime.data.rewards import RewardRunner
 
     mt = _multi_turn(tokenizer, factories={None: Dawdle}, reward_errors="raise", rollout_time_budget_s=30.0)
     rollouts, seconds = _run(mt, ["dawdle", "dawdle", "dawdle", "score 2", "score 4"])

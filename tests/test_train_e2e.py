@@ -36,7 +36,7 @@ def check_notebook_run(proc: subprocess.CompletedProcess, out: str) -> None:
     versions ahead and no further, and every batch is trained. Evaluation during training (eval_steps=1,
     eval_on_start): every version due by the last step (0 to 6) is evaluated, the last ones in the ticks after the last
     step, before train() returns, and the eval_* metrics reach log_history, on_evaluate and TensorBoard."""
-    from hfllamarl.runtime.prompts import batch_rows
+    from hfllamarl.runtime.data.prompts import batch_rows
 
     assert proc.returncode == 0, tail(proc)
     assert proc.stdout.count("TRAINED global_step=6") == 2
@@ -97,7 +97,7 @@ def test_kill_inside_a_checkpoint_and_resume_beside_a_notebook_run(tiny_model, t
     is called twice, as in a notebook, with evaluation during training (`check_notebook_run`)."""
     from safetensors.torch import load_file
 
-    from hfllamarl.runtime.prompts import batch_rows
+    from hfllamarl.runtime.data.prompts import batch_rows
 
     notebook_out = str(tmp_path / "run")
     notebook = beside(notebook_run, tiny_model, notebook_out)
@@ -142,7 +142,7 @@ def test_kill_inside_a_checkpoint_and_resume_beside_a_notebook_run(tiny_model, t
                       env=SIDE_BY_SIDE_ENV)
     assert proc.returncode == 0 and "TRAINED global_step=6" in proc.stdout, tail(proc)
     assert [h["step"] for h in step_logs(proc.stdout)] == [1, 2, 3, 4, 5, 6]
-    assert "hfllamarl.runtime.generator_child" not in proc.stderr and "Loading safetensors" not in proc.stderr
+    assert "hfllamarl.runtime.generation.generator_child" not in proc.stderr and "Loading safetensors" not in proc.stderr
     assert time.monotonic() - started < 60
     check_notebook_run(notebook.result(), notebook_out)
 
@@ -166,7 +166,7 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     import psutil
 
     from conftest import free_port
-    from hfllamarl.runtime.prompts import batch_rows
+    from hfllamarl.runtime.data.prompts import batch_rows
 
     out = str(tmp_path / "two")
     common = ["--steps", "5", "--save-steps", "2", "--report-to", "none", "--eval-rows", "3",

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from hfllamarl.plugins.algorithms.aipo import AIPO
-from hfllamarl.runtime.sampling import Sampling
-from hfllamarl.runtime.schedule import Schedule
-from hfllamarl.runtime.rollout import Rollout
-from hfllamarl.runtime.batching import completion_logprobs, pack_batch, pack_rows, packing_agrees, pad_batch
+from hfllamarl.runtime.loop.sampling import Sampling
+from hfllamarl.runtime.loop.schedule import Schedule
+from hfllamarl.runtime.loop.rollout import Rollout
+from hfllamarl.runtime.training.batching import completion_logprobs, pack_batch, pack_rows, packing_agrees, pad_batch
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +103,8 @@ def test_a_rollout_must_carry_one_logprob_and_version_per_token():
 
 def test_the_trainer_refuses_a_token_staler_than_max_staleness():
     """A schedule bug that let one token of a partial rollout go past the bound must stop the run, not train."""
-    from hfllamarl.runtime.rollout import RolloutGroup
-    from hfllamarl.runtime.trainer import TrainerExecutor, TrainerSpec
+    from hfllamarl.runtime.loop.rollout import RolloutGroup
+    from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
 
     def never(**_):
         raise AssertionError("the rewards ran: the stale token was not caught before scoring")
@@ -127,9 +127,9 @@ def test_the_trainer_refuses_a_token_staler_than_max_staleness():
 def test_an_unscored_eval_completion_is_out_of_the_eval_reward_as_in_trl():
     """TRL leaves a completion no reward function scored out of `reward`/`reward_std` in eval mode too (NaN, then
     nanmean/nanstd); counting it as 0 would lower eval accuracy for a grader's timeout."""
-    from hfllamarl.runtime.rewards import RewardRunner
-    from hfllamarl.runtime.rollout import RolloutGroup
-    from hfllamarl.runtime.trainer import TrainerExecutor, TrainerSpec
+    from hfllamarl.runtime.data.rewards import RewardRunner
+    from hfllamarl.runtime.loop.rollout import RolloutGroup
+    from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
 
     def graded(completions, **kwargs):  # "x" could not be graded
         return [None if c == "x" else float(c) for c in completions]

@@ -247,7 +247,7 @@ def high_entropy_mask(side, entropies, mask, threshold):
         trainer.accelerator.gather = lambda x: x
         trainer.accelerator.pad_across_processes = lambda x, dim, pad_index: x
         return GRPOTrainer.get_high_entropy_mask(trainer, entropies, mask, threshold)
-    from hfllamarl.runtime.iterations import high_entropy_mask as ours
+    from hfllamarl.runtime.training.iterations import high_entropy_mask as ours
 
     # TRL's method takes the quantile of the threshold (1 - top_entropy_quantile); ours the share of tokens kept
     return ours(entropies, mask, 1.0 - threshold).bool()

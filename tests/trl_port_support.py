@@ -88,7 +88,7 @@ def port_models(tmp_path_factory):
     (another template and vocabulary), "qwen3": a tiny Qwen3 with Qwen3's chat template}."""
     from test_train_e2e import sequence_classifier
 
-    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.testing.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("trl-port")
     model = build_tiny_model(str(root / "qwen2"), family="qwen2", chat_template="qwen2_5",

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hfllamarl.runtime.environments import EnvironmentReward, probe, resolve_factories, reward_kinds, tool_methods
-from hfllamarl.runtime.multi_turn import AgentSpec
-from hfllamarl.runtime.prompts import is_conversational
+from hfllamarl.runtime.agents.environments import EnvironmentReward, probe, resolve_factories, reward_kinds, tool_methods
+from hfllamarl.runtime.agents.multi_turn import AgentSpec
+from hfllamarl.runtime.data.prompts import is_conversational
 
 
 @dataclass
@@ -94,7 +94,7 @@ def prepare_tokenizer(agent: Agent, processing_class, args) -> None:
     knows the template); the spec carries both to the generator, whose tokenizer is loaded from disk."""
     if not agent.uses_tools:
         return
-    from hfllamarl.runtime.tool_chat import ToolChat
+    from hfllamarl.runtime.agents.tool_chat import ToolChat
 
     chat = ToolChat(processing_class, args.chat_template_kwargs)
     agent.chat_template = chat.chat_template

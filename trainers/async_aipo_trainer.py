@@ -22,16 +22,16 @@ import weakref
 import torch
 from transformers.trainer_utils import TrainOutput
 
-from hfllamarl.runtime import checkpoint
-from hfllamarl.runtime.controller import run_job
-from hfllamarl.runtime.generator import GeneratorExecutor, GeneratorSpec
-from hfllamarl.runtime.moe import aux_loss_coef
-from hfllamarl.runtime.preflight import check_generator
-from hfllamarl.runtime.prompts import PromptEncoder, validate_dataset
-from hfllamarl.runtime.reward_models import RewardModel
-from hfllamarl.runtime.rewards import RewardRunner, resolve_reward_funcs
-from hfllamarl.runtime.schedule import Schedule
-from hfllamarl.runtime.weight_sync import build_backend
+from hfllamarl.runtime.weights import checkpoint
+from hfllamarl.runtime.loop.controller import run_job
+from hfllamarl.runtime.generation.generator import GeneratorExecutor, GeneratorSpec
+from hfllamarl.runtime.training.moe import aux_loss_coef
+from hfllamarl.runtime.generation.preflight import check_generator
+from hfllamarl.runtime.data.prompts import PromptEncoder, validate_dataset
+from hfllamarl.runtime.data.reward_models import RewardModel
+from hfllamarl.runtime.data.rewards import RewardRunner, resolve_reward_funcs
+from hfllamarl.runtime.loop.schedule import Schedule
+from hfllamarl.runtime.loop.weights_channel import build_backend
 
 from .agent_setup import build_agent, check_dataset, placeholder_dataset, prepare_tokenizer, reward_weights
 from .config import AsyncAIPOConfig
@@ -119,8 +119,8 @@ class AsyncAIPOTrainer:
                 prestarted.release()
             raise
         if self.topology.role == "generator":  # a launcher's generator rank: vLLM's import overlaps the trainers'
-            from hfllamarl.runtime.collector import collector_paused  # set-up (loading the policy)
-            from hfllamarl.runtime.engine import import_vllm
+            from hfllamarl.runtime.world.collector import collector_paused  # set-up (loading the policy)
+            from hfllamarl.runtime.generation.engine import import_vllm
 
             with collector_paused(freeze=False):
                 import_vllm()
@@ -147,7 +147,7 @@ class AsyncAIPOTrainer:
             logger.warning("importance_sampling_level='sequence' with loss_type=%r: that loss sums per-token terms, "
                            "which weights each sequence by its completion length instead of optimising the "
                            "per-sequence objective; for GSPO's setup use loss_type='grpo'.", args.loss_type)
-        from hfllamarl.runtime.lora import check_peft_inputs
+        from hfllamarl.runtime.weights.lora import check_peft_inputs
 
         check_peft_inputs(model, peft_config)  # every rank alike, before anything starts
         self.model_path, model_obj, model_config = resolve_model(model, args)
@@ -200,7 +200,7 @@ class AsyncAIPOTrainer:
             self.model = model_obj if model_obj is not None else load_policy(self.model_path, args, model_config,
                                                                               self.topology.num_trainers)
             if peft_config is not None:  # the trainer trains adapters; the generator gets merged weights
-                from hfllamarl.runtime.lora import apply_peft
+                from hfllamarl.runtime.weights.lora import apply_peft
 
                 self.model = apply_peft(self.model, peft_config)
         self.state = None

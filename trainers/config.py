@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from trl import GRPOConfig
 
-from hfllamarl.runtime.sampling import NEUTRAL_KWARGS, TRANSFORM_KWARGS, Sampling
+from hfllamarl.runtime.loop.sampling import NEUTRAL_KWARGS, TRANSFORM_KWARGS, Sampling
 
 from .config_fields import UNSUPPORTED as _UNSUPPORTED
 
@@ -191,7 +191,7 @@ class AsyncAIPOConfig(GRPOConfig):
         self._check_training_loop()
         # The launcher's processes must be split into a trainer world and a generator world
         # before TrainingArguments sets up the distributed state (it does so in __post_init__).
-        from hfllamarl.runtime.topology import init_topology
+        from hfllamarl.runtime.world.topology import init_topology
 
         self._topology = init_topology(
             num_generator_processes=self.num_generator_processes,
@@ -260,7 +260,7 @@ class AsyncAIPOConfig(GRPOConfig):
         self._check_replicas()
         if self.max_staleness < 0:
             raise ValueError("AsyncAIPOConfig: max_staleness must be >= 0 (0 = strictly on-policy).")
-        from hfllamarl.runtime.rewards import AGGREGATIONS
+        from hfllamarl.runtime.data.rewards import AGGREGATIONS
 
         if self.multi_objective_aggregation not in AGGREGATIONS:
             raise ValueError(f"AsyncAIPOConfig: multi_objective_aggregation={self.multi_objective_aggregation!r}; "
@@ -438,7 +438,7 @@ class AsyncAIPOConfig(GRPOConfig):
     @property
     def generation_ticks(self) -> int:
         """The most ticks the generator spends on one batch (more than 1 only with partial rollouts)."""
-        from hfllamarl.runtime.schedule import ticks_per_batch
+        from hfllamarl.runtime.loop.schedule import ticks_per_batch
 
         return ticks_per_batch(self.max_completion_length, self.partial_rollout_tokens)
 
@@ -489,7 +489,7 @@ class AsyncAIPOConfig(GRPOConfig):
 
     @property
     def topology(self):
-        """The process layout of this job (`hfllamarl.runtime.topology.Topology`)."""
+        """The process layout of this job (`hfllamarl.runtime.world.topology.Topology`)."""
         return self._topology
 
     @property

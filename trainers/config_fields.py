@@ -1,9 +1,11 @@
 """What each field of TRL's `GRPOConfig` (and transformers' `TrainingArguments`) means to `AsyncAIPOConfig`.
 
-Every field is one of three kinds, and `tests/test_config.py` checks that each field of the installed TRL is
-accounted for (a field a new TRL adds fails that test until it is placed):
+Every field is in exactly one of three tables, and `tests/test_config.py` checks that each field of the installed
+TRL is placed (a field a new TRL adds fails that test until it is). The docs' TRL-fields page is generated from
+these tables:
 
-- read by this runtime (the trainer, the generator or the front-end name it where they use it);
+- `READ_HERE`: read by this runtime with TRL's meaning (the trainer, the generator or the front-end name it
+  where they use it), listed by what it tunes;
 - `UNSUPPORTED`: it describes something this runtime does differently; set to anything but its default, it is
   refused with the reason and what to do instead;
 - `NOT_READ_HERE`: nothing here reads it, because transformers' own code does (the callbacks, `TrainingArguments`
@@ -137,4 +139,48 @@ NOT_READ_HERE = {
     "transformers_continuous_batching_config": _OPTION_OF_REFUSED.format("use_transformers_continuous_batching"),
     "log_multimodal": "it logs image prompts, which this runtime does not take (prompts are text or messages)",
     "vllm_importance_sampling_cap": "a deprecated name GRPOConfig copies into vllm_importance_sampling_clip_max",
+}
+
+# Fields read here with TRL's (or transformers') meaning, by what they tune. The docs' TRL-fields page lists them
+# from this table, and tests/test_config.py checks that each is read somewhere in the package.
+_SAMPLING = "sampling (the generator's vLLM engine)"
+_LOSS = "the loss, the advantages and the reference model"
+_MODEL = "loading and running the model"
+_OPTIMIZER = "the optimizer, its schedule and the batch size"
+_DATA = "the data set and its order"
+_PROCESSES = "processes"
+_CHECKPOINTS = "checkpoints, evaluation and the Hub"
+_LOGGING = "logging"
+
+READ_HERE = {
+    **dict.fromkeys((
+        "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "generation_kwargs", "max_completion_length",
+        "num_generations", "num_generations_eval", "chat_template_kwargs", "mask_truncated_completions",
+        "max_tool_calling_iterations", "use_vllm", "vllm_max_model_length", "vllm_gpu_memory_utilization",
+        "vllm_tensor_parallel_size", "vllm_model_impl", "vllm_server_timeout"), _SAMPLING),
+    **dict.fromkeys((
+        "loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "num_iterations",
+        "off_policy_mask_threshold", "top_entropy_quantile", "use_bias_correction_kl", "scale_rewards",
+        "multi_objective_aggregation", "reward_weights", "sapo_temperature_pos", "sapo_temperature_neg",
+        "vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg", "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
+        "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "router_aux_loss_coef"), _LOSS),
+    **dict.fromkeys((
+        "model_init_kwargs", "trust_remote_code", "disable_dropout", "gradient_checkpointing",
+        "gradient_checkpointing_kwargs", "use_cache", "bf16", "use_cpu", "pad_to_multiple_of",
+        "torch_empty_cache_steps"), _MODEL),
+    **dict.fromkeys((
+        "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm", "optim",
+        "lr_scheduler_type", "lr_scheduler_kwargs", "max_steps", "num_train_epochs", "per_device_train_batch_size",
+        "gradient_accumulation_steps"), _OPTIMIZER),
+    **dict.fromkeys(("seed", "full_determinism", "shuffle_dataset", "remove_unused_columns"), _DATA),
+    **dict.fromkeys(("ddp_backend", "ddp_timeout", "local_rank"), _PROCESSES),
+    **dict.fromkeys((
+        "output_dir", "save_steps", "save_strategy", "save_total_limit", "resume_from_checkpoint",
+        "restore_callback_states_from_checkpoint", "load_best_model_at_end", "metric_for_best_model",
+        "greater_is_better", "eval_strategy", "eval_steps", "eval_delay", "eval_on_start", "hub_model_id",
+        "hub_private_repo", "hub_revision", "hub_token"), _CHECKPOINTS),
+    **dict.fromkeys((
+        "logging_steps", "logging_strategy", "report_to", "disable_tqdm", "include_num_input_tokens_seen",
+        "log_completions", "log_unique_prompts", "num_completions_to_print"), _LOGGING),
 }

@@ -1,6 +1,6 @@
 """Start-up checks of TRL's `num_iterations`, `top_entropy_quantile` and `sync_ref_model`.
 
-How the runtime honours them (`hfllamarl.runtime.iterations`, `hfllamarl.runtime.schedule`):
+How the runtime honours them (`hfllamarl.runtime.training.iterations`, `hfllamarl.runtime.loop.schedule`):
 
 - `num_iterations = k`: each generation batch is trained k optimizer steps in one tick, every step one policy
   version. `max_steps`, `global_step`, the learning-rate schedule, `logging_steps`, `save_steps` and `eval_steps`
@@ -54,7 +54,7 @@ def check_iteration_fields(args, algorithm) -> None:
 
 def check_iterations(args, schedule, steps_per_epoch: int, evaluates: bool, model_obj=None, peft_config=None) -> None:
     """Trainer-construction checks: intervals that must fall on batch boundaries, and LoRA with sync_ref_model."""
-    from hfllamarl.runtime.lora import is_peft
+    from hfllamarl.runtime.weights.lora import is_peft
 
     from .trainer_ranks import eval_every, save_every
 

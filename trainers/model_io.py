@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from hfllamarl.runtime.loading import hub_snapshot, looks_like_hub_id
+from hfllamarl.runtime.weights.loading import hub_snapshot, looks_like_hub_id
 
 
 def resolve_model(model, args):
@@ -16,7 +16,7 @@ def resolve_model(model, args):
     """
     from transformers import AutoConfig, PreTrainedModel
 
-    from hfllamarl.runtime.lora import is_peft
+    from hfllamarl.runtime.weights.lora import is_peft
 
     plain = model.get_base_model() if is_peft(model) else model
     if isinstance(plain, PreTrainedModel):
@@ -49,7 +49,7 @@ def save_for_generator(model, tokenizer, directory: str) -> str:
 
     A model carrying LoRA adapters (a PeftModel, or a model `get_peft_model` wrapped in place) is saved with its
     adapters merged, under the model's own names: vLLM loads plain weights, never peft's `base_layer`/`lora_*`."""
-    from hfllamarl.runtime.lora import has_adapters, is_peft, merged_state_dict
+    from hfllamarl.runtime.weights.lora import has_adapters, is_peft, merged_state_dict
 
     os.makedirs(directory, exist_ok=True)
     if has_adapters(model):
@@ -63,7 +63,7 @@ def save_for_generator(model, tokenizer, directory: str) -> str:
 
 def load_policy(path: str, args, config, trainer_ranks: int = 2):
     """The policy of the model at `path` for a trainer rank. With several trainer ranks: built on the meta device, to
-    be sharded and then filled rank by rank (`hfllamarl.runtime.loading`), when this loader can read the checkpoint;
+    be sharded and then filled rank by rank (`hfllamarl.runtime.weights.loading`), when this loader can read the checkpoint;
     otherwise loaded whole with `from_pretrained` (said in the log). With one trainer rank, whose shard is the whole
     model anyway: loaded with `from_pretrained` now, as TRL does, so that a script can read `trainer.model`'s
     weights before `train()`."""
@@ -72,7 +72,7 @@ def load_policy(path: str, args, config, trainer_ranks: int = 2):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfllamarl.runtime.loading import build_empty, readable
+    from hfllamarl.runtime.weights.loading import build_empty, readable
 
     kwargs = dict(args.model_init_kwargs or {})
     dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", torch.float32))

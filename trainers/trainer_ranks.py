@@ -8,13 +8,13 @@ import os
 
 import torch
 
-from hfllamarl.runtime import checkpoint
-from hfllamarl.runtime.fsdp import broadcast_from_rank0, loaded_on_rank0_only, shard_model
-from hfllamarl.runtime.loading import build_empty, init_lora, load_shards, materialize
-from hfllamarl.runtime.lora import is_peft
-from hfllamarl.runtime.reporting import Reporter
-from hfllamarl.runtime.trainer import TrainerExecutor, TrainerSpec
-from hfllamarl.runtime.weight_sync import verify_dir
+from hfllamarl.runtime.weights import checkpoint
+from hfllamarl.runtime.weights.fsdp import broadcast_from_rank0, loaded_on_rank0_only, shard_model
+from hfllamarl.runtime.weights.loading import build_empty, init_lora, load_shards, materialize
+from hfllamarl.runtime.weights.lora import is_peft
+from hfllamarl.runtime.training.reporting import Reporter
+from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
+from hfllamarl.runtime.loop.weights_channel import verify_dir
 
 from .model_io import is_meta
 
@@ -162,7 +162,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
     model.train()
     weights = None
     if is_peft(model):
-        from hfllamarl.runtime.lora import MergedLoraWeights
+        from hfllamarl.runtime.weights.lora import MergedLoraWeights
 
         weights = MergedLoraWeights(model)
     optimizer = build_optimizer(model, args)

@@ -1,7 +1,7 @@
 """`python_sandbox`: a tool that runs model-written Python in a sandboxed process.
 
 The code is model output, so it never runs in the generator's process. Each call runs in a fresh process of
-:class:`hfllamarl.runtime.sandbox.Sandbox` (fresh globals, fresh scratch directory, nothing left from other calls or
+:class:`hfllamarl.sandbox.client.Sandbox` (fresh globals, fresh scratch directory, nothing left from other calls or
 rollouts) under these bounds:
 
 - time: `timeout_s` of wall clock per call; at the deadline the call's whole process tree is killed;
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 
-from hfllamarl.runtime.sandbox import Sandbox, SandboxError, SandboxTimeout
+from hfllamarl.sandbox import Sandbox, SandboxError, SandboxTimeout
 
 
 def _execute(code: str, max_chars: int) -> str:

@@ -1,8 +1,8 @@
 """Runs a batch of sandboxed checks on several workers at once, within one deadline.
 
 A reward function hands :func:`run_checks` its workers (anything with ``call(*args, timeout=)`` that
-raises :class:`hfllamarl.runtime.sandbox.SandboxTimeout` / ``SandboxError``, e.g.
-one :class:`hfllamarl.runtime.sandbox.Sandbox` per core, or the same object several times when it takes
+raises :class:`hfllamarl.sandbox.client.SandboxTimeout` / ``SandboxError``, e.g.
+one :class:`hfllamarl.sandbox.client.Sandbox` per core, or the same object several times when it takes
 concurrent calls) and the argument tuples to check. One thread per worker takes the next check
 from a shared queue, so a slow check holds up one worker, not the batch. Every check is bounded
 twice: by its own ``sample_timeout_s`` (a pathological answer ends at its own timeout) and by the
@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from hfllamarl.runtime.sandbox import SandboxError, SandboxTimeout
+from hfllamarl.sandbox import SandboxError, SandboxTimeout
 
 __all__ = ["BUDGET_SPENT", "BatchOutcome", "SAMPLE_TIMEOUT", "WORKER_ERROR", "run_checks"]
 

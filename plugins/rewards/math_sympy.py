@@ -22,7 +22,7 @@ Grading, per completion:
    when the other side has no finite decimal form); numbers in a base; a choice letter or a word
    as gold.
 4. Otherwise ask math-verify (LaTeX parser only) and sympy in a sandboxed worker process
-   (:mod:`hfllamarl.runtime.sandbox`: a fresh isolated process per call): numbers by value
+   (:mod:`hfllamarl.sandbox.client`: a fresh isolated process per call): numbers by value
    under the same rules, then symbolic equality, tuples, intervals, unordered sets, matrices (elementwise, in order, for decimals). An interval or set
    as gold is not matched by an inequality (math-verify's rule); the other way round it is.
 
@@ -82,7 +82,7 @@ from ._answer import (
 )
 from ._numbers import as_number, base_number_verdict, numbers_close, rounded_to_own_digits
 from ._normalize import CHOICE_RE, WORDS_RE, normalize_answer, unescape_commands
-from hfllamarl.runtime.sandbox import Sandbox, SandboxError
+from hfllamarl.sandbox import Sandbox, SandboxError
 from ._batch import BUDGET_SPENT, WORKER_ERROR, run_checks
 
 __all__ = [
@@ -301,7 +301,7 @@ def configure(*, sample_timeout_s: float | None = None, sample_budget_s: float |
         workers: Worker processes grading at once; changing it stops the current workers (the
             next call starts the new ones).
         isolation: The sandbox's isolation, ``"namespaces"`` (default) or the weaker opt-in
-            ``"process"`` for kernels that refuse user namespaces (see :mod:`hfllamarl.runtime.sandbox`);
+            ``"process"`` for kernels that refuse user namespaces (see :mod:`hfllamarl.sandbox.client`);
             changing it restarts the workers.
 
     Returns:

@@ -11,9 +11,8 @@ from collections.abc import Iterator
 
 import torch
 
-from hfllamarl.runtime.channels import recv_object, recv_tensor, send_objects, send_tensor
 from hfllamarl.contracts import WeightSyncBackend
-from hfllamarl.runtime.weight_sync import settle
+from hfllamarl.weight_sync import recv_object, recv_tensor, send_objects, send_tensor, settle
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

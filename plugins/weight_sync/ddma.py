@@ -8,7 +8,7 @@ vLLM's `reload_weights` as they complete.
 
 With tensor parallelism on the generators, each generator rank receives only the part of each
 weight its vLLM shard reads. That part is not restated here per layer type: at start-up each
-generator rank asks its own engine (`hfllamarl.runtime.loader_regions`: vLLM's loaders, run on probe
+generator rank asks its own engine (`hfllamarl.runtime.generation.loader_regions`: vLLM's loaders, run on probe
 tensors) which box of every weight it reads -- rows of q/k/v (whole KV heads, replicated when a
 model has fewer KV heads than the engine has ranks), columns of o/down, a padded vocabulary range,
 a range of every expert -- and sends the boxes to the trainer ranks. A weight no generator rank
@@ -46,11 +46,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hfllamarl.runtime.channels import recv_object, send_objects, send_tensor, start_recv_tensor
 from hfllamarl.contracts import Box, WeightSyncBackend
-from hfllamarl.runtime.fsdp import local_shard
-from hfllamarl.runtime.liveness import ReplicaLostError
-from hfllamarl.runtime.weight_sync import settle, whole
+from hfllamarl.weight_sync import (ReplicaLostError, local_shard, recv_object, send_objects, send_tensor, settle,
+                                   start_recv_tensor, whole)
 
 
 @dataclass(frozen=True)
@@ -179,7 +177,7 @@ class DDMAWeightSync(WeightSyncBackend):
 
     def setup_generator(self, loader_boxes=None) -> None:
         """`loader_boxes(weights)` -> {name: box or None}: what this rank's engine reads of each weight
-        (`hfllamarl.runtime.loader_regions.read_regions`); None: whole tensors (an engine that narrows itself)."""
+        (`hfllamarl.runtime.generation.loader_regions.read_regions`); None: whole tensors (an engine that narrows itself)."""
         topo = self.topology
         per_rank = {r: recv_object(topo, r, "nccl_ddma plan") for r in topo.trainer_ranks}
         first = next(iter(per_rank.values()))

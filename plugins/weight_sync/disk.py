@@ -14,9 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
-from hfllamarl.runtime.channels import recv_object, start_send_object
 from hfllamarl.contracts import WeightSyncBackend
-from hfllamarl.runtime.weight_sync import settle
+from hfllamarl.weight_sync import recv_object, settle, start_send_object
 
 from .broadcast import full_tensor
 

@@ -29,8 +29,8 @@ from types import SimpleNamespace
 
 import torch
 
-from hfllamarl.runtime.sampling import Sampling
-from hfllamarl.runtime.schedule import Schedule
+from hfllamarl.runtime.loop.sampling import Sampling
+from hfllamarl.runtime.loop.schedule import Schedule
 
 LENGTH, BUDGET, TEMPERATURE = 80, 16, 1.0
 CALLS = {"n": 0}
@@ -92,9 +92,9 @@ def generator(path: str, rows: list, agent, engine=None, length: int = LENGTH, *
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from hfllamarl.runtime.generator import GeneratorExecutor, GeneratorSpec
-    from hfllamarl.runtime.multi_turn import MultiTurn
-    from hfllamarl.runtime.prompts import PromptEncoder
+    from hfllamarl.runtime.generation.generator import GeneratorExecutor, GeneratorSpec
+    from hfllamarl.runtime.agents.multi_turn import MultiTurn
+    from hfllamarl.runtime.data.prompts import PromptEncoder
 
     kwargs = {"enable_thinking": False}
     spec = GeneratorSpec(model_path=path, tokenizer_path=path, dataset=Dataset.from_list(rows), max_model_len=512,
@@ -117,7 +117,7 @@ def versions_of(model, count: int) -> list[dict]:
 
 
 def run_ticks(gen, ticks: int, weights=None) -> list:
-    from hfllamarl.runtime.weight_sync import POLICY_WEIGHTS
+    from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS
 
     out = []
     for tick in range(ticks):
@@ -139,9 +139,9 @@ def tool_text(content: str) -> str:
 def check_rows(path: str) -> tuple[dict, object]:
     from transformers import AutoModelForCausalLM
 
-    from hfllamarl.runtime.multi_turn import AgentSpec
-    from hfllamarl.runtime.batching import completion_logprobs, pad_batch
-    from hfllamarl.tools.tiny_chat import calculator_rows
+    from hfllamarl.runtime.agents.multi_turn import AgentSpec
+    from hfllamarl.runtime.training.batching import completion_logprobs, pad_batch
+    from hfllamarl.testing.tiny_chat import calculator_rows
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     weights = versions_of(model, 4)
@@ -190,10 +190,10 @@ def check_rows(path: str) -> tuple[dict, object]:
 
 
 def check_checkpoint(path: str, engine, workdir: str) -> dict:
-    from hfllamarl.runtime import checkpoint
-    from hfllamarl.runtime.episodes import reward_arguments
-    from hfllamarl.runtime.multi_turn import AgentSpec
-    from hfllamarl.tools.tiny_chat import calculator_rows
+    from hfllamarl.runtime.weights import checkpoint
+    from hfllamarl.runtime.data.episodes import reward_arguments
+    from hfllamarl.runtime.agents.multi_turn import AgentSpec
+    from hfllamarl.testing.tiny_chat import calculator_rows
 
     agent = AgentSpec(factories={None: Recorder}, max_iterations=2, tool_call_timeout_s=30)
     kw = dict(schedule=Schedule(1, 5, 5), prompts_per_batch=8, num_generations=2, partial_rollout_tokens=BUDGET)
@@ -240,8 +240,8 @@ def check_evaluation(path: str, engine) -> dict:
     """Evaluation during training with tools: every eval prompt's rollouts run to the end in the tick, multi-turn."""
     from datasets import Dataset
 
-    from hfllamarl.runtime.multi_turn import AgentSpec
-    from hfllamarl.tools.tiny_chat import calculator_rows
+    from hfllamarl.runtime.agents.multi_turn import AgentSpec
+    from hfllamarl.testing.tiny_chat import calculator_rows
 
     agent = AgentSpec(tools=[calculator], max_iterations=2, tool_call_timeout_s=30)
     gen = generator(path, calculator_rows(8, seed=9), agent, engine, schedule=Schedule(1, 1), prompts_per_batch=8,
@@ -258,8 +258,8 @@ def check_evaluation(path: str, engine) -> dict:
 def check_hang(path: str, engine) -> dict:
     """A calculator whose odd calls hang and even calls raise, 1 s per call: batches of 8 prompts x 2 until it was
     called twice (how often the tiny model calls a tool varies with its build; at most 6 batches)."""
-    from hfllamarl.runtime.multi_turn import AgentSpec
-    from hfllamarl.tools.tiny_chat import calculator_rows
+    from hfllamarl.runtime.agents.multi_turn import AgentSpec
+    from hfllamarl.testing.tiny_chat import calculator_rows
 
     agent = AgentSpec(tools=[stuck_calculator], max_iterations=2, tool_call_timeout_s=1.0)
     start, rollouts, batches, abandoned = time.perf_counter(), [], 0, 0

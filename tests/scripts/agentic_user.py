@@ -24,7 +24,7 @@ import time
 
 from datasets import Dataset
 
-from hfllamarl.tools.tiny_chat import calculator_rows
+from hfllamarl.testing.tiny_chat import calculator_rows
 
 OPTIONS = {"hang": False, "calls": None, "count": 0}
 SUMMARY = []

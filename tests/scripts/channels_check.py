@@ -10,10 +10,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hfllamarl.runtime.channels import Channel, ChannelKind
-from hfllamarl.runtime.controller import fail
-from hfllamarl.runtime.executor import wait_for_startup
-from hfllamarl.runtime.topology import init_topology
+from hfllamarl.runtime.loop.channels import Channel, ChannelKind
+from hfllamarl.runtime.loop.controller import fail
+from hfllamarl.runtime.loop.executor import wait_for_startup
+from hfllamarl.runtime.world.topology import init_topology
 
 die = int(sys.argv[sys.argv.index("--die") + 1]) if "--die" in sys.argv else None
 topo = init_topology(num_generator_processes=1, timeout_s=float(os.environ.get("T", "60")), use_cpu=True)

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from hfllamarl.runtime.topology import init_topology
+from hfllamarl.runtime.world.topology import init_topology
 
 MARKS = {}
 

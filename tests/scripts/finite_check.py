@@ -15,9 +15,9 @@ import torch.distributed as dist
 sys.path.insert(0, __file__.rsplit("/", 1)[0] + "/..")
 from test_finite import executor, groups  # noqa: E402
 
-from hfllamarl.runtime.finite import NonFiniteError  # noqa: E402
-from hfllamarl.runtime.fsdp import shard_model  # noqa: E402
-from hfllamarl.runtime.topology import Topology, settle_collectives_at_exit  # noqa: E402
+from hfllamarl.runtime.training.finite import NonFiniteError  # noqa: E402
+from hfllamarl.runtime.weights.fsdp import shard_model  # noqa: E402
+from hfllamarl.runtime.world.topology import Topology, settle_collectives_at_exit  # noqa: E402
 
 
 def main():

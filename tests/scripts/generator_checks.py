@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hfllamarl.runtime.schedule import Schedule
+from hfllamarl.runtime.loop.schedule import Schedule
 
 BUDGET, LENGTH, TEMPERATURE = 4, 12, 0.8
 
@@ -45,8 +45,8 @@ def local_generator(path: str, **spec_kw):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from hfllamarl.runtime.generator import GeneratorExecutor, GeneratorSpec
-    from hfllamarl.runtime.prompts import PromptEncoder
+    from hfllamarl.runtime.generation.generator import GeneratorExecutor, GeneratorSpec
+    from hfllamarl.runtime.data.prompts import PromptEncoder
 
     spec = GeneratorSpec(model_path=path, tokenizer_path=path, dataset=Dataset.from_list(ROWS), max_model_len=64,
                          dtype="float32", **spec_kw)
@@ -60,10 +60,10 @@ def local_generator(path: str, **spec_kw):
 def partial(workdir: str) -> dict:
     from transformers import LlamaForCausalLM
 
-    from hfllamarl.runtime.sampling import Sampling
-    from hfllamarl.tools.tiny import build_tiny_model
-    from hfllamarl.runtime.batching import completion_logprobs, pad_batch
-    from hfllamarl.runtime.weight_sync import POLICY_WEIGHTS
+    from hfllamarl.runtime.loop.sampling import Sampling
+    from hfllamarl.testing.tiny import build_tiny_model
+    from hfllamarl.runtime.training.batching import completion_logprobs, pad_batch
+    from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS
 
     path = build_tiny_model(os.path.join(workdir, "model"), seed=3)
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -123,9 +123,9 @@ def lora_greedy(workdir: str) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    from hfllamarl.runtime.lora import MergedLoraWeights
-    from hfllamarl.tools.tiny import build_tiny_model
-    from hfllamarl.runtime.weight_sync import POLICY_WEIGHTS
+    from hfllamarl.runtime.weights.lora import MergedLoraWeights
+    from hfllamarl.testing.tiny import build_tiny_model
+    from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS
 
     path = build_tiny_model(os.path.join(workdir, "model"), seed=4)
     model = get_peft_model(LlamaForCausalLM.from_pretrained(path, dtype=torch.float32),
@@ -174,10 +174,10 @@ def interrupted(workdir: str) -> dict:
     engine must hold exactly what vLLM's own loader makes of those weights, and its greedy output follow them."""
     from transformers import LlamaForCausalLM
 
-    from hfllamarl.runtime.engine import verify_against_disk
-    from hfllamarl.runtime.hf_export import export_weights
-    from hfllamarl.runtime.weight_sync import POLICY_WEIGHTS
-    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.runtime.generation.engine import verify_against_disk
+    from hfllamarl.runtime.weights.hf_export import export_weights
+    from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS
+    from hfllamarl.testing.tiny import build_tiny_model
 
     path = build_tiny_model(os.path.join(workdir, "model"), seed=5)
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -34,7 +34,7 @@ def digits(completions, **kwargs):
 
 def run(model, out: str, peft_config) -> dict:
     from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
-    from hfllamarl.tools.tiny import successor_rows
+    from hfllamarl.testing.tiny import successor_rows
 
     config = AsyncAIPOConfig(output_dir=out, max_steps=2, per_device_train_batch_size=16, num_generations=4,
                              max_completion_length=4, learning_rate=5e-2, logging_steps=1, report_to="none",
@@ -70,7 +70,7 @@ def peft_model(path: str, family: str):
 def main() -> None:
     from peft import LoraConfig
 
-    from hfllamarl.tools.tiny import build_tiny_model
+    from hfllamarl.testing.tiny import build_tiny_model
 
     workdir, families = sys.argv[1], sys.argv[2].split(",")
     result = {}

@@ -17,8 +17,8 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from hfllamarl.runtime.fsdp import shard_model
-    from hfllamarl.runtime.lora import MergedLoraWeights
+    from hfllamarl.runtime.weights.fsdp import shard_model
+    from hfllamarl.runtime.weights.lora import MergedLoraWeights
 
     dist.init_process_group("gloo")
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32),

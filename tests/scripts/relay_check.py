@@ -15,9 +15,9 @@ import sys
 
 import torch
 
-from hfllamarl.runtime.fsdp import shard_model
-from hfllamarl.runtime.topology import init_topology
-from hfllamarl.runtime.weight_sync import build_backend, tensor_digest
+from hfllamarl.runtime.weights.fsdp import shard_model
+from hfllamarl.runtime.world.topology import init_topology
+from hfllamarl.runtime.loop.weights_channel import build_backend, tensor_digest
 
 
 def model():

@@ -12,7 +12,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
-from hfllamarl.tools.tiny import successor_rows
+from hfllamarl.testing.tiny import successor_rows
 
 
 def broken(completions, **kwargs):
@@ -118,7 +118,7 @@ def kill_inside_checkpoint(step):
     import os
     import signal
 
-    from hfllamarl.runtime import checkpoint
+    from hfllamarl.runtime.weights import checkpoint
 
     commit = checkpoint.commit
 
@@ -137,7 +137,7 @@ def stop_after_checkpoint(step: int, rank: int, output_dir: str):
     user script. The victim's pid goes to OUTPUT_DIR/victim.pid first."""
     import signal
 
-    from hfllamarl.runtime import checkpoint
+    from hfllamarl.runtime.weights import checkpoint
 
     commit = checkpoint.commit
 
@@ -161,7 +161,7 @@ def stop_after_checkpoint(step: int, rank: int, output_dir: str):
 def generator_raises(spec: str):
     """`TICK:REPLICA`: the generator ranks of that replica raise at that tick (a replica that fails on its own)."""
     tick, replica = map(int, spec.split(":"))
-    from hfllamarl.runtime.generator import GeneratorExecutor
+    from hfllamarl.runtime.generation.generator import GeneratorExecutor
 
     step = GeneratorExecutor.step
 

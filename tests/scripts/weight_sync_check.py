@@ -15,14 +15,14 @@ import sys
 
 import torch
 
-from hfllamarl.runtime.channels import Channel, ChannelKind
-from hfllamarl.runtime.controller import fail
-from hfllamarl.runtime.engine import build_engine, loader_boxes, verify_against_disk
-from hfllamarl.runtime.executor import Executor
-from hfllamarl.runtime.fsdp import full_state_dict, shard_model
-from hfllamarl.runtime.hf_export import export_weights
-from hfllamarl.runtime.topology import init_topology
-from hfllamarl.runtime.weight_sync import WeightsChannel, build_backend
+from hfllamarl.runtime.loop.channels import Channel, ChannelKind
+from hfllamarl.runtime.loop.controller import fail
+from hfllamarl.runtime.generation.engine import build_engine, loader_boxes, verify_against_disk
+from hfllamarl.runtime.loop.executor import Executor
+from hfllamarl.runtime.weights.fsdp import full_state_dict, shard_model
+from hfllamarl.runtime.weights.hf_export import export_weights
+from hfllamarl.runtime.world.topology import init_topology
+from hfllamarl.runtime.loop.weights_channel import WeightsChannel, build_backend
 
 PROMPT = [7, 14, 5, 18]  # "3+1="
 
@@ -40,7 +40,7 @@ class Receiver(Executor):  # the generator side: loads what arrives
         self.llm, self.version = llm, 0
 
     def put_input(self, name, value):
-        from hfllamarl.runtime.engine import load_weights
+        from hfllamarl.runtime.generation.engine import load_weights
 
         self.version, weights = value
         load_weights(self.llm, weights)

@@ -1,0 +1,1 @@
+"""The `hfllamarl` command's sub-commands: benchmarks, the planner, evaluation. Never imported by the runtime."""

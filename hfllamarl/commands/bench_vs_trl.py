@@ -1,0 +1,315 @@
+"""`hfllamarl bench vs-trl`: TRL's `GRPOTrainer` and `AsyncAIPOTrainer` on the same job, one after the other.
+
+    hfllamarl bench vs-trl [--steps 20] [--hidden-size 512] [--layers 6] [--precision auto|bf16|fp32]
+                           [--profile] [--output-dir DIR]
+
+Both sides get the same local model (a random-init Llama, 18M parameters by default, with the character tokenizer
+of `hfllamarl.testing.tiny`), the same prompts, the same reward (the share of digits in a completion: a random
+model's completions differ in it, so every step has a learning signal), the same advantage (TRL's default
+`scale_rewards="group"`, where AIPO's own default is `"none"`), the same batch (16 completions per step, 4 per
+prompt), the same completion length (96 tokens), learning rate, seed and number of steps, and the same precision
+(`--precision`: `bf16`, GRPOConfig's default, is mixed precision on both sides, fp32 master weights and bf16
+compute; `fp32` is `bf16=False` on both; `auto`, the default, is bf16 on a CPU with bf16 instructions, else fp32).
+Each runs in a fresh process of its own, at its fastest honest setting on this machine:
+
+- TRL: `GRPOTrainer` with transformers' generation (`use_vllm=False`; its colocated vLLM was slower here),
+  every core for torch; under `bf16` its Trainer's autocast;
+- hfllamarl: `AsyncAIPOTrainer` under plain `python` (one trainer, one vLLM generator child), `max_staleness=1`;
+  under `bf16` FSDP2's bf16 mixed precision and a bf16 generator.
+
+It prints each side's `train()` wall time, steps/s, time to the first step, final reward (the mean reward of
+the last quarter of the steps), the trainer's construction (`init s`: the config, the data set and the trainer)
+and the whole process (`process s`: imports, construction, `train()`, exit), and the ratios of `train()`, of
+construction + `train()` and of the whole processes; `--profile` adds a table of where a step's time goes on each
+side. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+PROMPTS_PER_STEP, NUM_GENERATIONS = 4, 4
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps on each side")
+    parser.add_argument("--hidden-size", type=int, default=512, help="model width (512 x 6 layers: 18M parameters)")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--max-completion-length", type=int, default=96)
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="both sides: bf16 mixed precision (GRPOConfig's bf16=True, its default) or fp32 "
+                             "(bf16=False); auto: bf16 where the CPU has bf16 instructions (avx512_bf16 or AMX), "
+                             "else fp32")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute activations in the backward pass on both sides (GRPOConfig's default; off "
+                             "here: it costs a third more compute, and a model this size needs no memory saving)")
+    parser.add_argument("--profile", action="store_true", help="also print where each side's step time goes")
+    parser.add_argument("--bare-vllm", action="store_true",
+                        help="also time a bare vLLM LLM.generate of one batch on one core (the generator's share) "
+                             "and compare its tokens/s with the generator's")
+    parser.add_argument("--sides", default="trl,hfllamarl", help="which sides to run (comma-separated)")
+    parser.add_argument("--output-dir", default="outputs/bench_vs_trl")
+
+
+def run_job(module: str, job: dict, name: str) -> dict:
+    """Run `python -m module JOB` in a fresh process (no launcher variables, torch's own thread count) and return
+    the JSON it wrote to `job["result"]`; a failure ends the bench with the job's last error lines."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    began = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", module, json.dumps(job)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
+    with open(job["result"]) as fh:
+        return {**json.load(fh), "process_seconds": time.perf_counter() - began}
+
+
+def digit_share(completions, **kwargs) -> list[float]:
+    """The reward: the share of a completion's characters that are digits (TRL's reward-function contract)."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def _dataset(seed: int):
+    from datasets import Dataset
+
+    from hfllamarl.testing.tiny import successor_rows
+
+    return Dataset.from_list([{"prompt": r["prompt"]} for r in successor_rows(4096, seed=seed)])
+
+
+def _common(job: dict) -> dict:
+    """The settings both sides share, under their `GRPOConfig` names."""
+    return dict(output_dir=job["output_dir"], max_steps=job["steps"],
+                per_device_train_batch_size=PROMPTS_PER_STEP * NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
+                max_completion_length=job["max_completion_length"], learning_rate=job["learning_rate"],
+                lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
+                seed=job["seed"], bf16=job["precision"] == "bf16", use_cpu=True, disable_tqdm=True, beta=0.0,
+                temperature=1.0, gradient_checkpointing=job["gradient_checkpointing"],
+                scale_rewards="group")  # TRL's default advantage (r - mean) / std on both sides (AIPO's is r - mean)
+
+
+class _Clock:
+    """When training began, when each step ended, and the seconds spent in optimizer steps (`_callback`)."""
+
+    def __init__(self):
+        self.began, self.steps, self.optimizer, self._opt = None, [], 0.0, None
+
+
+def _callback(clock: _Clock):
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            clock.began = time.perf_counter()
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            clock._opt = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            if clock._opt is not None:
+                clock.optimizer += time.perf_counter() - clock._opt
+
+        def on_step_end(self, args, state, control, **kw):
+            clock.steps.append(time.perf_counter())
+
+    return StepClock()
+
+
+def _timed(obj, name: str, totals: dict, key: str) -> None:
+    """Wrap `obj.name` so that its seconds add up in `totals[key]`."""
+    inner = getattr(obj, name)
+
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            totals[key] = totals.get(key, 0.0) + time.perf_counter() - t0
+
+    setattr(obj, name, wrapper)
+
+
+def bare_vllm(job: dict) -> None:
+    """Child process: a bare `vllm.LLM.generate` of one batch (the same prompts, n, length and sampling as the
+    generator), pinned to one core as the generator child is; the best of 3 after a warm-up."""
+    from vllm import SamplingParams
+
+    from hfllamarl.runtime.generation.engine import build_engine
+
+    import torch
+
+    os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[-1]])
+    torch.set_num_threads(1)
+    dtype = "bfloat16" if job["precision"] == "bf16" else "float32"  # the generator's dtype under that precision
+    llm = build_engine(job["model"], job["model"], dtype=dtype, seed=job["seed"], max_model_len=256,
+                       tensor_parallel_size=1, distributed=False, use_cpu=True)
+    tok = llm.get_tokenizer()
+    rows = _dataset(job["seed"]).select(range(PROMPTS_PER_STEP))
+    prompts = [{"prompt_token_ids": tok(r["prompt"])["input_ids"]} for r in rows]
+    params = SamplingParams(n=NUM_GENERATIONS, max_tokens=job["max_completion_length"], temperature=1.0, logprobs=0,
+                            seed=job["seed"])
+    best = None
+    for i in range(4):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        if i and (best is None or tokens / seconds > best):
+            best = tokens / seconds
+    with open(job["result"], "w") as fh:
+        json.dump({"tokens_per_s": best}, fh)
+
+
+def run_side(job: dict) -> None:
+    """Child process: one side, timed; writes its result to `job["result"]`."""
+    import torch
+
+    if job["side"] == "bare_vllm":
+        return bare_vllm(job)
+
+    clock, totals = _Clock(), {}
+    if job["side"] == "trl":
+        from trl import GRPOConfig, GRPOTrainer
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        constructed = time.perf_counter()
+        trainer = GRPOTrainer(model=job["model"], reward_funcs=digit_share, train_dataset=_dataset(job["seed"]),
+                              args=GRPOConfig(**_common(job), use_vllm=False), callbacks=[_callback(clock)])
+        for name, key in (("_generate", "generation"), ("_calculate_rewards", "reward"),
+                          ("_prepare_inputs", "prepare"), ("training_step", "training_step")):
+            _timed(trainer, name, totals, key)
+    else:
+        from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
+
+        constructed = time.perf_counter()
+        trainer = AsyncAIPOTrainer(model=job["model"], reward_funcs=digit_share, train_dataset=_dataset(job["seed"]),
+                                   args=AsyncAIPOConfig(**_common(job), max_staleness=1),
+                                   callbacks=[_callback(clock)])
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    init_seconds = start - constructed
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    result = {"seconds": seconds, "init_seconds": init_seconds, "steps": len(clock.steps),
+              "rewards": [h["reward"] for h in history],
+              "first_step_after": clock.steps[0] - start if clock.steps else None,
+              "step_seconds": [b - a for a, b in zip(clock.steps, clock.steps[1:])],
+              "optimizer": clock.optimizer, "totals": totals, "history": history}
+    with open(job["result"], "w") as fh:
+        json.dump(result, fh)
+
+
+def _profile_rows(side: str, r: dict) -> dict[str, float]:
+    """Seconds per step by phase (steady state: the first step, which carries start-up, left out where per-step
+    figures exist)."""
+    n = max(r["steps"], 1)
+    if side == "trl":
+        t = r["totals"]
+        gen, reward, prepare = t.get("generation", 0.0) / n, t.get("reward", 0.0) / n, t.get("prepare", 0.0) / n
+        fwd_bwd = (t.get("training_step", 0.0) - t.get("prepare", 0.0)) / n
+        step = r["seconds"] / n
+        return {"generation": gen, "reward": reward, "other scoring (log-probs, advantages)": prepare - gen - reward,
+                "forward + backward": fwd_bwd, "optimizer": r["optimizer"] / n,
+                "rest": step - prepare - fwd_bwd - r["optimizer"] / n, "step (wall)": step}
+    h = r["history"][1:] or r["history"]
+
+    def mean(key):
+        vals = [x.get(key, 0.0) for x in h]
+        return sum(vals) / max(len(vals), 1)
+
+    steady = r["step_seconds"][1:] or r["step_seconds"] or [r["seconds"] / n]
+    step = sum(steady) / len(steady)
+    return {"generation (generator core)": mean("generation/seconds"), "reward": mean("reward_seconds"),
+            "forward + backward": mean("time/forward_backward"), "optimizer": mean("time/optimizer"),
+            "weight sync (transfer)": mean("weight_sync_seconds"),
+            "trainer waiting on channels": mean("time/channels"), "step (wall)": step,
+            "start-up before step 1": r["first_step_after"] or 0.0}
+
+
+def run(args) -> int:
+    from hfllamarl.testing.tiny import build_tiny_model
+
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if not sides or set(sides) - {"trl", "hfllamarl"}:
+        raise SystemExit(f"--sides {args.sides!r}: choose from trl, hfllamarl")
+    if args.steps < 2 or args.hidden_size % 64 or args.layers < 1 or args.max_completion_length < 1:
+        raise SystemExit("give --steps >= 2, --hidden-size a multiple of 64 (head size 64), --layers >= 1, "
+                         "--max-completion-length >= 1")
+    from hfllamarl.runtime.generation.preflight import cpu_has_bf16
+
+    if args.precision == "auto":
+        args.precision = "bf16" if cpu_has_bf16() else "fp32"
+    elif args.precision == "bf16" and not cpu_has_bf16():
+        raise SystemExit("--precision bf16: this CPU has no bf16 instructions (avx512_bf16 or AMX), so vLLM cannot "
+                         "run a bf16 generator on it; use --precision fp32")
+    os.makedirs(args.output_dir, exist_ok=True)
+    model = os.path.join(args.output_dir, f"llama-{args.hidden_size}x{args.layers}")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        build_tiny_model(model, hidden_size=args.hidden_size, num_layers=args.layers,
+                         num_heads=args.hidden_size // 64, intermediate_size=int(args.hidden_size * 8 / 3) // 64 * 64,
+                         max_position_embeddings=256, seed=args.seed)
+    with open(os.path.join(model, "config.json")) as fh:
+        cfg = json.load(fh)
+    h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    params = L * (4 * h * h + 3 * h * i + 2 * h) + 2 * v * h + h
+    results = {}
+    for side in sides + (["bare_vllm"] if args.bare_vllm else []):
+        job = {"side": side, "model": model, "steps": args.steps, "seed": args.seed,
+               "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
+               "precision": args.precision, "gradient_checkpointing": args.gradient_checkpointing,
+               "output_dir": os.path.join(args.output_dir, side), "result": os.path.join(args.output_dir, f"{side}.json")}
+        print(f"running {side} ...", flush=True)
+        results[side] = run_job("hfllamarl.commands.bench_vs_trl", job, side)
+    bare = results.pop("bare_vllm", None)
+    quarter = max(args.steps // 4, 1)
+    print(f"\n{params / 1e6:.1f}M-parameter Llama, {args.steps} steps of {PROMPTS_PER_STEP * NUM_GENERATIONS} "
+          f"completions ({NUM_GENERATIONS} per prompt) of up to {args.max_completion_length} tokens, "
+          f"{args.precision}, {os.cpu_count()} cores")
+    print(f"{'side':<12}{'train() s':>11}{'steps/s':>9}{'first step s':>14}{'final reward':>14}{'init s':>9}"
+          f"{'process s':>11}")
+    summary = {}
+    for side, r in results.items():
+        final = sum(r["rewards"][-quarter:]) / max(len(r["rewards"][-quarter:]), 1)
+        summary[side] = {"seconds": round(r["seconds"], 2), "steps_per_s": round(r["steps"] / r["seconds"], 4),
+                         "first_step_s": round(r["first_step_after"] or 0.0, 2), "final_reward": round(final, 4),
+                         "init_seconds": round(r["init_seconds"], 2), "process_seconds": round(r["process_seconds"], 2)}
+        s = summary[side]
+        print(f"{side:<12}{s['seconds']:>11.1f}{s['steps_per_s']:>9.3f}{s['first_step_s']:>14.1f}"
+              f"{s['final_reward']:>14.3f}{s['init_seconds']:>9.1f}{s['process_seconds']:>11.1f}")
+    out = {**summary, "steps": args.steps, "precision": args.precision, "parameters": params, "cores": os.cpu_count()}
+    if len(results) == 2:
+        # from the seconds the summary reports, so that the JSON agrees with itself (as bench multi-turn's ratios)
+        trl, ours = summary["trl"], summary["hfllamarl"]
+        out["ratio"] = round(trl["seconds"] / ours["seconds"], 3)
+        out["ratio_init_and_train"] = round((trl["init_seconds"] + trl["seconds"])
+                                            / (ours["init_seconds"] + ours["seconds"]), 3)
+        out["ratio_process"] = round(trl["process_seconds"] / ours["process_seconds"], 3)
+        print(f"ratio (TRL train() time / hfllamarl train() time): {out['ratio']:.2f}x")
+        print(f"  with the trainer's construction (init s + train() s): {out['ratio_init_and_train']:.2f}x; "
+              f"whole processes (imports, data set, init, train(), exit): {out['ratio_process']:.2f}x")
+    if args.profile:
+        for side, r in results.items():
+            rows = _profile_rows(side, r)
+            out[f"profile_{side}"] = {k: round(v, 3) for k, v in rows.items() if v is not None}
+            print(f"\n{side}: seconds per step")
+            for k, val in rows.items():
+                if val is not None:
+                    print(f"  {k:<40}{val:>8.2f}")
+    if bare and "hfllamarl" in results:
+        h = results["hfllamarl"]["history"][1:] or results["hfllamarl"]["history"]
+        ours = sum(x["generation/tokens_per_s"] for x in h) / len(h)
+        out["generator_tokens_per_s"], out["bare_vllm_tokens_per_s"] = round(ours, 1), round(bare["tokens_per_s"], 1)
+        print(f"\ngenerator tokens/s {ours:.0f} vs bare vLLM LLM.generate on one core {bare['tokens_per_s']:.0f} "
+              f"({100 * ours / bare['tokens_per_s']:.0f} %)")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    run_side(json.loads(sys.argv[1]))

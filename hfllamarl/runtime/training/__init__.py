@@ -1,0 +1,4 @@
+"""The trainer side: the executor that scores and trains (trainer), micro-batch packing (batching), dynamic
+sampling, several passes per batch (iterations), the non-finite guard (finite), metric reductions over the
+trainer ranks (rank_metrics), MoE's balancing loss (moe) and logging (reporting). Imports the layers below it,
+never `generation`."""

@@ -1,0 +1,552 @@
+"""The trainer executor: scores rollouts, computes advantages and takes `num_iterations` optimizer steps per batch.
+
+The policy is sharded with FSDP2 over the trainer world. At tick t the trainer trains on
+generation batch `t - max_staleness` (its rows arrived over the `rollouts` channel), and offers
+its newest weights on the `policy_weights` channel whenever the generator still has batches to
+sample. Each optimizer pass over the batch is one policy version and one step of the run
+(`hfllamarl.runtime.loop.schedule`); the passes after the first clip against the policy before the first
+(`hfllamarl.runtime.training.iterations`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hfllamarl.losses import StepShape, normalize_then_sum_advantages
+
+from hfllamarl.runtime.training.batching import completion_logprobs, pack_batch, packing_agrees, pad_batch
+from hfllamarl.runtime.training.moe import balancing_loss_fn
+from hfllamarl.runtime.data.episodes import reward_arguments, tool_counts, tool_metrics
+from hfllamarl.runtime.loop.executor import Executor, wait_for_startup
+from hfllamarl.runtime.training.iterations import high_entropy_mask, loss_keywords, mix_reference
+from hfllamarl.runtime.training.finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
+from hfllamarl.runtime.training.rank_metrics import all_max as _all_max, all_sum as _all_sum, evaluation_metrics
+from hfllamarl.runtime.training.rank_metrics import logged_means as _logged_means
+from hfllamarl.runtime.data.rewards import RewardRunner
+from hfllamarl.runtime.training.dynamic_sampling import GroupFilter, join_scored, split_scored
+from hfllamarl.runtime.loop.rollout import ROLLOUTS, Rollout, RolloutGroup
+from hfllamarl.runtime.loop.sampling import Sampling, within_support
+from hfllamarl.runtime.loop.schedule import Schedule
+from hfllamarl.runtime.world.topology import Topology
+from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS, WeightSyncBackend
+
+
+@dataclass
+class TrainerSpec:
+    """What the trainer executor needs, built by the `AsyncAIPOTrainer` front-end."""
+
+    model: torch.nn.Module  # already sharded with FSDP2
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    algorithm: Any
+    rewards: RewardRunner
+    backend: WeightSyncBackend
+    schedule: Schedule  # which batch each tick trains, until when the generator samples
+    num_generations: int
+    micro_batch_size: int
+    sampling: Sampling  # the transforms vLLM samples under (temperature, top-p/k, min-p, penalties)
+    max_grad_norm: float | None
+    pad_token_id: int
+    device: torch.device
+    on_step: Callable[[int, dict], bool] = lambda step, metrics: False  # returns: is a checkpoint due
+    should_stop: Callable[[], bool] = lambda: False  # a callback asked to end the run (should_training_stop)
+    save_checkpoint: Callable[[int], None] = lambda step: None  # writes this rank's part, then commits
+    trainer_state: Any = None
+    weights: Any = None  # what the weight sync sends (`state_dict()`); None: the policy itself (LoRA: merged)
+    ref_model: Any = None  # with beta > 0: the frozen reference policy, sharded like the policy (the algorithm
+    # adds the KL term from the reference log-probs it is given)
+    verify_dir: Callable[[int], str] | None = None  # verify_weight_sync: where policy version v is exported
+    startup_timeout_s: float = 240.0  # how long the ranks wait for each other's start-up (vllm_server_timeout)
+    max_completion_length: int | None = None  # Dr. GRPO's normalisation constant
+    mask_truncated_completions: bool = False  # a completion cut at max_completion_length is not trained on
+    on_samples: Callable[[dict | None], None] | None = None  # log_completions: gets the step's samples (rank 0)
+    on_eval: Callable[[dict], None] = lambda metrics: None  # evaluation during training: logs the eval_* metrics
+    dynamic_sampling_groups: int = 0  # drop_zero_variance_groups: this rank's groups per step (0: off)
+    padding_free: bool = True  # pack micro-batches without padding (`hfllamarl.runtime.training.batching`) if the model allows
+    pad_to_multiple_of: int | None = None  # round the micro-batch's width up to a multiple of this
+    tools: bool = False  # tool calling (tools / environment_factory): log TRL's tools/* metrics
+    router_aux_loss_coef: float = 0.0  # an MoE policy's load-balancing loss weight, as TRL resolves it (moe.py)
+    top_entropy_quantile: float = 1.0  # < 1: TRL's entropy mask on the per-token loss (`iterations.high_entropy_mask`)
+    ref_sync: tuple[float, int] | None = None  # sync_ref_model: (ref_model_mixup_alpha, ref_model_sync_steps)
+
+
+class TrainerExecutor(Executor):
+    role = "trainer"
+
+    def __init__(self, spec: TrainerSpec, topology: Topology):
+        self.spec, self.topology = spec, topology
+        self.version = 0  # optimizer steps taken = policy version of the current weights
+        self.sent_version = 0  # the generator starts from the initial weights (version 0)
+        self.inbox: dict[int, list[RolloutGroup]] = {}
+        self.eval_inbox: list[RolloutGroup] = []  # evaluations the generator sent (eval_dataset), logged at `step`
+        self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
+        self.weights_channel = None  # set by the front-end; its `last_seconds` is logged
+        self.dispatch = None  # `run_job` sets it: who generates what (`hfllamarl.runtime.loop.dispatch`)
+        self.group_filter = (GroupFilter(spec.dynamic_sampling_groups, spec.schedule.version_staleness)
+                             if spec.dynamic_sampling_groups else None)  # dynamic sampling (drop_zero_variance_groups)
+        self.trained_rows: list[list[int]] = []  # dataset rows of each trained batch, in order
+        self._save_due = False
+        self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
+        self.channel_seconds = 0.0  # this tick's time in the channels, before `step`
+        self.packed = False  # micro-batches packed without padding (decided by `init` on the real model)
+        self.balancing = (balancing_loss_fn(spec.model)  # (router logits, token mask) -> an MoE's aux loss
+                          if spec.router_aux_loss_coef else None)
+        self._tick_started = time.perf_counter()  # when this tick began (`set_step`): a step's wall time
+
+    @property
+    def weights(self):
+        """What the weight sync sends: the policy, or for a LoRA policy its merged weights."""
+        return self.spec.weights if self.spec.weights is not None else self.spec.model
+
+    def init(self) -> None:
+        self.backend = self.backend or self.spec.backend
+        if self.topology.core_lender is not None:  # a single-process CPU job: borrow the generators' idle cores
+            self.topology.core_lender.install(self.spec.model)
+        if self.spec.padding_free:
+            self.packed = packing_agrees(self.spec.model, self.spec.model.config.vocab_size, self.spec.device)
+        wait_for_startup(self.topology, self.spec.startup_timeout_s)
+        self.backend.setup_trainer(self.weights)
+        self.sync_bytes = sum(t.numel() * self.backend.wire_dtype(t.dtype).itemsize
+                              for t in self.weights.state_dict().values())
+
+    # ------------------------------------------------------------------ channels
+    def get_output(self, channel: str):
+        if channel != POLICY_WEIGHTS:
+            return super().get_output(channel)
+        # New weights go out when there are some and the generator still samples (new batches, or the carried
+        # completions of partial rollouts) or evaluates them (an evaluation due by the last step).
+        schedule = self.spec.schedule
+        if self.version > self.sent_version and (schedule.generator_samples(self.tick)
+                                                 or schedule.evaluates(self.version)):
+            self.sent_version = self.version
+            if self.spec.verify_dir is not None:
+                self._export_for_verify(self.version)
+            return self.weights, self.version
+        return None
+
+    def _export_for_verify(self, version: int) -> None:
+        """verify_weight_sync: write what the sync sends, as vLLM's loader reads it from disk, before sending."""
+        import shutil
+
+        from hfllamarl.runtime.weights.hf_export import export_weights
+
+        first = self.topology.rank == 0
+        directory = self.spec.verify_dir(version)
+        export_weights(self.weights, directory, write=first, cast=self.backend.wire_dtype)
+        previous = self.spec.verify_dir(version - 1)
+        if first and os.path.isdir(previous):  # the generator checked it at the previous sync
+            shutil.rmtree(previous, ignore_errors=True)
+
+    def put_input(self, channel: str, value) -> None:
+        if channel != ROLLOUTS:
+            return super().put_input(channel, value)
+        for group in value or []:
+            if group.eval_version is not None:
+                self.eval_inbox.append(group)
+            else:
+                self.inbox.setdefault(group.batch_index, []).append(group)
+
+    # ------------------------------------------------------------------ work
+    def set_step(self, tick: int) -> None:
+        super().set_step(tick)
+        self._tick_started = time.perf_counter()
+
+    def step(self) -> None:
+        if self.eval_inbox:
+            evaluations, self.eval_inbox = self.eval_inbox, []
+            for version in sorted({g.eval_version for g in evaluations}):
+                self.spec.on_eval(self.evaluation_metrics([g for g in evaluations if g.eval_version == version]))
+        batch_index = self.spec.schedule.trainer_batch(self.tick)
+        if batch_index is None:
+            return
+        self.channel_seconds = time.perf_counter() - self._tick_started
+        groups = self.inbox.pop(batch_index, None)
+        if not groups:
+            raise RuntimeError(f"trainer: batch {batch_index} never arrived from the generator")
+        if self.dispatch is not None:  # in position order, exactly this rank's positions
+            groups = self.dispatch.ordered(batch_index, groups)
+        lender = self.topology.core_lender
+        with lender.lending(self.tick) if lender is not None else contextlib.nullcontext():
+            self.train_on(groups)
+
+    def train_on(self, groups: list[RolloutGroup]) -> dict:
+        spec = self.spec
+        start = time.perf_counter()
+        self._check_staleness(groups)
+        rollouts = [r for g in groups for r in g.rollouts]  # what the batch generated (its rewards are logged)
+        rewards_t0 = time.perf_counter()
+        rewards, per_func = self._score(rollouts, [len(g.rollouts) for g in groups])
+        reward_seconds = time.perf_counter() - rewards_t0
+        logged, extra = spec.rewards.drain(len(rollouts))  # TRL's log_metric / log_extra calls of this step
+        trained, trained_rewards, trained_scores, sampling = groups, rewards, per_func, {}
+        if self.group_filter is not None:  # dynamic sampling: no flat group, refilled from the reserve
+            chosen, sampling = self.group_filter.select(split_scored(groups, rewards, per_func), self.version)
+            trained, trained_rewards, trained_scores = join_scored(chosen)
+        train_rollouts = [r for g in trained for r in g.rollouts]
+        if spec.on_samples is not None:  # log_completions: the step's samples, gathered to the first trainer rank
+            logged_advantages = self._advantages(rewards, per_func)
+            spec.on_samples(gather_samples(rollouts, per_func, logged_advantages, self.topology.rank == 0, extra))
+        advantages = self._advantages(trained_rewards, trained_scores) if train_rollouts else None  # [N]
+        staleness = [[self.version - v for v in r.sampled_versions()] for r in train_rollouts]  # per sampled token
+        self.trained_rows.append([r.row_index for r in train_rollouts[:: spec.num_generations]])
+        batch_index = groups[0].batch_index if groups else 0
+        old: list[torch.Tensor] = []  # pi_old per micro-batch: the first pass's log-probs, detached
+        save_due, metrics = False, {}
+        for p in range(max(1, spec.schedule.passes(batch_index))):  # each pass: one optimizer step, one version
+            step_metrics = self._optimizer_pass(train_rollouts, advantages, old)
+            if p == 0:  # what the batch generated and scored is logged once, with its first step (TRL: at generation)
+                metrics = self._step_metrics(groups, rollouts, rewards, per_func, staleness, step_metrics.pop("loss"),
+                                             step_metrics.pop("stats"))
+                if sampling:
+                    metrics.update(_all_sum(sampling))
+                metrics["reward_seconds"] = reward_seconds
+                metrics.update(_logged_means(logged))
+                metrics.update(spec.rewards.counters())
+                if self.dispatch is not None:
+                    metrics.update(self.dispatch.metrics())  # replicas/live, replicas/lost, replicas/regenerated_prompts
+            else:
+                metrics = reduce_metrics({"loss": [step_metrics.pop("loss")], **step_metrics.pop("stats")})
+            metrics.update(step_metrics)
+            metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
+            metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
+            metrics["train_step_seconds"] = time.perf_counter() - start
+            metrics["step_time"] = time.perf_counter() - self._tick_started  # TRL's name: the step's wall time
+            start = self._tick_started = time.perf_counter()  # the next pass's times start here
+            save_due = bool(spec.on_step(self.version, metrics)) or save_due
+        self._save_due = save_due
+        return metrics
+
+    def _optimizer_pass(self, rollouts: list[Rollout], advantages: torch.Tensor | None, old: list) -> dict:
+        """One optimizer step over the batch (none when it has nothing to train: the version still advances), then
+        the scheduler and, when due, the reference model's sync. Returns the step's loss, per-micro-batch `stats`
+        and timings. `old` holds pi_old per micro-batch (filled by the first pass)."""
+        spec = self.spec
+        backward_t0 = time.perf_counter()
+        loss_total, stats, grad_norm, optimizer_seconds = 0.0, {}, 0.0, 0.0
+        if rollouts:  # every trainer rank alike (dynamic sampling agrees on the count)
+            loss_total, stats = self._accumulate_gradients(rollouts, advantages, old)
+            grad_norm = self._checked_grad_norm()
+            optimizer_t0 = time.perf_counter()
+            spec.optimizer.step()
+            spec.optimizer.zero_grad(set_to_none=True)
+            optimizer_seconds = time.perf_counter() - optimizer_t0
+        backward_seconds = time.perf_counter() - backward_t0 - optimizer_seconds
+        lr = spec.scheduler.get_last_lr()[0] if spec.scheduler is not None else None  # the rate this step used (TRL's log)
+        if spec.scheduler is not None:  # the schedule counts steps, trained or not
+            spec.scheduler.step()
+        self.version += 1
+        if spec.ref_sync is not None and spec.ref_model is not None and self.version % spec.ref_sync[1] == 0:
+            mix_reference(spec.model, spec.ref_model, spec.ref_sync[0])  # TRL: on_step_end of every N-th step
+        # where the trainer's time went (hfllamarl bench vs-trl --profile): its channels this tick (waiting for the
+        # rollouts, sending weights), the forward and backward passes, the optimizer
+        out = {"loss": loss_total, "stats": stats, "time/channels": self.channel_seconds,
+               "time/forward_backward": backward_seconds, "time/optimizer": optimizer_seconds, "grad_norm": grad_norm}
+        self.channel_seconds = 0.0  # the batch's later passes wait for nothing
+        lender = self.topology.core_lender if self.topology is not None else None
+        if lender is not None:  # the generators finished first and lent their cores for the rest of this step
+            out["time/borrowed_cores"] = float(lender.borrowed)
+        if lr is not None:
+            out["learning_rate"] = lr
+        return out
+
+    def _check_staleness(self, groups: list[RolloutGroup]) -> None:
+        """A token staler than max_staleness means a broken schedule: stop before anything is scored."""
+        worst = max((self.version - v for g in groups for r in g.rollouts for v in r.sampled_versions()), default=0)
+        schedule = self.spec.schedule
+        if worst > schedule.version_staleness:
+            per = f" x num_iterations={schedule.iterations}" if schedule.iterations > 1 else ""
+            raise RuntimeError(f"trainer: a token of batch {groups[0].batch_index} was sampled {worst} policy versions "
+                               f"ago, past max_staleness={schedule.max_staleness}{per}; the schedule is broken")
+
+    def _advantages(self, rewards: list[float], per_func: dict[str, list]) -> torch.Tensor:
+        """`[N]` advantages of the combined rewards (NaN: unscored, advantage 0): the algorithm's, or with
+        multi_objective_aggregation="normalize_then_sum" TRL's (each function normalised per group, the weighted sum
+        normalised over the step). Every trainer rank calls it (scale_rewards="batch" reduces over them)."""
+        spec = self.spec
+        if spec.rewards.aggregation == "normalize_then_sum":
+            names = spec.rewards.names
+            scores = torch.tensor([[math.nan if v is None else float(v) for v in per_func[name]] for name in names],
+                                  dtype=torch.float32).T.reshape(len(rewards), len(names))
+            return normalize_then_sum_advantages(scores, spec.rewards.weights, spec.num_generations)
+        advantages = spec.algorithm.advantages(torch.tensor(rewards, dtype=torch.float32), spec.num_generations)
+        return torch.nan_to_num(advantages, nan=0.0)  # as TRL: an unscored completion moves nothing
+
+    def _score(self, rollouts: list[Rollout], group_sizes: list[int]) -> tuple[list[float], dict]:
+        """Every rollout's combined reward (an unscored one: NaN, as TRL) and each reward function's scores
+        (TRL's call)."""
+        return self.spec.rewards(**reward_arguments(rollouts), trainer_state=self.spec.trainer_state,
+                                 group_sizes=group_sizes)
+
+    def _checked_grad_norm(self) -> float:
+        """The gradients' norm (clipped to max_grad_norm); a NaN/inf one stops the step before the optimizer."""
+        model = self.spec.model
+        grad_norm = total_grad_norm(model, self.spec.max_grad_norm)
+        if not math.isfinite(grad_norm):  # no optimizer step with a NaN/inf gradient: the weights stay finite
+            bad = first_bad_gradient(model)
+            where = self.topology.describe(self.topology.rank)
+            agree([f"the gradient norm is {grad_norm}; {bad}"] if bad else [], step=self.version + 1, rank_name=where)
+            raise NonFiniteError(f"non-finite values at step {self.version + 1}: the gradient norm is {grad_norm} while "
+                                 "every gradient is finite (it overflowed). The step was stopped before the optimizer; "
+                                 "lower the learning rate or clip gradients (max_grad_norm).")
+        return grad_norm
+
+    def _accumulate_gradients(self, rollouts: list[Rollout], advantages: torch.Tensor,
+                              old: list | None = None) -> tuple[float, dict]:
+        """Forward and backward over micro-batches (gradients summed, reduced once at the last one).
+
+        `old`: pi_old per micro-batch; an empty list (the batch's first pass) is filled with this pass's log-probs,
+        detached, which later passes give the algorithm as `old_logprobs` (when its loss names it). With
+        top_entropy_quantile < 1 the algorithm also gets TRL's `entropy_mask`.
+
+        Returns the step's loss and, per metric the algorithm's loss returns (and `is_ratio/outside_support_frac`),
+        one value per micro-batch.
+        """
+        old = [] if old is None else old
+        spec, model = self.spec, self.spec.model
+        mb = spec.micro_batch_size
+        steps = math.ceil(len(rollouts) / mb)
+        masked = [spec.mask_truncated_completions and r.finish_reason == "length" for r in rollouts]
+        tokens = _all_sum({"tokens": sum(r.num_sampled for r, m in zip(rollouts, masked) if not m)})["tokens"]
+        shape = StepShape(tokens=tokens, trainer_ranks=dist.get_world_size() if dist.is_initialized() else 1,
+                          micro_batches=steps, max_completion_length=spec.max_completion_length)
+        extra = {"shape": shape} if takes_shape(spec.algorithm) else {}
+        takes = loss_keywords(spec.algorithm)
+        stats: dict[str, list[float]] = {}
+        loss_total = 0.0
+        for k in range(steps):
+            chunk = rollouts[k * mb:(k + 1) * mb]
+            build = pack_batch if self.packed else pad_batch
+            batch = build(chunk, spec.pad_token_id, spec.device, spec.pad_to_multiple_of)
+            if any(masked[k * mb:(k + 1) * mb]):  # TRL's mask_truncated_completions: no loss on them
+                keep = torch.tensor([not m for m in masked[k * mb:(k + 1) * mb]], device=spec.device)
+                batch["mask"] = batch["mask"] * keep[:, None]
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(k == steps - 1)  # reduce-scatter once per optimizer step
+            routers = [] if self.balancing else None
+            raw, entropy = completion_logprobs(model, batch, spec.sampling, entropy=True, router_logits=routers)
+            logprobs, outside = within_support(raw, batch["mask"], spec.sampling)
+            chunk_advantages = advantages[k * mb:(k + 1) * mb].to(spec.device)
+            ref = None
+            if spec.ref_model is not None:
+                with torch.no_grad():
+                    ref, ref_outside = within_support(completion_logprobs(spec.ref_model, batch, spec.sampling),
+                                                      batch["mask"], spec.sampling)
+                    ref = torch.where(outside | ref_outside, logprobs.detach(), ref)  # KL only where both can sample
+            kwargs = dict(extra, **({"ref_logprobs": ref} if ref is not None else {}))
+            if len(old) == k:  # the batch's first pass: this is pi_old
+                old.append(logprobs.detach())
+            if "old_logprobs" in takes:
+                kwargs["old_logprobs"] = old[k]
+            if spec.top_entropy_quantile < 1.0 and "entropy_mask" in takes:
+                kwargs["entropy_mask"] = high_entropy_mask(entropy, batch["mask"], spec.top_entropy_quantile)
+            loss, m = checked_loss(spec.algorithm, spec.algorithm.loss(logprobs, batch["behavior_logprobs"],
+                                                                       chunk_advantages, batch["mask"], **kwargs))
+            if routers is not None:  # TRL's MoE load-balancing loss over the micro-batch's tokens, weighted
+                aux = self.balancing(routers, batch["token_mask"])
+                loss = loss + spec.router_aux_loss_coef * aux
+                m["aux_loss"] = float(aux.detach())
+            m["is_ratio/outside_support_frac"] = float(outside.sum()) / max(float(batch["mask"].sum()), 1.0)
+            m["entropy"] = float((entropy * batch["mask"]).sum()) / max(float(batch["mask"].sum()), 1.0)
+            # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
+            agree(self._nonfinite(batch, raw.masked_fill(outside, 0.0), chunk_advantages, loss, chunk, k * mb),
+                  step=self.version + 1, rank_name=self.topology.describe(self.topology.rank))
+            (loss / steps).backward()
+            loss_total += loss.item() / steps
+            for key, value in m.items():
+                stats.setdefault(key, []).append(value)
+        return loss_total, stats
+
+    @staticmethod
+    def _nonfinite(batch: dict, logprobs: torch.Tensor, advantages: torch.Tensor, loss: torch.Tensor,
+                   chunk: list[Rollout], offset: int) -> list[str]:
+        """What in this micro-batch is NaN or inf, described (empty: all finite)."""
+        rows = [r.row_index for r in chunk]
+        ids, mask = batch["completion_ids"], batch["mask"]
+        problems = [describe_token(what, values, mask, rows, ids, offset) for what, values in (
+            ("mu (the generator's log-prob of the sampled token)", batch["behavior_logprobs"]),
+            ("pi (the policy's log-prob of the sampled token)", logprobs))]
+        bad = first_bad(advantages)
+        if bad is not None:
+            i = bad[0]
+            problems.append(f"the advantage is {float(advantages[i])} at sample {offset + i} of the batch "
+                            f"(dataset row {rows[i]})")
+        if not problems[0] and not problems[1] and bad is None and not bool(torch.isfinite(loss.detach())):
+            problems.append(f"the loss is {float(loss.detach())} (pi, mu and the advantages are finite: the algorithm's loss)")
+        return [p for p in problems if p]
+
+    def evaluation_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        """The eval_* metrics of one evaluation (`hfllamarl.runtime.training.rank_metrics.evaluation_metrics`)."""
+        return evaluation_metrics(self.spec, groups)
+
+    def _step_metrics(self, groups: list[RolloutGroup], rollouts: list[Rollout], rewards: list[float], per_func: dict,
+                      staleness: list[list[int]], loss_total: float, stats: dict) -> dict[str, float]:
+        """The step's logged metrics, reduced over the trainer world (`staleness`: per completion, per token;
+        `stats`: the algorithm's metrics, one value per micro-batch, logged under their own names)."""
+        n = len(rollouts)
+        oldest = [max(s) for s in staleness if s]  # a completion is as stale as its first token
+        lengths = [r.num_sampled for r in rollouts]  # as TRL: the tokens the policy sampled, not the tools'
+        G = self.spec.num_generations
+        flat = [all(math.isclose(x, rewards[i]) for x in rewards[i:i + G]) for i in range(0, n, G)]
+        ended = [length for length, r in zip(lengths, rollouts) if r.finish_reason != "length"]
+        partial = [len(r.completion_ids) for r in rollouts if r.segments > 1]
+        scored = [x for x in rewards if not math.isnan(x)]  # as TRL's nanmean/nanstd: unscored ones left out
+        local = {
+            "reward_sum": sum(scored), "reward_sq": sum(x * x for x in scored), "scored": len(scored), "count": n,
+            "staleness_sum": sum(oldest), "staleness_n": len(oldest),
+            "token_staleness_sum": sum(map(sum, staleness)), "partial": len(partial), "partial_len": sum(partial),
+            "len_sum": sum(lengths), "truncated": sum(r.finish_reason == "length" for r in rollouts),
+            "empty": sum(length == 0 for length in lengths),
+            "groups": len(flat), "flat_groups": sum(flat), "ended": len(ended), "ended_len": sum(ended),
+            "tokens": sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts),
+        }
+        for name, scores in per_func.items():
+            vals = [s for s in scores if s is not None]
+            local[f"rf_sum/{name}"] = sum(vals)
+            local[f"rf_sq/{name}"] = sum(x * x for x in vals)
+            local[f"rf_n/{name}"] = len(vals)
+        if self.spec.tools:
+            local.update(tool_counts(rollouts))
+        summed = _all_sum(local)
+        extremes = _all_max([max(lengths), -min(lengths), max(ended, default=-1), -min(ended, default=1 << 30)])
+        count, scored_n = summed["count"], max(summed["scored"], 1.0)
+        mean = summed["reward_sum"] / scored_n
+        metrics: dict[str, float] = {"reward": mean,
+                                     "reward_std": math.sqrt(max(summed["reward_sq"] / scored_n - mean * mean, 0.0))}
+        for name in per_func:
+            k = max(summed[f"rf_n/{name}"], 1)
+            metrics[f"rewards/{name}/mean"] = f_mean = summed[f"rf_sum/{name}"] / k
+            metrics[f"rewards/{name}/std"] = math.sqrt(max(summed[f"rf_sq/{name}"] / k - f_mean * f_mean, 0.0))
+        metrics["frac_reward_zero_std"] = summed["flat_groups"] / max(summed["groups"], 1)  # TRL's: no signal
+        state = self.spec.trainer_state
+        if state is not None and hasattr(state, "num_input_tokens_seen"):  # prompt + completion tokens trained, as TRL
+            state.num_input_tokens_seen = int(state.num_input_tokens_seen or 0) + int(summed["tokens"])
+            metrics["num_tokens"] = float(state.num_input_tokens_seen)
+        # The loss and the algorithm's own metrics (is_ratio/*, clipped_frac, behavior_kl, kl, ...), plus the share of
+        # sampled tokens the current policy's top-k/top-p/min-p no longer allow (weight 0; only off-policy).
+        metrics.update(reduce_metrics({"loss": [loss_total], "staleness/max": [max(oldest, default=0)], **stats}))
+        metrics["staleness/mean"] = summed["staleness_sum"] / max(summed["staleness_n"], 1)
+        metrics["staleness/token_mean"] = summed["token_staleness_sum"] / max(summed["len_sum"], 1)
+        metrics["partial_rollouts/count"] = summed["partial"]  # completions generated over more than one tick
+        metrics["partial_rollouts/mean_length"] = summed["partial_len"] / max(summed["partial"], 1)
+        metrics["completions/mean_length"] = summed["len_sum"] / count
+        metrics["completions/truncated_frac"] = summed["truncated"] / count
+        metrics["completions/empty_frac"] = summed["empty"] / count  # they get a reward, but no token to train
+        if self.spec.tools:
+            metrics.update(tool_metrics(summed, count))
+        # TRL's names: min/max length, truncated share, lengths of the completions that ended (0 when none did)
+        metrics["completions/max_length"], metrics["completions/min_length"] = extremes[0], -extremes[1]
+        metrics["completions/clipped_ratio"] = metrics["completions/truncated_frac"]
+        any_ended = summed["ended"] > 0
+        metrics["completions/mean_terminated_length"] = summed["ended_len"] / summed["ended"] if any_ended else 0.0
+        metrics["completions/max_terminated_length"] = extremes[2] if any_ended else 0.0
+        metrics["completions/min_terminated_length"] = -extremes[3] if any_ended else 0.0
+        # Each replica sampled its share of the batch at once: tokens add up, the slowest replica is the time.
+        per_replica = reduce_metrics({f"{g.replica}/{what}/max": [value] for g in groups for what, value in
+                                      (("tokens", g.batch_tokens), ("seconds", g.generation_seconds))})
+        gen_seconds = max(v for k, v in per_replica.items() if k.endswith("/seconds/max"))
+        metrics["generation/seconds"] = gen_seconds
+        tokens = sum(v for k, v in per_replica.items() if k.endswith("/tokens/max"))
+        metrics["generation/tokens_per_s"] = tokens / gen_seconds if gen_seconds > 0 else 0.0
+        return metrics
+
+    def close(self) -> None:
+        if self.topology.core_lender is not None:
+            self.topology.core_lender.close()
+        if self.spec.verify_dir is not None and self.topology.rank == 0:
+            import shutil
+
+            shutil.rmtree(os.path.dirname(self.spec.verify_dir(0)), ignore_errors=True)
+
+    def checkpoint_due(self) -> bool:
+        due, self._save_due = self._save_due, False
+        return due
+
+    def stop_requested(self) -> bool:
+        """Whether a callback on any trainer rank asked to end the run after the last step (transformers' Trainer
+        stops there); the trainer ranks agree, then the weights channel tells the generator ranks."""
+        return _all_max([1.0 if self.spec.should_stop() else 0.0])[0] > 0
+
+    def save_checkpoint(self) -> None:
+        self.spec.save_checkpoint(self.version)
+
+
+def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool,
+                   extra: dict[str, list] | None = None) -> dict | None:
+    """The step's samples over every trainer rank as TRL's completion-log columns (prompt, completion, one column
+    per reward function, advantage, and under "extra" the columns reward functions added with `log_extra`); on
+    the first trainer rank, None on the others."""
+    local = {"prompt": [r.prompt for r in rollouts], "completion": [r.completion_text for r in rollouts],
+             **{name: [math.nan if v is None else v for v in scores] for name, scores in per_func.items()},
+             "advantage": advantages.tolist()}
+    parts = [(local, extra or {})]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (local, extra or {}))
+    if not first:
+        return None
+    out = {key: [v for part, _ in parts for v in part[key]] for key in local}
+    columns = sorted({c for _, more in parts for c in more})  # a column only some ranks logged: None elsewhere
+    out["extra"] = {c: [v for part, more in parts for v in more.get(c, [None] * len(part["prompt"]))]
+                    for c in columns}
+    return out
+
+
+def takes_shape(algorithm) -> bool:
+    """Whether the algorithm's `loss` names a `shape` parameter (then it gets the step's `StepShape`)."""
+    import inspect
+
+    return "shape" in inspect.signature(algorithm.loss).parameters
+
+
+def checked_loss(algorithm, out) -> tuple[torch.Tensor, dict[str, float]]:
+    """What `Algorithm.loss` returned, checked against the contract: a scalar tensor with gradient and a dict of
+    numbers by metric name. A plugin that breaks it is named, before anything is logged or stepped."""
+    name = type(algorithm).__name__
+    contract = "Algorithm.loss must return (a scalar loss tensor with gradient, {metric name: number})"
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"the algorithm {name} returned {type(out).__name__} from loss(); {contract}.")
+    loss, metrics = out
+    if not (torch.is_tensor(loss) and loss.numel() == 1 and loss.requires_grad):
+        what = f"a tensor of shape {tuple(loss.shape)}" + ("" if loss.requires_grad else " without gradient") \
+            if torch.is_tensor(loss) else type(loss).__name__
+        raise TypeError(f"the algorithm {name} returned {what} as its loss; {contract}.")
+    if not isinstance(metrics, dict):
+        raise TypeError(f"the algorithm {name} returned {type(metrics).__name__} as its metrics; {contract}.")
+    clean = {}
+    for key, value in metrics.items():
+        try:
+            clean[str(key)] = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"the algorithm {name} returned metric {key!r} = {value!r}; {contract}.") from None
+    return loss.reshape(()), clean
+
+
+def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
+    """Per-micro-batch metrics -> one value each over this rank's micro-batches and every trainer rank: the
+    maximum for names ending in `/max`, the minimum for `/min`, else the mean of the ranks' means. A name only
+    some ranks report is reduced over those."""
+    local = {k: _combine(k, v) for k, v in values.items() if v}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+    else:
+        everyone = [local]
+    keys = sorted({k for part in everyone for k in part})
+    return {key: _combine(key, [part[key] for part in everyone if key in part]) for key in keys}
+
+
+def _combine(name: str, values: list[float]) -> float:
+    """Several values of metric `name` as one: the maximum for `/max`, the minimum for `/min`, else the mean."""
+    if name.endswith("/max"):
+        return max(values)
+    if name.endswith("/min"):
+        return min(values)
+    return sum(values) / len(values)

@@ -1,1 +1,0 @@
-"""Tools around the runtime: benchmarks, the planner, evaluation, the tiny demo model."""
