@@ -321,6 +321,10 @@ def to_prompts(dataset, script: RecipeArguments):
         if absent:
             raise RecipeError(f"rename_columns names {absent}, not columns of the data set (its columns: "
                               f"{dataset.column_names}).")
+        taken = sorted(set(script.rename_columns.values()) & (set(dataset.column_names) - set(script.rename_columns)))
+        if taken:
+            raise RecipeError(f"rename_columns would make {taken} twice: the data set already has such a column "
+                              f"(its columns: {dataset.column_names}); rename or drop that one first.")
         dataset = dataset.rename_columns(script.rename_columns)
     needed = template_columns(script.prompt_template) if script.prompt_template else [script.prompt_column]
     absent = [c for c in needed if c not in dataset.column_names]
