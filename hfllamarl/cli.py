@@ -9,6 +9,7 @@
     hfllamarl bench vs-trl ...        TRL's GRPOTrainer and AsyncAIPOTrainer on the same job, timed (hfllamarl.commands.bench_vs_trl)
     hfllamarl bench grader ...        math_sympy against graders' test suites, Math-Verify side by side (hfllamarl.commands.bench_grader)
     hfllamarl bench multi-turn ...    multi-turn tool calling, synchronous vs asynchronous throughput (hfllamarl.commands.bench_multi_turn)
+    hfllamarl train --config recipe.yaml [--field value ...]   train from a recipe, as `trl grpo --config` (hfllamarl.commands.train)
     hfllamarl plan ...          recommend a trainer/generator GPU split from the memory and step-time model (hfllamarl.commands.plan)
     hfllamarl version
 """
@@ -44,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="action", required=True)
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
     # light modules: heavy imports happen inside their run()
-    from .commands import bench_grader, bench_learning, bench_load, bench_multi_turn, bench_profile, bench_vs_trl, bench_weight_sync as bench, evaluate, plan
+    from .commands import (bench_grader, bench_learning, bench_load, bench_multi_turn, bench_profile, bench_vs_trl,
+                           evaluate, plan, train)
+    from .commands import bench_weight_sync as bench
 
     _command(sub, "eval", "generate on a JSONL data set and score it", evaluate)
     bench_parser = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
@@ -60,9 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     _command(bench_parser, "multi-turn", "multi-turn tool calling: synchronous vs asynchronous throughput",
              bench_multi_turn)
     _command(sub, "plan", "recommend a trainer/generator GPU split (LlamaRL section 6 model)", plan)
+    # every argument after `train` is the recipe's: TrlParser reads them (and answers --help)
+    sub.add_parser("train", help="train from a recipe (YAML and/or flags); --check validates it",
+                   add_help=False).set_defaults(func=train.run, takes_rest=True)
     sub.add_parser("version", help="print the version").set_defaults(
         func=lambda a: print(__import__("hfllamarl").__version__) or 0)
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "takes_rest", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     return args.func(args)
 
 

@@ -30,22 +30,32 @@ def test_cli_plugins_list():
     assert "hfllamarl" in out  # the distribution column
 
 
-RECIPES = sorted(glob.glob(str(REPO / "examples" / "recipes" / "*.yaml")))
+# the GPU-layout recipes (demo_cpu.yaml builds its own model and data: tests/test_recipe.py runs it)
+RECIPES = sorted(p for p in glob.glob(str(REPO / "examples" / "recipes" / "*.yaml")) if "demo_cpu" not in p)
 LAUNCHERS = sorted(glob.glob(str(REPO / "examples" / "launch" / "*.sh")))
 
 
-def start_recipe_check(path, *extra) -> subprocess.Popen:
+def start_recipe_check(path, model, data, *extra) -> subprocess.Popen:
+    """The recipe checked with the tiny model and a few MATH/GSM8K-shaped rows in place of the cluster's files."""
     return subprocess.Popen([sys.executable, str(REPO / "examples" / "train_math.py"), "--config", path, "--check",
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO))
+                             "--model_name_or_path", model, "--dataset_name", data, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO))
 
 
-def test_every_recipe_is_valid_and_fp8_is_refused_without_a_gpu(tmp_path):
+def test_every_recipe_is_valid_and_fp8_is_refused_without_a_gpu(tmp_path, tiny_model):
     """Each shipped recipe parses into AsyncAIPOConfig (TRL's --config) and passes the layout checks; one that
     asks for an fp8 generator cannot run here and says so, and passes without that one setting; a quantization
     the generator does not take (awq) is refused with the reason. (The checks run side by side: each is a fresh
     process, mostly imports.)"""
+    import json
+
     import torch
 
+    rows = str(tmp_path / "rows.jsonl")
+    with open(rows, "w") as fh:  # both data sets' columns: problem/solution/answer (MATH), question/answer (GSM8K)
+        for a in range(4):
+            fh.write(json.dumps({"problem": f"{a}+1?", "question": f"{a}+1?", "solution": f"\\boxed{{{a + 1}}}",
+                                 "answer": f"{a} plus 1.\n#### {a + 1}"}) + "\n")
     cases = {}
     for path in RECIPES:
         data = yaml.safe_load(open(path))
@@ -57,8 +67,8 @@ def test_every_recipe_is_valid_and_fp8_is_refused_without_a_gpu(tmp_path):
             stripped = str(tmp_path / f"without_fp8-{name}")
             yaml.safe_dump(without, open(stripped, "w"))
             cases[name + " without fp8"] = (stripped, without)
-    procs = {name: start_recipe_check(path) for name, (path, _) in cases.items()}
-    bad_quantization = start_recipe_check(str(REPO / "examples" / "recipes" / "tiny_cpu.yaml"),
+    procs = {name: start_recipe_check(path, tiny_model, rows) for name, (path, _) in cases.items()}
+    bad_quantization = start_recipe_check(str(REPO / "examples" / "recipes" / "tiny_cpu.yaml"), tiny_model, rows,
                                           "--generator_quantization", "awq")
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=240)
@@ -115,7 +125,7 @@ def test_a_small_plans_launch_settings_run_on_the_cpu(tiny_model, tmp_path, caps
             fh.write(json.dumps({"question": f"{a}+1=?", "answer": f"{a} plus 1.\n#### {a + 1}"}) + "\n")
     out = tmp_path / "out"
     proc = run_script([str(REPO / "examples" / "train_math.py"), "--config", str(REPO / "examples" / "recipes" /
-                       "tiny_cpu.yaml"), "--model_name_or_path", tiny_model, "--dataset_path", str(data),
+                       "tiny_cpu.yaml"), "--model_name_or_path", tiny_model, "--dataset_name", str(data),
                        "--output_dir", str(out), "--num_generator_processes", str(launch["num_generator_processes"]),
                        "--generator_tensor_parallel_size", str(launch["generator_tensor_parallel_size"])],
                       nproc=launch["nproc_per_node"], timeout=400)

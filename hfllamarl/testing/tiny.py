@@ -193,3 +193,22 @@ def prepare_demo_model(directory: str) -> str:
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return directory
+
+
+def prepare_demo(directory: str, num_rows: int = 4096, seed: int = 1) -> dict:
+    """The demo task's files, built once into `directory`: the warmed-up tiny model and a JSONL of successor rows.
+
+    A recipe's `prepare` builder (`examples/recipes/demo_cpu.yaml`): it returns the recipe fields naming what it
+    built, which the trainer then loads like any model directory and data file.
+    """
+    import json
+
+    model = prepare_demo_model(os.path.join(directory, "tiny-llama"))
+    data = os.path.join(directory, "successor.jsonl")
+    if not os.path.isfile(data):
+        tmp = f"{data}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            for row in successor_rows(num_rows, seed=seed):
+                fh.write(json.dumps(row) + "\n")
+        os.replace(tmp, data)
+    return {"model_name_or_path": model, "dataset_name": data}

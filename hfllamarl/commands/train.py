@@ -1,0 +1,164 @@
+"""`hfllamarl train --config recipe.yaml [--field value ...]`: train from a recipe, as `trl grpo --config` does.
+
+The recipe (see `hfllamarl.commands.recipe`) is read, checked and its data set loaded in every process before the
+trainer is built; a bad field, a missing column or an unknown reward stops the job there, with the reason.
+The command is a script like any other under a launcher:
+
+    hfllamarl train --config examples/recipes/demo_cpu.yaml                     # python: generators are children
+    torchrun --nproc_per_node 2 -m hfllamarl.cli train --config ...             # or: torchrun --no-python hfllamarl train ...
+    accelerate launch --multi_gpu --num_processes 2 -m hfllamarl.cli train --config ...
+    hfllamarl train --config ... --check                                        # validate only; nothing starts
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_arguments(parser) -> None:
+    """Nothing to declare: every argument after `train` is the recipe's (read by `TrlParser`)."""
+
+
+def run(args) -> int:
+    return main(getattr(args, "rest", []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check the recipe, then (without --check) train. Returns the exit code."""
+    from .recipe import RecipeError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        job = prepare_job(argv)
+    except RecipeError as exc:
+        print(f"hfllamarl train: error: {exc}", file=sys.stderr)
+        return 2
+    if job["recipe"].script.check:
+        print(summary(job))
+        return 0
+    train(job)
+    return 0
+
+
+def prepare_job(argv: list[str]) -> dict:
+    """Everything the trainer is built from, checked: the recipe, the data set(s), rewards, environments, tools."""
+    from .recipe import (RecipeError, dry_run_rewards, load_splits, parse_recipe, resolve_environments, resolve_rewards,
+                         resolve_tools, run_prepare, to_prompts)
+
+    recipe = parse_recipe(argv)
+    script, config, model = recipe.script, recipe.config, recipe.model
+    check_layout(recipe)
+    if model.load_in_4bit or model.load_in_8bit:
+        raise RecipeError("load_in_4bit / load_in_8bit: a quantized base model is not supported (the trainer ranks "
+                          "shard the policy with FSDP2 and send its weights to vLLM); use LoRA on a bf16 base "
+                          "(use_peft: true) instead.")
+    rewards = resolve_rewards(script.reward_funcs)
+    environments = resolve_environments(script.environments)
+    tools = resolve_tools(script.tools)
+    if not rewards and environments is None:
+        raise RecipeError("reward_funcs is empty: name at least one reward (`hfllamarl plugins list` shows the "
+                          "installed ones) or an environment that scores its rollouts.")
+    run_prepare(recipe)
+    if not model.model_name_or_path:
+        raise RecipeError("model_name_or_path is not set: give a local model directory or a Hub id.")
+    check_model(model.model_name_or_path)
+    evaluating = config.eval_strategy != "no"
+    splits = [script.dataset_train_split] + ([script.dataset_test_split] if evaluating else [])
+    train_dataset = eval_dataset = None
+    if script.dataset_name or environments is None:  # an environment may write the prompts itself
+        loaded = load_splits(script, splits)
+        train_dataset = to_prompts(loaded[script.dataset_train_split], script)
+        if len(train_dataset) == 0:
+            raise RecipeError(f"split {script.dataset_train_split!r} of {script.dataset_name!r} has no rows.")
+        if evaluating:
+            eval_dataset = to_prompts(loaded[script.dataset_test_split], script)
+        dry_run_rewards(rewards, train_dataset)
+    return dict(recipe=recipe, rewards=rewards, environments=environments, tools=tools, train_dataset=train_dataset,
+                eval_dataset=eval_dataset)
+
+
+def check_model(name: str) -> None:
+    """A local model must be a directory saved with save_pretrained; a Hub id is fetched by the trainer."""
+    import os
+
+    from hfllamarl.runtime.weights.loading import looks_like_hub_id
+
+    from .recipe import RecipeError
+
+    if looks_like_hub_id(name):
+        return
+    if not os.path.isfile(os.path.join(name, "config.json")):
+        raise RecipeError(f"model_name_or_path {name!r}: not a model directory (no config.json there) and not a Hub "
+                          "id (`org/name`); give a directory saved with save_pretrained().")
+
+
+def check_layout(recipe) -> None:
+    """The process count a launch uses (num_processes, when given) against the generator ranks the config asks for."""
+    from .recipe import RecipeError
+
+    n, g = recipe.script.num_processes, recipe.config.num_generator_processes
+    if n and n <= g:
+        raise RecipeError(f"num_processes={n} leaves no trainer rank beside num_generator_processes={g}.")
+
+
+def summary(job: dict) -> str:
+    """What --check prints: the layout, the batch arithmetic, the data and the rewards."""
+    recipe = job["recipe"]
+    script, config = recipe.script, recipe.config
+    n, g = script.num_processes, config.num_generator_processes
+    trainers = (n - g) if n else None
+    per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * trainers if n else None
+    lines = [
+        f"recipe OK: {n or '?'} processes = {trainers or '?'} trainer + {g} generator ranks "
+        f"({config.num_generator_replicas} vLLM replica(s) of tensor-parallel {config.generator_tensor_parallel_size}, "
+        f"quantization {config.generator_quantization or 'none'}); {per_step or '?'} completions per step, "
+        f"{config.num_generations} per prompt; staleness <= {config.max_staleness}; algorithm {config.algorithm}",
+        f"  model:   {recipe.model.model_name_or_path}",
+    ]
+    data = job["train_dataset"]
+    if data is not None:
+        lines.append(f"  data:    {script.dataset_name} [{script.dataset_train_split}]: {len(data)} rows, columns "
+                     f"{data.column_names}")
+        lines.append(f"  prompt:  {_short(data[0]['prompt'])}")
+    if job["eval_dataset"] is not None:
+        lines.append(f"  eval:    [{script.dataset_test_split}]: {len(job['eval_dataset'])} rows")
+    names = [r if isinstance(r, str) else f"{r.__module__}:{r.__name__}" for r in job["rewards"]]
+    lines.append(f"  rewards: {', '.join(names) or '(from the environment)'}")
+    if script.environments or script.tools:
+        lines.append(f"  agents:  environments {script.environments or '-'}; tools {script.tools or '-'}")
+    lines.append(f"  output:  {config.output_dir}")
+    return "\n".join(lines)
+
+
+def _short(value, width: int = 100) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def train(job: dict) -> None:
+    """Build `AsyncAIPOTrainer` from the checked job and train; the model is saved to output_dir at the end."""
+    from trl import get_peft_config
+
+    from hfllamarl import AsyncAIPOTrainer
+
+    recipe = job["recipe"]
+    config, model = recipe.config, recipe.model
+    # As TRL's script, ModelConfig's loading options reach from_pretrained; only those set away from their default,
+    # so that a plain recipe keeps the sharded loader (any from_pretrained keyword makes each rank load it whole).
+    init = dict(config.model_init_kwargs or {})
+    if model.model_revision not in (None, "main"):
+        init.setdefault("revision", model.model_revision)
+    if model.attn_implementation:
+        init.setdefault("attn_implementation", model.attn_implementation)
+    if model.dtype not in (None, "float32"):
+        init.setdefault("dtype", model.dtype)
+    config.model_init_kwargs = init or None
+    trainer = AsyncAIPOTrainer(model=model.model_name_or_path, reward_funcs=job["rewards"] or None, args=config,
+                               train_dataset=job["train_dataset"], eval_dataset=job["eval_dataset"],
+                               peft_config=get_peft_config(model), tools=job["tools"] or None,
+                               environment_factory=job["environments"])
+    resume = config.resume_from_checkpoint
+    trainer.train(resume_from_checkpoint=True if resume == "true" else resume)
+    trainer.save_model(config.output_dir)
+    if trainer.state is not None and trainer.state.is_world_process_zero:
+        print(f"hfllamarl train: done; model saved to {config.output_dir}")

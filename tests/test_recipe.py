@@ -1,0 +1,88 @@
+"""`hfllamarl train --config`: --check names each kind of bad input (in-process, nothing started); the demo recipe
+trains end to end from the command line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO, tail
+
+from hfllamarl import cli
+
+
+@pytest.fixture
+def job(tmp_path, tiny_model):
+    """A valid recipe (YAML) over a small GSM8K-shaped JSONL, and a runner of `hfllamarl train ... --check`."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{a}+1?", "answer": f"#### {a + 1}"}) + "\n" for a in range(4)))
+    recipe = {"model_name_or_path": tiny_model, "dataset_name": str(rows), "prompt_column": "question",
+              "reward_funcs": ["gsm8k"], "output_dir": str(tmp_path / "out"), "learning_rate": "1e-3"}
+
+    def check(*flags, **changes):
+        data = {**recipe, **changes}
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump({k: v for k, v in data.items() if v is not None}))
+        return cli.main(["train", "--config", str(path), "--check", *flags])
+
+    return check
+
+
+def test_a_valid_recipe_passes_and_yaml_values_get_their_field_types(job, capsys):
+    assert job() == 0
+    out = capsys.readouterr().out
+    assert "recipe OK" in out and "4 rows" in out and "rewards: gsm8k" in out
+    assert "'0+1?'" in out  # row 0's question is the prompt, as text
+
+
+@pytest.mark.parametrize("flags, changes, expected", [
+    ((), {"learnin_rate": 0.1}, "'learnin_rate' is not a recipe field. Did you mean learning_rate"),
+    (("--num_generatons", "2"), {}, "'num_generatons' is not a recipe field. Did you mean num_generations"),
+    ((), {"learning_rate": "fast"}, "learning_rate: 'fast' is not a valid float"),
+    ((), {"max_steps": 2.5}, "max_steps: expected a whole number, got 2.5"),
+    ((), {"lr_scheduler_type": "cosine_wobble"}, "lr_scheduler_type: 'cosine_wobble' is not one of"),
+    (("--per_device_train_batch_size", "many"), {}, "per-device-train-batch-size: invalid int value: 'many'"),
+    ((), {"prompt_column": "problem"}, "prompt_column is ['problem'], not a column of the data set"),
+    ((), {"prompt_column": None, "prompt_template": "{question} in {units}"},
+     "prompt_template reads ['units'], not a column"),
+    ((), {"reward_funcs": ["gsm8kk"]}, "no reward plugin named 'gsm8kk'. Did you mean gsm8k? Installed reward "
+                                       "plugins: boxed_format, gsm8k, length, math_sympy"),
+    ((), {"dataset_name": "no/such/file.jsonl"}, "dataset_name 'no/such/file.jsonl': no such file or directory"),
+    ((), {"model_name_or_path": "./missing-model"}, "model_name_or_path './missing-model': not a model directory"),
+    ((), {"dataset_train_split": "validation"}, "dataset_train_split='validation'"),
+    ((), {"reward_funcs": ["os.path:no_such_function"]}, "module 'os.path' has no 'no_such_function'"),
+])
+def test_check_names_each_bad_input(job, capsys, flags, changes, expected):
+    assert job(*flags, **changes) == 2
+    err = capsys.readouterr().err
+    assert expected in err, err
+
+
+def test_a_missing_reward_column_is_named(job, capsys, tmp_path):
+    """math_sympy reads the gold from an `answer` column: renamed away, --check says so (the plugin's own words)."""
+    assert job(rename_columns={"answer": "gold"}, reward_funcs=["math_sympy"]) == 2
+    err = capsys.readouterr().err
+    assert "reward function 'math_sympy' fails on row 0" in err and "needs an `answer` column" in err, err
+
+
+def test_prompt_template_and_chat_build_the_messages(job, capsys):
+    assert job(prompt_column=None, prompt_template="Q: {question} \\boxed{}", chat=True, system_prompt="Be brief.") == 0
+    out = capsys.readouterr().out
+    assert "[{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Q: 0+1? \\\\boxed{}'}]" in out, out
+
+
+def test_demo_recipe_trains_end_to_end(tmp_path):
+    """The one-command demo: `hfllamarl train --config examples/recipes/demo_cpu.yaml`, 2 steps, from an empty
+    directory (the recipe's builder makes the model and the data there)."""
+    exe = os.path.join(os.path.dirname(sys.executable), "hfllamarl")
+    proc = subprocess.run([exe, "train", "--config", str(REPO / "examples" / "recipes" / "demo_cpu.yaml"),
+                           "--max_steps", "2"], cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, tail(proc)
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("{'reward'")]
+    assert len(steps) == 2, tail(proc)  # one log line per optimizer step (logging_steps: 1)
+    out = tmp_path / "outputs" / "demo_cpu"
+    assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    assert (tmp_path / "outputs" / "demo_cpu-data" / "successor.jsonl").exists()
