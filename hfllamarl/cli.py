@@ -64,8 +64,12 @@ def main(argv: list[str] | None = None) -> int:
              bench_multi_turn)
     _command(sub, "plan", "recommend a trainer/generator GPU split (LlamaRL section 6 model)", plan)
     # every argument after `train` is the recipe's: TrlParser reads them (and answers --help)
-    sub.add_parser("train", help="train from a recipe (YAML and/or flags); --check validates it",
-                   add_help=False).set_defaults(func=train.run, takes_rest=True)
+    sub.add_parser("train", help="train from a recipe (YAML and/or flags); --check validates it", add_help=False,
+                   usage="hfllamarl train --config RECIPE.yaml [--check] [--FIELD VALUE ...]",
+                   description="Every AsyncAIPOConfig field, the model's (TRL's ModelConfig) and the recipe's own "
+                               "fields (data set, prompt, rewards, tools, prepare), from a YAML file and/or flags "
+                               "(flags win); `hfllamarl train --help` lists them all, the recipes guide explains "
+                               "them.").set_defaults(func=train.run, takes_rest=True)
     sub.add_parser("version", help="print the version").set_defaults(
         func=lambda a: print(__import__("hfllamarl").__version__) or 0)
     args, rest = parser.parse_known_args(argv)
