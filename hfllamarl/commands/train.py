@@ -12,6 +12,7 @@ The command is a script like any other under a launcher:
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -45,9 +46,10 @@ def prepare_job(argv: list[str]) -> dict:
     from .recipe import (RecipeError, dry_run_rewards, load_splits, parse_recipe, resolve_environments, resolve_rewards,
                          resolve_tools, run_prepare, to_prompts)
 
+    launched = "WORLD_SIZE" in os.environ  # (building the config rewrites it to the executor's own world)
     recipe = parse_recipe(argv)
     script, config, model = recipe.script, recipe.config, recipe.model
-    check_layout(recipe)
+    check_layout(recipe, launched)
     if model.load_in_4bit or model.load_in_8bit:
         raise RecipeError("load_in_4bit / load_in_8bit: a quantized base model is not supported (the trainer ranks "
                           "shard the policy with FSDP2 and send its weights to vLLM); use LoRA on a bf16 base "
@@ -92,10 +94,13 @@ def check_model(name: str) -> None:
                           "id (`org/name`); give a directory saved with save_pretrained().")
 
 
-def check_layout(recipe) -> None:
-    """The process count a launch uses (num_processes, when given) against the generator ranks the config asks for."""
+def check_layout(recipe, launched: bool) -> None:
+    """The recipe's num_processes, when given, against the generator ranks the config asks for; under a launcher
+    (`launched`: WORLD_SIZE was set before the config was built) the processes it started are the layout."""
     from .recipe import RecipeError
 
+    if launched:
+        return  # AsyncAIPOConfig checked the layout against the processes the launcher started
     n, g = recipe.script.num_processes, recipe.config.num_generator_processes
     if n and n <= g:
         raise RecipeError(f"num_processes={n} leaves no trainer rank beside num_generator_processes={g}.")
