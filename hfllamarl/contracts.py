@@ -7,8 +7,9 @@
 | `hfllamarl.weight_sync`   | a subclass of `WeightSyncBackend`            | `WeightSyncBackend`    |
 | `hfllamarl.environments`  | a class (or factory) returning an environment | `Environment`         |
 
-A plugin imports the core (this module, `hfllamarl.losses`), never the reverse. The README's "Plugins" section
-documents each method below; a test keeps the two in step.
+A plugin imports the public core (this module, `hfllamarl.losses`, `hfllamarl.policy_loss`, `hfllamarl.weight_sync`,
+`hfllamarl.sandbox`), never the runtime, and the core never imports a plugin. The docs' plugins guide
+(docs/guides/plugins.md) documents each method below; a test keeps the two in step.
 """
 
 from __future__ import annotations

@@ -420,7 +420,7 @@ def convert_repo(path: str | Path) -> tuple[str, list[dict], list[str]]:
         converter(sink)
     except (SyntaxError, NotLiteral) as exc:  # a file laid out unlike the commit this reads
         raise ValueError(f"{path}: the {origin} test files could not be read as expected ({exc}); "
-                         f"check out the commit named in the README.") from exc
+                         f"check out the commit named in docs/guides/rewards.md.") from exc
     return suite, sink.cases, sink.skipped
 
 
