@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_import_is_light_and_public_names_exist():
@@ -60,65 +61,49 @@ print('ok')
 LAYERS = ["world", "loop", "weights", "data", "agents", "generation", "training"]
 PUBLIC = {"hfllamarl", "hfllamarl.contracts", "hfllamarl.losses", "hfllamarl.policy_loss", "hfllamarl.registry",
           "hfllamarl.weight_sync", "hfllamarl.sandbox"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _imports(path):
+def _imports(path: Path, relative_allowed: bool = True):
     """Every module a file imports (module level and inside functions), as absolute dotted names."""
     import ast
 
     out = set()
-    for node in ast.walk(ast.parse(open(path).read())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0 or not path.startswith("hfllamarl/runtime"), f"{path}: relative import"
+            assert node.level == 0 or relative_allowed, f"{path.relative_to(ROOT)}: relative import"
             if node.level == 0 and node.module:
                 out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
     return out
 
 
-def _root():
-    import os
-
-    return os.path.join(os.path.dirname(__file__), "..")
-
-
 def test_each_runtime_layer_imports_only_the_layers_below_it():
-    import os
-
-    os.chdir(_root())
+    runtime = ROOT / "hfllamarl" / "runtime"
     wrong = []
     for layer in LAYERS:
-        folder = os.path.join("hfllamarl", "runtime", layer)
-        for name in sorted(os.listdir(folder)):
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(folder, name)
-            for module in _imports(path):
+        for path in sorted((runtime / layer).glob("*.py")):
+            where = path.relative_to(ROOT)
+            for module in _imports(path, relative_allowed=False):
                 parts = module.split(".")
                 if parts[0] != "hfllamarl" or len(parts) < 2:
                     continue
                 if parts[1] in ("commands", "testing", "trainers", "plugins", "cli"):
-                    wrong.append(f"{path} imports {module} (the runtime never imports what sits around it)")
+                    wrong.append(f"{where} imports {module} (the runtime never imports what sits around it)")
                 elif parts[1] == "runtime" and len(parts) > 2 and parts[2] in LAYERS:
                     other = parts[2]
                     if LAYERS.index(other) > LAYERS.index(layer) or {layer, other} == {"generation", "training"}:
-                        wrong.append(f"{path} ({layer}) imports {module} ({other})")
+                        wrong.append(f"{where} ({layer}) imports {module} ({other})")
     assert not wrong, "\n".join(wrong)
-    assert sorted(d for d in os.listdir("hfllamarl/runtime") if not d.startswith(("_", "."))) == sorted(LAYERS)
+    assert sorted(d.name for d in runtime.iterdir() if not d.name.startswith(("_", "."))) == sorted(LAYERS)
 
 
 def test_plugins_import_only_the_public_core():
-    import os
-
-    os.chdir(_root())
     wrong = []
-    for folder, _, names in os.walk("plugins"):
-        for name in names:
-            if name.endswith(".py"):
-                path = os.path.join(folder, name)
-                for module in _imports(path):
-                    if module.startswith("hfllamarl.") and not module.startswith("hfllamarl.plugins") and not any(
-                            module == p or module.startswith(p + ".") and p != "hfllamarl" for p in PUBLIC):
-                        wrong.append(f"{path} imports {module}")
+    for path in sorted((ROOT / "plugins").rglob("*.py")):
+        for module in _imports(path):
+            if module.startswith("hfllamarl.") and not module.startswith("hfllamarl.plugins") and not any(
+                    module == p or module.startswith(p + ".") and p != "hfllamarl" for p in PUBLIC):
+                wrong.append(f"{path.relative_to(ROOT)} imports {module}")
     assert not wrong, "\n".join(wrong)

@@ -81,8 +81,6 @@ def prepare_job(argv: list[str]) -> dict:
 
 def check_model(name: str) -> None:
     """A local model must be a directory saved with save_pretrained; a Hub id is fetched by the trainer."""
-    import os
-
     from hfllamarl.runtime.weights.loading import looks_like_hub_id
 
     from .recipe import RecipeError
