@@ -268,6 +268,9 @@ def _become(req: dict, fds: list[int], requester: int, requester_pid: int, state
         spawn.PARENT_PIDFD = requester
         import runpy
 
+        # (as `python -m` would: the working directory, then PYTHONPATH's entries, ahead of the server's path)
+        extra = [req["cwd"], *filter(None, req["env"].get("PYTHONPATH", "").split(os.pathsep))]
+        sys.path[:0] = [p for p in extra if p not in sys.path]
         sys.argv = [req["module"], *req.get("args", [])]
         runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
         code = 0
