@@ -23,6 +23,25 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def preload_server():
+    """`HFLLAMARL_TEST_PRELOAD=1`: one preloaded process server for the session (`hfllamarl.runtime.world.preload`),
+    named to every job in `HFLLAMARL_PRELOAD`, so that their generator ranks are forked from it, not spawned."""
+    if os.environ.get("HFLLAMARL_TEST_PRELOAD") != "1" or "HFLLAMARL_PRELOAD" in os.environ:
+        yield None
+        return
+    from hfllamarl.runtime.world.preload import start_server
+
+    proc, client = start_server()
+    os.environ["HFLLAMARL_PRELOAD"] = client.path
+    try:
+        yield client
+    finally:
+        os.environ.pop("HFLLAMARL_PRELOAD", None)
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A random-init tiny Llama with the answer format warmed up, saved with save_pretrained."""

@@ -107,10 +107,15 @@ class PrintChildren(TrainerCallback):
         prestarted = topology._prestarted
         pids = sorted(proc.pid for proc, _ in prestarted.children.values()) if prestarted is not None else []
         print(f"PRESTARTED {pids}", flush=True)
+        from hfllamarl.runtime.world import preload
+
+        if preload._OWN.get("proc") is not None:
+            print(f"PRELOAD_SERVER {preload._OWN['proc'].pid}", flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == 1 and self.topology.mode == "single":
             print(f"GENERATORS {sorted(proc.pid for _, proc in self.topology._children)}", flush=True)
+            print(f"GENERATOR_KINDS {sorted(type(proc).__name__ for _, proc in self.topology._children)}", flush=True)
 
 
 def kill_inside_checkpoint(step):

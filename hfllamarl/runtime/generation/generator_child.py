@@ -43,6 +43,18 @@ def main(spec_path: str) -> int:
     return 0
 
 
+def warm() -> None:
+    """Import what the generator will use (vLLM first of all): a prestarted child does while it waits for its job,
+    and the preload server (`hfllamarl.runtime.world.preload`) before it forks any child."""
+    from hfllamarl.runtime.loop import controller  # noqa: F401
+    from hfllamarl.runtime.generation import generator  # noqa: F401
+    from hfllamarl.runtime.world import topology  # noqa: F401
+    from hfllamarl.runtime.loop import weights_channel  # noqa: F401
+    from hfllamarl.runtime.generation.engine import import_vllm
+
+    import_vllm()
+
+
 def await_job() -> str | None:
     """A prestarted child: take its cores, import what the generator will, and wait for its job (the spec's path,
     with the job's environment set here), or None: no job will come (the input closed without one, or Ctrl-C).
@@ -54,13 +66,7 @@ def await_job() -> str | None:
     try:
         try:
             with collector_paused(freeze=False):
-                from hfllamarl.runtime.loop import controller
-                from hfllamarl.runtime.generation import generator
-                from hfllamarl.runtime.world import topology
-                from hfllamarl.runtime.loop import weights_channel as weight_sync  # noqa: F401
-                from hfllamarl.runtime.generation.engine import import_vllm
-
-                import_vllm()
+                warm()
         except Exception:  # noqa: BLE001 - the job's own start imports them again and reports what is wrong
             pass
         line = b""

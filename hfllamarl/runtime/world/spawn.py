@@ -25,6 +25,9 @@ ENV_WORLD = "HFLLAMARL_WORLD_SIZE"
 ENV_PARENT = "HFLLAMARL_PARENT_PID"
 ENV_JOB = "HFLLAMARL_JOB_ID"
 ENV_CPUS = "HFLLAMARL_CPUS"  # cores a generator child is pinned to
+# In a child forked by the preload server (`hfllamarl.runtime.world.preload`): a pidfd of the trainer that asked for
+# it. Its parent is the server, so "the parent is gone" is read from this instead of from getppid().
+PARENT_PIDFD: int | None = None
 
 
 def split_cpus(topo) -> dict[int, list[int]]:
@@ -148,9 +151,25 @@ def start_children(topo, spec_path: str, prestarted: Prestarted | None = None) -
         proc = prestarted.claim(topo, rank, split, job_env, spec_path) if prestarted is not None else None
         if proc is None:
             env = {**os.environ, **_rank_env(topo, rank, split), **job_env}
+            proc = _forked(env, spec_path)
+        if proc is None:
             proc = subprocess.Popen(_cmd(spec_path), env=env)
         children.append((rank, proc))
     return children
+
+
+def _forked(env: dict, spec_path: str):
+    """The generator child forked by the preload server (`preload.client()`), or None: spawn it."""
+    from hfllamarl.runtime.world import preload
+
+    client = preload.client()
+    if client is None:
+        return None
+    try:
+        return client.run(_cmd(spec_path)[2], _cmd(spec_path)[3:], env)
+    except (OSError, ValueError) as e:
+        preload._fallback(f"the server did not fork ({e})")
+        return None
 
 
 def child_settings() -> dict | None:
@@ -175,11 +194,21 @@ def watch_parent(parent: int, gone, name: str, until: threading.Event | None = N
 
     def watch():
         while until is None or not until.is_set():
-            if os.getppid() != parent:
+            if parent_gone(parent):
                 gone()
             time.sleep(0.5)
 
     threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+def parent_gone(parent: int) -> bool:
+    """Whether the trainer process `parent` is gone: this process's parent changed, or (forked by the preload
+    server, whose child it is) the trainer's pidfd says it exited."""
+    if PARENT_PIDFD is not None:
+        import select
+
+        return bool(select.select([PARENT_PIDFD], [], [], 0)[0])
+    return os.getppid() != parent
 
 
 def become_child(settings: dict) -> None:

@@ -379,6 +379,11 @@ class Topology:
         jobs). Returns them (None: this process starts no children)."""
         if self.mode != "single" or not self.generator_ranks:
             return None
+        from hfllamarl.runtime.world import preload
+
+        if preload.enabled():  # the children will be forked from a preloaded server (started now, if it is ours)
+            preload.begin()
+            return None
         prestarted = self._prestarted
         if prestarted is None or not prestarted.children or prestarted.output_dir != os.path.abspath(output_dir):
             from hfllamarl.runtime.world.spawn import Prestarted

@@ -1,0 +1,516 @@
+"""A preloaded process server: one process that has imported torch, transformers and vLLM forks generator ranks.
+
+    python -m hfllamarl.runtime.world.preload --socket PATH --owner PID [--warm MODULE ...]
+
+Importing vLLM costs a core several seconds; every generator process of a single-process job pays it (ahead of
+`train()`, `spawn.Prestarted`), and so does every multi-process test. The server pays it once: it imports the
+modules named by `--warm` (each one's `warm()` is called; `hfllamarl.runtime.generation.generator_child` by
+default), checks that no Python thread was started (forking a process with threads is unsafe: a lock held by another
+thread stays held in the child forever; torch's import leaves two idle native threads, as it does wherever
+`import torch` is followed by a fork), and listens on a private unix socket. On a request it forks a child that
+runs a module as `python -m MODULE ARGS` would, in milliseconds:
+
+- its environment is the request's (applied to `os.environ` before the module runs), its working directory and
+  cores the requester's, and torch's thread count is set again from them (OpenMP read its settings at import);
+- its standard input, output and error are the requester's, passed as file descriptors (SCM_RIGHTS);
+- it is put in the requester's process group (a Ctrl-C reaches it as it reaches a spawned child) and watches the
+  requester (not the server, its parent) through a pidfd: `spawn.watch_parent` ends it when the trainer is gone;
+- its pid, then its exit status, go back to the requester over the same connection, so that the requester holds
+  a `Popen`-like handle (`PreloadedProcess`: pid, poll(), wait(), kill(), terminate()).
+
+Requests and answers are JSON lines; nothing is ever unpickled. The socket's directory is the user's own (0700)
+and the server serves only its own user (SO_PEERCRED). It exits when its owner process is gone.
+
+Where it is used (`client()`): `HFLLAMARL_PRELOAD=PATH` names a running server (the test suite starts one per
+session); `HFLLAMARL_PRELOAD=1` makes a single-process trainer start one of its own when it is built (where
+`spawn.Prestarted` starts its children), reused by later trainers of the process and ended with it. Unset or
+`0`: generator children are spawned as before. A server that cannot be reached or started, or is not safe to
+fork (threads), falls back to spawning, logged once at debug level. Under a launcher (torchrun, accelerate) the
+ranks are the launcher's and nothing is forked; on a platform without fork nothing is either.
+"""
+
+from __future__ import annotations
+
+import array
+import importlib
+import json
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+logger = logging.getLogger(__name__)
+
+ENV_PRELOAD = "HFLLAMARL_PRELOAD"
+DEFAULT_WARM = ("hfllamarl.runtime.generation.generator_child",)
+_MAX_MSG = 1 << 20
+
+
+# ------------------------------------------------------------------------------------------------ wire format
+def _send(sock: socket.socket, obj: dict, fds=()) -> None:
+    data = (json.dumps(obj) + "\n").encode()
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.sendall(data)
+
+
+class _Lines:
+    """JSON lines (and any file descriptors that came with them) read from one connection."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buf, self.fds = sock, b"", []
+
+    def read(self, timeout: float | None) -> dict | None:
+        """The next message, or None when the peer closed the connection; TimeoutError after `timeout` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not select.select([self.sock], [], [], left)[0]:
+                raise TimeoutError("no answer from the preload server")
+            data, fds, _, _ = socket.recv_fds(self.sock, 65536, 8)
+            self.fds.extend(fds)
+            if not data:
+                return None
+            self.buf += data
+            if len(self.buf) > _MAX_MSG:
+                raise ValueError("preload: a message past 1 MiB")
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+
+# ------------------------------------------------------------------------------------------------ the server
+def _os_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
+def warm(modules) -> None:
+    """Import each module and call its `warm()` (if any): what the forked children will use."""
+    import gc
+
+    gc.disable()  # (as the generator child does while it imports: a collection per import is seconds here)
+    try:
+        for name in modules:
+            mod = importlib.import_module(name)
+            if hasattr(mod, "warm"):
+                mod.warm()
+    finally:
+        gc.enable()
+    gc.collect()
+    gc.freeze()  # the children's pages stay shared: no collection touches what was imported
+
+
+def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
+    """Import `modules`, then fork children on request until `owner` is gone. Returns the exit code."""
+    import selectors
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a Ctrl-C in the owner's terminal: the owner ends this server)
+    owner_fd = os.pidfd_open(owner)
+    warm(modules)
+    import threading
+
+    # Python threads: none but this one may run (a lock one holds would stay held in every child). The imports of
+    # torch and vLLM leave two native helper threads parked on a futex, as after any `import torch`; they are not
+    # copied into a child (only the forking thread is) and hold no lock the child takes, which is what makes
+    # forking after `import torch` usual practice (DataLoader's forked workers). They are reported, not refused.
+    threads = threading.active_count()
+    native = _os_threads()
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = path + f".{os.getpid()}.tmp"
+    lsock.bind(tmp)
+    os.chmod(tmp, 0o600)
+    lsock.listen(64)
+    os.replace(tmp, path)  # (the path exists only once the server answers)
+    rfd, wfd = os.pipe()
+    os.set_blocking(wfd, False)
+    signal.set_wakeup_fd(wfd)
+    signal.signal(signal.SIGCHLD, lambda *a: None)
+    sel = selectors.DefaultSelector()
+    sel.register(lsock, selectors.EVENT_READ, "accept")
+    sel.register(owner_fd, selectors.EVENT_READ, "owner")
+    sel.register(rfd, selectors.EVENT_READ, "sigchld")
+    children: dict[int, socket.socket] = {}
+    state = {"lsock": lsock, "sel": sel, "pipe": (rfd, wfd), "owner_fd": owner_fd, "threads": threads,
+             "native_threads": native}
+    try:
+        while True:
+            for key, _ in sel.select(timeout=1.0):
+                if key.data == "owner":
+                    return 0
+                if key.data == "accept":
+                    conn, _ = lsock.accept()
+                    sel.register(conn, selectors.EVENT_READ, "conn")
+                elif key.data == "sigchld":
+                    os.read(rfd, 4096)
+                else:
+                    _handle(key.fileobj, children, state)
+            _reap(children, sel)
+    finally:
+        try:
+            if os.path.exists(path) and os.stat(path).st_ino == os.fstat(lsock.fileno()).st_ino:
+                os.unlink(path)
+        except OSError:
+            pass
+        for conn in children.values():
+            conn.close()
+
+
+def _reap(children: dict, sel) -> None:
+    """Tell each requester whose child exited its exit status (Popen's convention: -N for signal N)."""
+    for pid in list(children):
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = pid, 255 << 8
+        if done:
+            conn = children.pop(pid)
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            try:
+                _send(conn, {"exit": code})
+            except OSError:
+                pass
+            _forget(conn, sel)
+
+
+def _forget(conn, sel) -> None:
+    try:
+        sel.unregister(conn)
+    except (KeyError, ValueError):
+        pass
+    conn.close()
+
+
+def _handle(conn: socket.socket, children: dict, state: dict) -> None:
+    """One request on `conn`: "hello" (is this server usable) or "run" (fork a child)."""
+    sel = state["sel"]
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, _MAX_MSG, 8)
+    except OSError:
+        data, fds = b"", []
+    if not data.endswith(b"\n"):  # closed, or not one whole message: a requester holding no child is done
+        for fd in fds:
+            os.close(fd)
+        if conn not in children.values():
+            _forget(conn, sel)
+        return
+    req = json.loads(data)
+    pid, uid, _ = _peer(conn)
+    if uid != os.getuid():
+        _send(conn, {"error": "another user's request"})
+        _forget(conn, sel)
+        return
+    if req.get("op") == "hello":
+        _send(conn, {"pid": os.getpid(), "python": sys.executable, "threads": state["threads"],
+                     "native_threads": state["native_threads"]})
+        for fd in fds:
+            os.close(fd)
+        return
+    requester = os.pidfd_open(pid)
+    child = os.fork()
+    if child == 0:
+        _become(req, fds, requester, pid, state, conn)  # never returns
+    for fd in (*fds, requester):
+        os.close(fd)
+    children[child] = conn
+    sel.unregister(conn)  # (its next news is the child's exit)
+    _send(conn, {"pid": child})
+
+
+def _peer(conn: socket.socket) -> tuple[int, int, int]:
+    import struct
+
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)
+
+
+def _become(req: dict, fds: list[int], requester: int, requester_pid: int, state: dict, conn) -> None:
+    """In the forked child: the requester's stdio, environment, directory, cores and process group; then run the
+    module as `python -m` would, and exit with its status."""
+    import signal
+
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL if sig == signal.SIGCHLD else signal.default_int_handler)
+        state["sel"].close()
+        state["lsock"].close()
+        for fd in (*state["pipe"], state["owner_fd"]):
+            os.close(fd)
+        conn.close()
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        try:
+            os.setpgid(0, os.getpgid(requester_pid))
+        except OSError:
+            pass
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        if req.get("cpus") and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, req["cpus"])
+        _threads_again()
+        from hfllamarl.runtime.world import spawn
+
+        spawn.PARENT_PIDFD = requester
+        import runpy
+
+        # (as `python -m` would: the working directory, then PYTHONPATH's entries, ahead of the server's path)
+        extra = [req["cwd"], *filter(None, req["env"].get("PYTHONPATH", "").split(os.pathsep))]
+        sys.path[:0] = [p for p in extra if p not in sys.path]
+        sys.argv = [req["module"], *req.get("args", [])]
+        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the child's error reaches the requester's stderr, as a spawned one's
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _threads_again() -> None:
+    """torch's (OpenMP's) thread count, read at import in the server: from this child's environment and cores."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    n = os.environ.get("OMP_NUM_THREADS")
+    n = int(n) if n and n.isdigit() else len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(n, 1))
+
+
+# ------------------------------------------------------------------------------------------------ the client
+class PreloadedProcess:
+    """A child forked by the server, held as a `subprocess.Popen` is: pid, returncode, poll(), wait(), kill()."""
+
+    stdin = stdout = stderr = None
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self._conn, self._lines, self.pid, self.returncode = conn, _Lines(conn), pid, None
+        try:
+            self._pidfd = os.pidfd_open(pid)  # (its pid cannot be reused while this is open)
+        except OSError:
+            self._pidfd = None
+
+    def _take(self, timeout: float | None) -> None:
+        try:
+            msg = self._lines.read(timeout)
+        except TimeoutError:
+            return
+        if msg is None:  # the server is gone: the child's status is not known
+            if self._pidfd is None or select.select([self._pidfd], [], [], timeout or 0)[0]:
+                self.returncode = 255
+            elif timeout is not None:
+                return
+            else:
+                select.select([self._pidfd], [], [])
+                self.returncode = 255
+        else:
+            self.returncode = int(msg["exit"])
+        self._close()
+
+    def _close(self) -> None:
+        self._conn.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._take(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._take(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"preloaded process {self.pid}", timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None and self._pidfd is not None:
+            import signal
+
+            signal.pidfd_send_signal(self._pidfd, sig)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+
+class Client:
+    """A connection maker for one server (its socket path)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def _connect(self, timeout: float) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        sock.connect(self.path)
+        sock.settimeout(None)
+        return sock
+
+    def hello(self, timeout: float = 5.0) -> dict:
+        with self._connect(timeout) as sock:
+            _send(sock, {"op": "hello"})
+            msg = _Lines(sock).read(timeout)
+        if msg is None or "error" in msg:
+            raise OSError(f"preload server {self.path}: {msg}")
+        return msg
+
+    def run(self, module: str, args, env: dict, timeout: float = 30.0) -> PreloadedProcess:
+        """Fork a child running `python -m module args` with `env`, this process's stdio, directory and cores."""
+        sock = self._connect(timeout)
+        try:
+            cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+            _send(sock, {"op": "run", "module": module, "args": list(args), "env": dict(env), "cwd": os.getcwd(),
+                         "cpus": cpus}, fds=(0, 1, 2))
+            msg = _Lines(sock).read(timeout)
+            if msg is None or "pid" not in msg:
+                raise OSError(f"preload server {self.path} did not fork: {msg}")
+        except BaseException:
+            sock.close()
+            raise
+        return PreloadedProcess(sock, int(msg["pid"]))
+
+
+def start_server(owner: int | None = None, modules=DEFAULT_WARM, ready_timeout: float = 180.0,
+                 wait: bool = True) -> tuple[subprocess.Popen, Client]:
+    """Start a server owned by `owner` (this process by default) on a fresh private socket; with `wait`, until it
+    answers (OSError if it does not within `ready_timeout` s)."""
+    d = tempfile.mkdtemp(prefix="hfllamarl-preload-")  # (0700: only this user reaches the socket)
+    path = os.path.join(d, "s")
+    cmd = [sys.executable, "-m", "hfllamarl.runtime.world.preload", "--socket", path,
+           "--owner", str(owner or os.getpid())]
+    for m in modules:
+        cmd += ["--warm", m]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    client = Client(path)
+    if wait:
+        wait_ready(proc, client, ready_timeout)
+    return proc, client
+
+
+def wait_ready(proc: subprocess.Popen, client: Client, timeout: float) -> dict:
+    """Wait until the server answers; OSError if it exited, or is not safe to fork, or took past `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(client.path):
+        if proc.poll() is not None:
+            raise OSError(f"the preload server exited ({proc.returncode}) before it was ready")
+        if time.monotonic() > deadline:
+            raise OSError(f"the preload server was not ready within {timeout:.0f} s")
+        time.sleep(0.05)
+    info = client.hello()
+    if info["threads"] != 1:
+        raise OSError(f"the preload server runs {info['threads']} Python threads after its imports: forking it is "
+                      "unsafe")
+    return info
+
+
+_OWN: dict = {}  # this process's own server (HFLLAMARL_PRELOAD=1): {"proc", "client", "ready"}
+_LOGGED: set = set()
+
+
+def _fallback(why: str) -> None:
+    if why not in _LOGGED:
+        _LOGGED.add(why)
+        logger.debug("generator processes are spawned, not forked from a preloaded server: %s", why)
+
+
+def enabled() -> bool:
+    """Whether generator children are to be forked from a server (`HFLLAMARL_PRELOAD` set, on a platform with fork),
+    so that none is prestarted."""
+    return os.environ.get(ENV_PRELOAD, "") not in ("", "0") and hasattr(os, "fork") and hasattr(os, "pidfd_open")
+
+
+def begin() -> None:
+    """When a single-process trainer is built: with `HFLLAMARL_PRELOAD=1`, start this process's own server (once;
+    its imports overlap the trainer's set-up)."""
+    if os.environ.get(ENV_PRELOAD) != "1" or _OWN or not hasattr(os, "fork"):
+        return
+    try:
+        proc, client = start_server(wait=False)
+        _OWN.update(proc=proc, client=client, ready=False)
+        import atexit
+
+        atexit.register(_end_own)
+    except OSError as e:
+        _fallback(f"the server did not start ({e})")
+
+
+def _end_own() -> None:
+    proc = _OWN.get("proc")
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def client(ready_timeout: float = 180.0) -> Client | None:
+    """The server generator children are forked from, ready (None: spawn them, as without a server)."""
+    setting = os.environ.get(ENV_PRELOAD, "")
+    if not enabled():
+        return None
+    try:
+        if setting == "1":
+            begin()
+            if not _OWN or _OWN.get("failed"):
+                return None
+            if not _OWN["ready"]:
+                wait_ready(_OWN["proc"], _OWN["client"], ready_timeout)
+                _OWN["ready"] = True
+            return _OWN["client"]
+        c = Client(setting)
+        if c.hello()["threads"] != 1:
+            raise OSError("the server runs threads: forking it is unsafe")
+        return c
+    except (OSError, ValueError) as e:
+        _fallback(str(e))
+        if setting == "1":
+            _end_own()
+            _OWN.clear()
+            _OWN["failed"] = True  # (not tried again by this process)
+        return None
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m hfllamarl.runtime.world.preload", description=__doc__.split("\n")[0])
+    p.add_argument("--socket", required=True, help="the unix socket's path (its directory should be private)")
+    p.add_argument("--owner", type=int, default=os.getppid(), help="exit once this process is gone (default: parent)")
+    p.add_argument("--warm", action="append", help="module to import (and call its warm()) before serving")
+    a = p.parse_args(argv)
+    return serve(a.socket, a.owner, tuple(a.warm or DEFAULT_WARM))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
