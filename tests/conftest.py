@@ -25,9 +25,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session", autouse=True)
 def preload_server():
-    """`HFLLAMARL_TEST_PRELOAD=1`: one preloaded process server for the session (`hfllamarl.runtime.world.preload`),
-    named to every job in `HFLLAMARL_PRELOAD`, so that their generator ranks are forked from it, not spawned."""
-    if os.environ.get("HFLLAMARL_TEST_PRELOAD") != "1" or "HFLLAMARL_PRELOAD" in os.environ:
+    """One preloaded process server for the session (`hfllamarl.runtime.world.preload`), named to every job in
+    `HFLLAMARL_PRELOAD`, so that the generator ranks of single-process jobs (this process's trainers, and the
+    plain-python scripts the tests run) are forked from it in milliseconds instead of each importing vLLM again.
+    `HFLLAMARL_TEST_PRELOAD=0` turns it off (every generator rank spawned, as a user's job without a server)."""
+    if os.environ.get("HFLLAMARL_TEST_PRELOAD", "1") == "0" or "HFLLAMARL_PRELOAD" in os.environ:
         yield None
         return
     from hfllamarl.runtime.world.preload import start_server
