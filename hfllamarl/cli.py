@@ -10,6 +10,7 @@
     hfllamarl bench grader ...        math_sympy against graders' test suites, Math-Verify side by side (hfllamarl.commands.bench_grader)
     hfllamarl bench multi-turn ...    multi-turn tool calling, synchronous vs asynchronous throughput (hfllamarl.commands.bench_multi_turn)
     hfllamarl train --config recipe.yaml [--field value ...]   train from a recipe, as `trl grpo --config` (hfllamarl.commands.train)
+    hfllamarl preload [--socket PATH]   keep a preloaded process server for the single-process jobs of this shell (hfllamarl.commands.preload)
     hfllamarl plan ...          recommend a trainer/generator GPU split from the memory and step-time model (hfllamarl.commands.plan)
     hfllamarl version
 """
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
     # light modules: heavy imports happen inside their run()
     from .commands import (bench_grader, bench_learning, bench_load, bench_multi_turn, bench_profile, bench_vs_trl,
-                           evaluate, plan, train)
+                           evaluate, plan, preload, train)
     from .commands import bench_weight_sync as bench
 
     _command(sub, "eval", "generate on a JSONL data set and score it", evaluate)
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     _command(bench_parser, "grader", "math_sympy against graders' test suites, Math-Verify side by side", bench_grader)
     _command(bench_parser, "multi-turn", "multi-turn tool calling: synchronous vs asynchronous throughput",
              bench_multi_turn)
+    _command(sub, "preload", "keep a server that forks the generator processes of single-process jobs", preload)
     _command(sub, "plan", "recommend a trainer/generator GPU split (LlamaRL section 6 model)", plan)
     # every argument after `train` is the recipe's: TrlParser reads them (and answers --help)
     sub.add_parser("train", help="train from a recipe (YAML and/or flags); --check validates it", add_help=False,

@@ -144,6 +144,27 @@ def orphans(output_dir: str) -> list[dict]:
             if any(c == output_dir or (c or "").startswith(output_dir + os.sep) for c in (p.info["cmdline"] or []))]
 
 
+def job_processes(proc, out: str) -> list:
+    """A job's processes: `proc` (a Popen), its descendants, and every process whose command line names `out` (a
+    generator rank forked by the session's preload server is the server's child, not the job's; its command line is
+    the one a spawned rank has)."""
+    import psutil
+
+    found = {}
+    try:
+        top = psutil.Process(proc.pid)
+        for p in [top] + top.children(recursive=True):
+            found[p.pid] = p
+    except psutil.NoSuchProcess:
+        pass
+    for info in orphans(out):
+        try:
+            found.setdefault(info["pid"], psutil.Process(info["pid"]))
+        except psutil.NoSuchProcess:
+            pass
+    return list(found.values())
+
+
 def trained_rows(out: str, rank: int = 0) -> dict[int, list[int]]:
     """step -> dataset rows trained at that step (the last line for a step wins after a resume)."""
     import json

@@ -18,7 +18,8 @@ import time
 import psutil
 import pytest
 
-from conftest import SCRIPTS, assert_on_policy, free_port, launch_bare, orphans, step_logs, trained_rows
+from conftest import (SCRIPTS, assert_on_policy, free_port, job_processes, launch_bare, orphans, step_logs,
+                      trained_rows)
 
 pytestmark = [pytest.mark.slow, pytest.mark.drill]
 
@@ -40,10 +41,10 @@ def start(model: str, out: str, launch: str, extra=(), nproc: int = 3) -> subpro
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def ranks_of(proc: subprocess.Popen, launch: str) -> dict[str, psutil.Process]:
+def ranks_of(proc: subprocess.Popen, launch: str, out: str) -> dict[str, psutil.Process]:
     """The job's processes by role."""
     if launch == "python":
-        kids = [p for p in psutil.Process(proc.pid).children(recursive=True)
+        kids = [p for p in job_processes(proc, out)
                 if "hfllamarl.runtime.generation.generator_child" in " ".join(cmdline(p))]
         return {"trainer0": psutil.Process(proc.pid), "generator": kids[0]}
     out = {}
@@ -89,7 +90,7 @@ def drill(model: str, out: str, launch: str, victim: str, sig: str, results: dic
     try:
         wait_first_step(out, proc)
         time.sleep(1.0)  # somewhere inside a later step
-        ranks = ranks_of(proc, launch)
+        ranks = ranks_of(proc, launch, out)
         survivors = [p for role, p in ranks.items() if role != victim]
         signalled = time.monotonic()
         ranks[victim].send_signal(getattr(signal, sig))
@@ -111,8 +112,8 @@ def drill(model: str, out: str, launch: str, victim: str, sig: str, results: dic
 
 def end_job(proc: subprocess.Popen, out) -> None:
     """Kills whatever of the job in ``out`` is left (a drill that failed leaves its ranks behind)."""
-    for p in psutil.Process(os.getpid()).children(recursive=True):
-        if belongs_to(p, out):
+    for p in psutil.Process(os.getpid()).children(recursive=True) + job_processes(proc, out):
+        if belongs_to(p, out) and alive(p):
             p.kill()
     if proc.poll() is None:
         proc.kill()
@@ -353,7 +354,7 @@ def exit_drill(model: str, out: str, launch: str, victim: int, results: dict) ->
         pid = int(open(marker).read())
         frozen = psutil.Process(pid)
         if launch == "python" and victim == 0:  # the frozen parent is the user's process: its children must end
-            kids = [p for p in psutil.Process(proc.pid).children(recursive=True) if belongs_to(p, out)]
+            kids = [p for p in job_processes(proc, out) if belongs_to(p, out) and p.pid != proc.pid]
             while any(alive(p) for p in kids) and time.monotonic() - signalled < BOUND_S + 30:
                 time.sleep(0.2)
             ended = None if any(alive(p) for p in kids) else time.monotonic() - signalled
@@ -366,8 +367,9 @@ def exit_drill(model: str, out: str, launch: str, victim: int, results: dict) ->
                 ended, code = time.monotonic() - signalled, proc.returncode
             except subprocess.TimeoutExpired:  # the job hangs: record it, then end it
                 ended, code = None, None
-                for p in psutil.Process(proc.pid).children(recursive=True):
-                    p.kill()
+                for p in job_processes(proc, out):
+                    if p.pid != proc.pid and alive(p):
+                        p.kill()
                 proc.kill()
                 _, err = proc.communicate(timeout=60)
         results[(launch, victim)] = {"seconds": ended, "code": code, "err": err,

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, run_script, step_logs, tail
+from conftest import SCRIPTS, SIDE_BY_SIDE_ENV, beside, run_script, step_logs, tail
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ ARGS = ["--steps", "2", "--max-staleness", "0"]
 
 def _train(tiny_model: str, out: str, preload: str, *extra: str) -> subprocess.CompletedProcess:
     return run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, *ARGS, *extra], timeout=400,
-                      env={"HFLLAMARL_PRELOAD": preload})
+                      env={"HFLLAMARL_PRELOAD": preload, **SIDE_BY_SIDE_ENV})
 
 
 def _line(proc, key: str):
@@ -49,20 +49,23 @@ def _gone(pid: int, within: float) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server():
-    """A server owned by this test process (a session's, as the suite's)."""
+def server(preload_server):
+    """The session's server (conftest), or one owned by this module when the session runs without."""
+    if preload_server is not None:
+        yield preload_server
+        return
     from hfllamarl.runtime.world.preload import start_server
 
     proc, client = start_server()
-    yield proc, client
+    yield client
     proc.terminate()
     proc.wait(timeout=10)
 
 
 def test_a_forked_generator_trains_as_a_spawned_one(tiny_model, tmp_path, server):
-    proc_s, client = server
-    spawned = _train(tiny_model, str(tmp_path / "spawned"), "0")
-    forked = _train(tiny_model, str(tmp_path / "forked"), client.path)
+    spawned = beside(_train, tiny_model, str(tmp_path / "spawned"), "0")
+    forked = _train(tiny_model, str(tmp_path / "forked"), server.path)
+    spawned = spawned.result()
     assert spawned.returncode == 0, tail(spawned)
     assert forked.returncode == 0, tail(forked)
     assert _line(spawned, "GENERATOR_KINDS") == ["Popen"]
@@ -74,7 +77,33 @@ def test_a_forked_generator_trains_as_a_spawned_one(tiny_model, tmp_path, server
         assert x["reward"] == y["reward"], (x, y)
         assert abs(x["is_ratio/max"] - 1.0) < 1e-4 and abs(y["is_ratio/max"] - 1.0) < 1e-4
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-7), (x, y)
-    assert proc_s.poll() is None  # the server outlives the jobs it forked for
+    assert server.hello()["pid"] > 0  # the server outlives the jobs it forked for
+    # The start-up profile (`world.startup`): milestones in order, the first step where the script's own clock saw it
+    # end; the spawned generator imported vLLM itself (seconds of work), the forked one had it imported already.
+    for proc, kind in ((spawned, "spawned"), (forked, "forked")):
+        s = _line(proc, "STARTUP")
+        order = [s[k] for k in ("generator_started", "generator_imported", "generator_job", "generator_engine",
+                                "generator_ready", "trainer_first_rollouts", "trainer_first_step")]
+        assert order == sorted(order), (kind, s)
+        assert s["trainer_first_step"] == pytest.approx(_line(proc, "FIRST_STEP_AFTER_TRAIN"), abs=0.5), (kind, s)
+    spawned_s, forked_s = _line(spawned, "STARTUP"), _line(forked, "STARTUP")
+    assert spawned_s["generator_imported"] - spawned_s["generator_started"] > 2.0, spawned_s
+    assert forked_s["generator_started"] > 0 and forked_s["generator_imported"] - forked_s["generator_started"] < 0.5
+
+
+def test_a_server_running_other_code_is_refused():
+    """A long-lived server (`hfllamarl preload`) imported the packages as they were when it started: a job whose
+    Python, package versions or source files differ spawns its generators instead of running stale code."""
+    from hfllamarl.runtime.world.preload import fingerprint, usable
+
+    mine = fingerprint()
+    assert usable({"threads": 1, "code": mine})
+    older = dict(mine, source_mtime=mine["source_mtime"] - 60)  # a source file was edited after it started
+    other = dict(mine, versions=dict(mine["versions"], vllm="0.0.1"))
+    for info, why in (({"threads": 1, "code": older}, "source files changed"), ({"threads": 1, "code": other},
+                      "versions"), ({"threads": 2, "code": mine}, "threads"), ({"threads": 1}, "python")):
+        with pytest.raises(OSError, match=why):
+            usable(info)
 
 
 def test_killing_the_trainer_ends_its_forked_generator_and_its_own_server(tiny_model, tmp_path):
@@ -104,7 +133,7 @@ def test_a_server_that_cannot_start_says_why(tmp_path):
 
 
 def test_a_forked_child_gets_the_requesters_env_stdio_and_exit_status(tmp_path, server):
-    _, client = server
+    client = server
     (tmp_path / "probe.py").write_text(
         "import os, sys\nprint('OUT', os.environ['PROBE'], os.getcwd(), sys.argv[1:], flush=True)\n"
         "sys.stderr.write('ERR\\n')\nsys.exit(int(os.environ['PROBE']))\n")

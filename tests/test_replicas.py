@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import SCRIPTS, assert_on_policy, free_port, orphans, run_script, step_logs, tail, trained_rows
+from conftest import (SCRIPTS, assert_on_policy, free_port, job_processes, orphans, run_script, step_logs, tail,
+                      trained_rows)
 from hfllamarl.runtime.loop.schedule import Schedule, position_owner, replica_share, trainer_positions
 from hfllamarl.runtime.world.topology import Topology
 
@@ -227,8 +228,6 @@ def test_two_trainers_two_replicas_power_cut_and_resume(tiny_model, tmp_path):
     two ticks, so each replica carries work in every checkpoint): SIGKILL every process after checkpoint 2, resume,
     and every rank trains exactly its positions of the data schedule at every step. A resume with one replica of
     tensor parallel 2 (same processes) is refused, naming the replica counts."""
-    import psutil
-
     out = str(tmp_path / "replicas")
     common = ["--steps", "6", "--save-steps", "2", "--report-to", "none", "--max-staleness", "2",
               "--partial-rollout-tokens", "2", "--num-generators", "2"]
@@ -242,7 +241,7 @@ def test_two_trainers_two_replicas_power_cut_and_resume(tiny_model, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, tail_of(proc)
             time.sleep(0.2)
     finally:
-        for p in [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True):
+        for p in job_processes(proc, out):
             p.kill()
         proc.communicate(timeout=60)
     time.sleep(1)

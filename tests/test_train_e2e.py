@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, beside, orphans, run_script, step_logs, tail,
-                      trained_rows)
+from conftest import (SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, beside, job_processes, orphans, run_script,
+                      step_logs, tail, trained_rows)
 
 pytestmark = pytest.mark.slow
 
@@ -163,8 +163,6 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
     import subprocess
     import sys
 
-    import psutil
-
     from conftest import free_port
     from hfllamarl.runtime.data.prompts import batch_rows
 
@@ -183,8 +181,7 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
             time.sleep(0.2)
         assert os.path.exists(os.path.join(out, "victim.pid")), "trainer rank 0 never froze the generator"
     finally:
-        everything = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-        for p in everything:
+        for p in job_processes(proc, out):
             p.kill()
         proc.communicate(timeout=60)
     time.sleep(1)

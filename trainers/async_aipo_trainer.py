@@ -32,6 +32,7 @@ from hfllamarl.runtime.data.reward_models import RewardModel
 from hfllamarl.runtime.data.rewards import RewardRunner, resolve_reward_funcs
 from hfllamarl.runtime.loop.schedule import Schedule
 from hfllamarl.runtime.loop.weights_channel import build_backend
+from hfllamarl.runtime.world import startup
 
 from .agent_setup import build_agent, check_dataset, placeholder_dataset, prepare_tokenizer, reward_weights
 from .config import AsyncAIPOConfig
@@ -97,6 +98,9 @@ class AsyncAIPOTrainer:
                              "trainer ranks shard the policy with FSDP2 and send its weights to vLLM at every step. "
                              "Train LoRA adapters on a bf16 base (peft_config) instead.")
         self.args, self.topology = args, args.topology
+        # Where the last train()'s start-up went, in seconds after train() (`hfllamarl.runtime.world.startup`; the
+        # first trainer rank fills it after the first step)
+        self.startup_profile: dict[str, float] = {}
         from transformers.trainer_utils import enable_full_determinism, set_seed
         from transformers.utils import logging as hf_logging
 
@@ -219,6 +223,8 @@ class AsyncAIPOTrainer:
     def train(self, resume_from_checkpoint=None, **kwargs) -> TrainOutput:
         """Run the whole job; call it on every process."""
         topo = self.topology
+        startup.reset()
+        startup.mark("train")
         spec = self._generator_spec()
         resume = checkpoint.resolve(resume_from_checkpoint, self.args.output_dir)
         start_tick, resume_dir, unsampled = 0, None, []
@@ -258,8 +264,9 @@ class AsyncAIPOTrainer:
                 return TrainOutput(self.num_steps, 0.0, {})
             from .trainer_ranks import build_trainer_executor, load_best_model
 
-            run_job(build_trainer_executor(self, backend, resume_dir, unsampled), backend, topo, self.schedule,
-                    start_tick)
+            executor = build_trainer_executor(self, backend, resume_dir, unsampled)
+            run_job(executor, backend, topo, self.schedule, start_tick)
+            self.startup_profile = executor.startup_profile
             if self.args.load_best_model_at_end:
                 load_best_model(self)
             summary = self._reporter.train_end()

@@ -53,6 +53,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--bare-vllm", action="store_true",
                         help="also time a bare vLLM LLM.generate of one batch on one core (the generator's share) "
                              "and compare its tokens/s with the generator's")
+    parser.add_argument("--preloaded", action="store_true",
+                        help="the hfllamarl side forks its generator process from a preload server the bench starts "
+                             "first (warm by the time that side runs), as on a machine that keeps one "
+                             "(`hfllamarl preload`); without it the side's generator imports vLLM itself, as a "
+                             "one-shot job's does")
     parser.add_argument("--sides", default="trl,hfllamarl", help="which sides to run (comma-separated)")
     parser.add_argument("--output-dir", default="outputs/bench_vs_trl")
 
@@ -197,6 +202,7 @@ def run_side(job: dict) -> None:
     init_seconds = start - constructed
     history = [h for h in trainer.state.log_history if "reward" in h]
     result = {"seconds": seconds, "init_seconds": init_seconds, "steps": len(clock.steps),
+              "startup": getattr(trainer, "startup_profile", None) or {},
               "rewards": [h["reward"] for h in history],
               "first_step_after": clock.steps[0] - start if clock.steps else None,
               "step_seconds": [b - a for a, b in zip(clock.steps, clock.steps[1:])],
@@ -225,11 +231,32 @@ def _profile_rows(side: str, r: dict) -> dict[str, float]:
 
     steady = r["step_seconds"][1:] or r["step_seconds"] or [r["seconds"] / n]
     step = sum(steady) / len(steady)
-    return {"generation (generator core)": mean("generation/seconds"), "reward": mean("reward_seconds"),
+    rows = {"generation (generator core)": mean("generation/seconds"), "reward": mean("reward_seconds"),
             "forward + backward": mean("time/forward_backward"), "optimizer": mean("time/optimizer"),
             "weight sync (transfer)": mean("weight_sync_seconds"),
             "trainer waiting on channels": mean("time/channels"), "step (wall)": step,
             "start-up before step 1": r["first_step_after"] or 0.0}
+    s = r.get("startup") or {}  # milestones, seconds after train() (`hfllamarl.runtime.world.startup`)
+    for key, label in (("generator_started", "generator process began"), ("generator_imported", "generator imports done"),
+                       ("generator_engine", "generator engine built"), ("generator_ready", "generator ready"),
+                       ("trainer_ready", "trainer ready"), ("trainer_first_rollouts", "first rollouts arrived"),
+                       ("trainer_first_step", "first step ended")):
+        if key in s:
+            rows[f"  at {label}"] = s[key]
+    return rows
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "an unnamed CPU"
 
 
 def run(args) -> int:
@@ -258,19 +285,33 @@ def run(args) -> int:
         cfg = json.load(fh)
     h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     params = L * (4 * h * h + 3 * h * i + 2 * h) + 2 * v * h + h
-    results = {}
+    results, server = {}, None
+    if args.preloaded and "hfllamarl" in sides:
+        from hfllamarl.runtime.world import preload
+
+        server = preload.start_server(wait=False)  # it imports while the TRL side runs
     for side in sides + (["bare_vllm"] if args.bare_vllm else []):
         job = {"side": side, "model": model, "steps": args.steps, "seed": args.seed,
                "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
                "precision": args.precision, "gradient_checkpointing": args.gradient_checkpointing,
                "output_dir": os.path.join(args.output_dir, side), "result": os.path.join(args.output_dir, f"{side}.json")}
         print(f"running {side} ...", flush=True)
-        results[side] = run_job("hfllamarl.commands.bench_vs_trl", job, side)
+        if side == "hfllamarl" and server is not None:
+            preload.wait_ready(*server, timeout=600)
+            os.environ[preload.ENV_PRELOAD] = server[1].path
+        try:
+            results[side] = run_job("hfllamarl.commands.bench_vs_trl", job, side)
+        finally:
+            os.environ.pop("HFLLAMARL_PRELOAD", None)
+    if server is not None:
+        server[0].terminate()
+        server[0].wait(timeout=30)
     bare = results.pop("bare_vllm", None)
     quarter = max(args.steps // 4, 1)
     print(f"\n{params / 1e6:.1f}M-parameter Llama, {args.steps} steps of {PROMPTS_PER_STEP * NUM_GENERATIONS} "
           f"completions ({NUM_GENERATIONS} per prompt) of up to {args.max_completion_length} tokens, "
-          f"{args.precision}, {os.cpu_count()} cores")
+          f"{args.precision}, {os.cpu_count()} cores of {_cpu_name()}"
+          + ("; hfllamarl's generator forked from a warm preload server" if server is not None else ""))
     print(f"{'side':<12}{'train() s':>11}{'steps/s':>9}{'first step s':>14}{'final reward':>14}{'init s':>9}"
           f"{'process s':>11}")
     summary = {}
@@ -282,7 +323,8 @@ def run(args) -> int:
         s = summary[side]
         print(f"{side:<12}{s['seconds']:>11.1f}{s['steps_per_s']:>9.3f}{s['first_step_s']:>14.1f}"
               f"{s['final_reward']:>14.3f}{s['init_seconds']:>9.1f}{s['process_seconds']:>11.1f}")
-    out = {**summary, "steps": args.steps, "precision": args.precision, "parameters": params, "cores": os.cpu_count()}
+    out = {**summary, "steps": args.steps, "precision": args.precision, "parameters": params, "cores": os.cpu_count(),
+           "cpu": _cpu_name(), "preloaded": server is not None}
     if len(results) == 2:
         # from the seconds the summary reports, so that the JSON agrees with itself (as bench multi-turn's ratios)
         trl, ours = summary["trl"], summary["hfllamarl"]

@@ -7,6 +7,7 @@
 import argparse
 import json
 import os
+import time
 
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -98,6 +99,9 @@ class SignalRankAt(TrainerCallback):
         victim.send_signal(getattr(signal, self.sig))
 
 
+TRAIN_CALLED = [0.0]  # when this script called train() (wall clock)
+
+
 class PrintChildren(TrainerCallback):
     """Plain python: says on stdout which generator processes the trainer started ahead of train() and which run
     the job (at the first step)."""
@@ -113,6 +117,8 @@ class PrintChildren(TrainerCallback):
             print(f"PRELOAD_SERVER {preload._OWN['proc'].pid}", flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1 and TRAIN_CALLED[0]:  # (the start-up profile's check, by this script's own clock)
+            print(f"FIRST_STEP_AFTER_TRAIN {time.time() - TRAIN_CALLED[0]:.3f}", flush=True)
         if state.global_step == 1 and self.topology.mode == "single":
             print(f"GENERATORS {sorted(proc.pid for _, proc in self.topology._children)}", flush=True)
             print(f"GENERATOR_KINDS {sorted(type(proc).__name__ for _, proc in self.topology._children)}", flush=True)
@@ -256,6 +262,7 @@ def main():
             trainer.add_callback(SignalRankAt(a.signal_rank_at, a.output_dir))
         if a.stop_at_step:
             trainer.add_callback(StopAt(a.stop_at_step))
+        TRAIN_CALLED[0] = time.time()
         out = trainer.train(resume_from_checkpoint=True if a.resume else None)
         # what open-r1's grpo.py does after train(), on every process (a generator rank included)
         trainer.log_metrics("train", dict(out.metrics, train_samples=a.rows))
@@ -269,6 +276,7 @@ def main():
             trainer.model.config.use_cache = True
         if trainer.state is not None and trainer.state.is_world_process_zero:
             print("LOG_HISTORY " + json.dumps(trainer.state.log_history), flush=True)
+            print("STARTUP " + json.dumps(trainer.startup_profile), flush=True)
             print(f"TRAINED global_step={out.global_step}", flush=True)
 
 

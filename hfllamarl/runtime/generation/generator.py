@@ -20,6 +20,7 @@ from typing import Any
 from hfllamarl.runtime.weights import checkpoint
 from hfllamarl.runtime.weights.checkpoint import load_generator_side
 from hfllamarl.runtime.data.episodes import completion
+from hfllamarl.runtime.world import startup
 from hfllamarl.runtime.world.collector import collector_paused
 from hfllamarl.runtime.generation.engine import WeightSyncMismatch, build_engine, load_weights, loader_boxes, verify_against_disk
 from hfllamarl.runtime.world.core_lending import open_board
@@ -102,14 +103,19 @@ class GeneratorExecutor(Executor):
     # ------------------------------------------------------------------ set-up
     def init(self) -> None:
         spec = self.spec
+        for name in ("started", "imported", "job"):  # (a launcher's generator rank: its process began its work)
+            startup.mark(name)
         with collector_paused():  # (imports: datasets, transformers' tokenizers, vLLM)
             self.dataset, self.eval_dataset = _loaded(spec.dataset), _loaded(spec.eval_dataset)
             from transformers import AutoTokenizer
 
             self.encoder = PromptEncoder(AutoTokenizer.from_pretrained(spec.tokenizer_path), spec.chat_template_kwargs)
             self.llm = self._build_engine()
+            startup.mark("engine")
         self.core_board = open_board(self.topology.num_generators) if self.topology.mode == "child" else None
         self.slot = self.topology.rank - self.topology.num_trainers  # this generator's place on the core board
+        startup.mark("ready")
+        startup.publish(self.topology)  # (the first trainer rank reads it past the wait below)
         wait_for_startup(self.topology, spec.startup_timeout_s)
         if self.backend is None:
             self.backend = build_backend(spec.weight_sync_backend, self.topology, **spec.weight_sync_options)

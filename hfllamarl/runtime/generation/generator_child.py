@@ -18,11 +18,13 @@ import pickle
 import sys
 import threading
 
+from hfllamarl.runtime.world import startup
 from hfllamarl.runtime.world.collector import collector_paused
 from hfllamarl.runtime.world.spawn import ENV_CPUS, ENV_PARENT, take_cores, watch_parent
 
 
 def main(spec_path: str) -> int:
+    startup.mark("started")
     # (torch and the spec's modules; the generator pauses it again while it starts, and freezes what was made)
     with collector_paused(freeze=False):
         with open(spec_path, "rb") as fh:
@@ -31,6 +33,8 @@ def main(spec_path: str) -> int:
         from hfllamarl.runtime.generation.generator import GeneratorExecutor
         from hfllamarl.runtime.world.topology import init_topology
         from hfllamarl.runtime.loop.weights_channel import build_backend
+    startup.mark("imported")
+    startup.mark("job")
 
     topo = init_topology(job["num_generators"], job["timeout_s"], job["use_cpu"],
                          tensor_parallel_size=job.get("tensor_parallel_size"), failure=job.get("failure", "stop"))
@@ -59,6 +63,7 @@ def await_job() -> str | None:
     """A prestarted child: take its cores, import what the generator will, and wait for its job (the spec's path,
     with the job's environment set here), or None: no job will come (the input closed without one, or Ctrl-C).
     While it waits, even in the middle of an import, it exits as soon as its parent is gone."""
+    startup.mark("started")
     take_cores(os.environ.get(ENV_CPUS))
     # A trainer killed during its set-up leaves no process behind, even while this one imports.
     claimed = threading.Event()
@@ -67,6 +72,7 @@ def await_job() -> str | None:
         try:
             with collector_paused(freeze=False):
                 warm()
+                startup.mark("imported")
         except Exception:  # noqa: BLE001 - the job's own start imports them again and reports what is wrong
             pass
         line = b""
@@ -77,6 +83,7 @@ def await_job() -> str | None:
             line += chunk
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the trainer handles it
         return None
+    startup.mark("job")
     claimed.set()  # (from here on the job's own watch, `spawn.become_child`, says why it stops)
     job = json.loads(line)
     os.environ.update(job["env"])

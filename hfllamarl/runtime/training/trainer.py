@@ -11,6 +11,7 @@ sample. Each optimizer pass over the batch is one policy version and one step of
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -35,9 +36,11 @@ from hfllamarl.runtime.training.dynamic_sampling import GroupFilter, join_scored
 from hfllamarl.runtime.loop.rollout import ROLLOUTS, Rollout, RolloutGroup
 from hfllamarl.runtime.loop.sampling import Sampling, within_support
 from hfllamarl.runtime.loop.schedule import Schedule
+from hfllamarl.runtime.world import startup
 from hfllamarl.runtime.world.topology import Topology
 from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS, WeightSyncBackend
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainerSpec:
@@ -94,6 +97,7 @@ class TrainerExecutor(Executor):
                              if spec.dynamic_sampling_groups else None)  # dynamic sampling (drop_zero_variance_groups)
         self.trained_rows: list[list[int]] = []  # dataset rows of each trained batch, in order
         self._save_due = False
+        self.startup_profile: dict[str, float] = {}  # where the start-up went (`world.startup`; first rank, step 1)
         self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
         self.channel_seconds = 0.0  # this tick's time in the channels, before `step`
         self.packed = False  # micro-batches packed without padding (decided by `init` on the real model)
@@ -112,6 +116,7 @@ class TrainerExecutor(Executor):
             self.topology.core_lender.install(self.spec.model)
         if self.spec.padding_free:
             self.packed = packing_agrees(self.spec.model, self.spec.model.config.vocab_size, self.spec.device)
+        startup.mark("ready")
         wait_for_startup(self.topology, self.spec.startup_timeout_s)
         self.backend.setup_trainer(self.weights)
         self.sync_bytes = sum(t.numel() * self.backend.wire_dtype(t.dtype).itemsize
@@ -173,9 +178,22 @@ class TrainerExecutor(Executor):
             raise RuntimeError(f"trainer: batch {batch_index} never arrived from the generator")
         if self.dispatch is not None:  # in position order, exactly this rank's positions
             groups = self.dispatch.ordered(batch_index, groups)
+        startup.mark("first_rollouts")
         lender = self.topology.core_lender
         with lender.lending(self.tick) if lender is not None else contextlib.nullcontext():
             self.train_on(groups)
+        if "first_step" not in startup.marks():
+            startup.mark("first_step")
+            self._report_startup()
+
+    def _report_startup(self) -> None:
+        """After the first step, the first trainer rank logs where the job's start-up went (`world.startup`)."""
+        if self.topology.rank != 0:
+            return
+        generators = startup.collect(self.topology, self.topology.generator_ranks)
+        self.startup_profile = startup.profile(startup.marks(), generators)
+        if self.startup_profile:
+            logger.info("%s", startup.describe(self.startup_profile))
 
     def train_on(self, groups: list[RolloutGroup]) -> dict:
         spec = self.spec

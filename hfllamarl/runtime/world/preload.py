@@ -93,6 +93,31 @@ def _os_threads() -> int:
         return threading.active_count()
 
 
+def fingerprint() -> dict:
+    """What code a process runs: its interpreter, the versions of the packages a generator uses, and the newest
+    source file of this package (an edited checkout). A server whose fingerprint differs from its client's would
+    fork children running other code than the job's: the client spawns them instead."""
+    from importlib import metadata
+
+    versions = {}
+    for name in ("torch", "vllm", "transformers", "trl", "hfllamarl"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the hfllamarl package
+    newest = 0.0
+    for where, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                try:
+                    newest = max(newest, os.stat(os.path.join(where, f)).st_mtime)
+                except OSError:
+                    pass
+    return {"python": sys.executable, "prefix": sys.prefix, "versions": versions, "source": root,
+            "source_mtime": newest}
+
+
 def warm(modules) -> None:
     """Import each module and call its `warm()` (if any): what the forked children will use."""
     import gc
@@ -125,6 +150,7 @@ def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
     # forking after `import torch` usual practice (DataLoader's forked workers). They are reported, not refused.
     threads = threading.active_count()
     native = _os_threads()
+    code = fingerprint()
     lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = path + f".{os.getpid()}.tmp"
     lsock.bind(tmp)
@@ -141,7 +167,7 @@ def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
     sel.register(rfd, selectors.EVENT_READ, "sigchld")
     children: dict[int, socket.socket] = {}
     state = {"lsock": lsock, "sel": sel, "pipe": (rfd, wfd), "owner_fd": owner_fd, "threads": threads,
-             "native_threads": native}
+             "native_threads": native, "code": code}
     try:
         while True:
             for key, _ in sel.select(timeout=1.0):
@@ -211,7 +237,7 @@ def _handle(conn: socket.socket, children: dict, state: dict) -> None:
         return
     if req.get("op") == "hello":
         _send(conn, {"pid": os.getpid(), "python": sys.executable, "threads": state["threads"],
-                     "native_threads": state["native_threads"]})
+                     "native_threads": state["native_threads"], "code": state["code"]})
         for fd in fds:
             os.close(fd)
         return
@@ -272,6 +298,7 @@ def _become(req: dict, fds: list[int], requester: int, requester_pid: int, state
         extra = [req["cwd"], *filter(None, req["env"].get("PYTHONPATH", "").split(os.pathsep))]
         sys.path[:0] = [p for p in extra if p not in sys.path]
         sys.argv = [req["module"], *req.get("args", [])]
+        retitle([sys.executable, "-m", req["module"], *req.get("args", [])])
         runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
@@ -286,6 +313,37 @@ def _become(req: dict, fds: list[int], requester: int, requester_pid: int, state
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+ROOM = 768  # characters of command line a server reserves (`--room`) for its children's own (`retitle`)
+
+
+def retitle(argv: list[str]) -> bool:
+    """Make this process's command line (`ps`, /proc/PID/cmdline, psutil) read `argv`, as a spawned child's would,
+    by writing over the memory the kernel reads it from (the span /proc/self/stat gives). A forked child keeps its
+    server's span: the server reserves room for it with `--room`. Too long for the room, the interpreter's path is
+    left out, then the end is cut. (Arguments are joined by spaces, as setproctitle(3) does: one holding a space
+    reads as two.) Returns whether the command line was written."""
+    import ctypes
+
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49 of proc(5))
+    except (OSError, ValueError, IndexError):
+        return False
+    size = end - start
+    if size <= 1:
+        return False
+    for candidate in (argv, argv[1:]):
+        title = " ".join(candidate).encode(errors="replace")
+        if len(title) < size:
+            break
+    title = title[:size - 2]
+    # The title, its end, then blanks up to the span's last byte: that byte not being NUL, the kernel reads the
+    # command line up to the first NUL (as it does for setproctitle(3)), and `ps` and psutil split it at the spaces.
+    ctypes.memmove(start, title + b"\0" + b" " * (size - len(title) - 1), size)
+    return True
 
 
 def _threads_again() -> None:
@@ -407,7 +465,7 @@ def start_server(owner: int | None = None, modules=DEFAULT_WARM, ready_timeout: 
     d = tempfile.mkdtemp(prefix="hfllamarl-preload-")  # (0700: only this user reaches the socket)
     path = os.path.join(d, "s")
     cmd = [sys.executable, "-m", "hfllamarl.runtime.world.preload", "--socket", path,
-           "--owner", str(owner or os.getpid())]
+           "--owner", str(owner or os.getpid()), "--room", " " * ROOM]
     for m in modules:
         cmd += ["--warm", m]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
@@ -426,10 +484,21 @@ def wait_ready(proc: subprocess.Popen, client: Client, timeout: float) -> dict:
         if time.monotonic() > deadline:
             raise OSError(f"the preload server was not ready within {timeout:.0f} s")
         time.sleep(0.05)
-    info = client.hello()
-    if info["threads"] != 1:
-        raise OSError(f"the preload server runs {info['threads']} Python threads after its imports: forking it is "
-                      "unsafe")
+    return usable(client.hello())
+
+
+def usable(info: dict) -> dict:
+    """A server's hello `info`, if this process may have its children forked there; OSError saying why not."""
+    if info.get("threads") != 1:
+        raise OSError(f"the preload server runs {info.get('threads')} Python threads after its imports: forking it "
+                      "is unsafe")
+    mine = fingerprint()
+    theirs = info.get("code") or {}
+    differs = [k for k in ("python", "prefix", "versions", "source") if theirs.get(k) != mine[k]]
+    if theirs.get("source_mtime", 0.0) < mine["source_mtime"]:
+        differs.append("source files changed since it started")
+    if differs:
+        raise OSError(f"the preload server runs other code than this process ({', '.join(differs)}): restart it")
     return info
 
 
@@ -437,16 +506,23 @@ _OWN: dict = {}  # this process's own server (HFLLAMARL_PRELOAD=1): {"proc", "cl
 _LOGGED: set = set()
 
 
-def _fallback(why: str) -> None:
+def _fallback(why: str, named: bool = False) -> None:
+    """Say once why children are spawned: a warning when the user named the server (`HFLLAMARL_PRELOAD=PATH`)."""
     if why not in _LOGGED:
         _LOGGED.add(why)
-        logger.debug("generator processes are spawned, not forked from a preloaded server: %s", why)
+        log = logger.warning if named else logger.debug
+        log("generator processes are spawned, not forked from a preloaded server: %s", why)
+
+
+def enabled_here() -> bool:
+    """Whether this platform can fork children from a server (fork, and pidfds to watch processes by)."""
+    return hasattr(os, "fork") and hasattr(os, "pidfd_open")
 
 
 def enabled() -> bool:
     """Whether generator children are to be forked from a server (`HFLLAMARL_PRELOAD` set, on a platform with fork),
     so that none is prestarted."""
-    return os.environ.get(ENV_PRELOAD, "") not in ("", "0") and hasattr(os, "fork") and hasattr(os, "pidfd_open")
+    return os.environ.get(ENV_PRELOAD, "") not in ("", "0") and enabled_here()
 
 
 def begin() -> None:
@@ -489,11 +565,10 @@ def client(ready_timeout: float = 180.0) -> Client | None:
                 _OWN["ready"] = True
             return _OWN["client"]
         c = Client(setting)
-        if c.hello()["threads"] != 1:
-            raise OSError("the server runs threads: forking it is unsafe")
+        usable(c.hello())
         return c
     except (OSError, ValueError) as e:
-        _fallback(str(e))
+        _fallback(str(e), named=setting != "1")
         if setting == "1":
             _end_own()
             _OWN.clear()
@@ -508,6 +583,7 @@ def main(argv=None) -> int:
     p.add_argument("--socket", required=True, help="the unix socket's path (its directory should be private)")
     p.add_argument("--owner", type=int, default=os.getppid(), help="exit once this process is gone (default: parent)")
     p.add_argument("--warm", action="append", help="module to import (and call its warm()) before serving")
+    p.add_argument("--room", default="", help="blank room on the command line for the children's own (`retitle`)")
     a = p.parse_args(argv)
     return serve(a.socket, a.owner, tuple(a.warm or DEFAULT_WARM))
 

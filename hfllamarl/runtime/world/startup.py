@@ -1,0 +1,118 @@
+"""Where a job's start-up goes: each rank's start-up milestones, gathered on the first trainer rank.
+
+Every process marks its milestones as it reaches them (`mark`, wall-clock time, the first mark of a name wins):
+
+- a generator: `started` (its process began its generator work: spawned, prestarted or forked), `imported` (vLLM
+  and the generator's modules imported), `job` (its job received), `engine` (its vLLM engine built), `ready` (its
+  start-up done, about to wait for the others);
+- a trainer: `train` (`train()` called), `ready` (the policy loaded and sharded, its start-up done),
+  `first_rollouts` (the first batch arrived), `first_step` (the first optimizer step ended).
+
+A generator writes its marks to the job's store (`publish`, JSON) before it waits for the others, so the first
+trainer rank, past the same wait, reads them all (`collect`) and reports, in seconds after its `train()`:
+
+    start-up: generator imports done 7.2 s, engine built 9.5 s, ready 10.1 s; trainer ready 9.7 s; first rollouts
+    11.7 s; first step 13.2 s
+
+(`AsyncAIPOTrainer.startup_profile` holds the figures; `hfllamarl bench vs-trl --profile` prints them.) A mark
+before `train()` (a prestarted generator imports while the trainer is built) is a negative figure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+GENERATOR_MARKS = ("started", "imported", "job", "engine", "ready")
+TRAINER_MARKS = ("train", "ready", "first_rollouts", "first_step")
+_MARKS: dict[str, float] = {}
+
+
+def mark(name: str) -> None:
+    """This process reached `name` now (the first time only)."""
+    _MARKS.setdefault(name, time.time())
+
+
+def reset() -> None:
+    """Forget this process's marks (a trainer starts a new job: a notebook's second `train()`)."""
+    _MARKS.clear()
+
+
+def marks() -> dict[str, float]:
+    return dict(_MARKS)
+
+
+def _key(topology, rank: int) -> str:
+    return f"hfllamarl/{topology.job_id}/startup/{rank}"
+
+
+def publish(topology) -> None:
+    """A generator rank: write its marks to the job's store (best effort: a profile, never a failure)."""
+    from hfllamarl.runtime.world.liveness import STORE_CALL_S, timed
+
+    payload = json.dumps(marks())
+    try:
+        timed(lambda: topology.liveness._locked(lambda c: c.set(_key(topology, topology.rank), payload)),
+              STORE_CALL_S)
+    except Exception as e:  # noqa: BLE001
+        logger.debug("start-up marks not published: %s", e)
+
+
+def collect(topology, ranks) -> dict[int, dict[str, float]]:
+    """The marks `ranks` published (a rank that published none is left out). Only JSON numbers are kept."""
+    from hfllamarl.runtime.world.liveness import STORE_CALL_S, timed
+
+    def read(client):
+        found = {}
+        for r in ranks:
+            if client.check([_key(topology, r)]):
+                found[r] = client.get(_key(topology, r))
+        return found
+
+    try:
+        raw = timed(lambda: topology.liveness._locked(read), STORE_CALL_S)
+    except Exception as e:  # noqa: BLE001
+        logger.debug("start-up marks not read: %s", e)
+        return {}
+    out = {}
+    for r, value in raw.items():
+        try:
+            data = json.loads(value)
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            out[r] = {k: float(v) for k, v in data.items() if isinstance(k, str) and isinstance(v, (int, float))}
+    return out
+
+
+def profile(trainer_marks: dict[str, float], generators: dict[int, dict[str, float]]) -> dict[str, float]:
+    """Seconds after the trainer's `train()` at which each milestone was reached (the slowest generator's, for the
+    generators' milestones)."""
+    origin = trainer_marks.get("train")
+    if origin is None:
+        return {}
+    out = {}
+    for name in GENERATOR_MARKS:
+        times = [g[name] for g in generators.values() if name in g]
+        if times:
+            out[f"generator_{name}"] = round(max(times) - origin, 3)
+    for name in TRAINER_MARKS[1:]:
+        if name in trainer_marks:
+            out[f"trainer_{name}"] = round(trainer_marks[name] - origin, 3)
+    return out
+
+
+def describe(p: dict[str, float]) -> str:
+    """One line for the log."""
+    parts = []
+    gen = [(label, p[f"generator_{k}"]) for k, label in (("imported", "imports done"), ("engine", "engine built"),
+                                                        ("ready", "ready")) if f"generator_{k}" in p]
+    if gen:
+        parts.append("generator " + ", ".join(f"{label} {s:.1f} s" for label, s in gen))
+    for k, label in (("ready", "trainer ready"), ("first_rollouts", "first rollouts"), ("first_step", "first step")):
+        if f"trainer_{k}" in p:
+            parts.append(f"{label} {p[f'trainer_{k}']:.1f} s")
+    return "start-up (seconds after train()): " + "; ".join(parts)
