@@ -99,6 +99,9 @@ def run_script(args: list[str], nproc: int | None = None, timeout: float = 600, 
     full_env.pop("RANK", None)
     if nproc is None:
         cmd = [sys.executable, *args]
+        forked = _run_forked(cmd, full_env, timeout)
+        if forked is not None:
+            return forked
     elif launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
@@ -107,6 +110,50 @@ def run_script(args: list[str], nproc: int | None = None, timeout: float = 600, 
                "--num_processes", str(nproc), "--main_process_port", str(free_port()), *args]
     proc = subprocess.run(cmd, cwd=str(REPO), env=full_env, capture_output=True, text=True, timeout=timeout)
     return proc
+
+
+def _run_forked(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess | None:
+    """`python script.py ARGS` (or `python -m module ARGS`) forked from the session's preload server, captured as
+    `subprocess.run` captures it (None: spawn it). Only a job that names the session's server in its environment is
+    forked (one given `HFLLAMARL_PRELOAD=0`, a user's job without a server, is spawned, imports and all)."""
+    setting = os.environ.get("HFLLAMARL_PRELOAD")
+    if not setting or env.get("HFLLAMARL_PRELOAD") != setting:
+        return None
+    from hfllamarl.runtime.world import preload
+
+    client = preload.client()
+    if client is None:
+        return None
+    args = cmd[1:]
+    module, path = (args[1], None) if args[0] == "-m" else (None, args[0])
+    rest = args[2:] if module else args[1:]
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        proc = client.run(module, rest, env, path=path, stdio=(null, out_w, err_w), cwd=str(REPO))
+    except (OSError, ValueError):
+        for fd in (out_r, out_w, err_r, err_w, null):
+            os.close(fd)
+        return None
+    for fd in (out_w, err_w, null):
+        os.close(fd)
+    chunks = {out_r: [], err_r: []}
+
+    def drain(fd):
+        with os.fdopen(fd, "rb") as fh:
+            chunks[fd].append(fh.read())
+
+    readers = [ThreadPoolExecutor(1).submit(drain, fd) for fd in (out_r, err_r)]
+    try:
+        code = proc.wait(timeout)
+        for r in readers:
+            r.result(timeout=max(timeout, 60))
+    except (subprocess.TimeoutExpired, TimeoutError) as e:
+        proc.kill()
+        raise subprocess.TimeoutExpired(cmd, timeout) from e
+    text = {fd: b"".join(c).decode(errors="replace") for fd, c in chunks.items()}
+    return subprocess.CompletedProcess(cmd, code, text[out_r], text[err_r])
 
 
 def beside(fn, *args, **kwargs) -> Future:

@@ -143,3 +143,48 @@ def test_a_forked_child_gets_the_requesters_env_stdio_and_exit_status(tmp_path, 
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert f"OUT 7 {tmp_path} ['x']" in res.stdout, res
     assert "ERR" in res.stderr and "CODE 7" in res.stdout, res
+
+
+def test_the_preload_command_serves_the_jobs_of_a_shell_and_refuses_an_open_directory(tmp_path):
+    """`hfllamarl preload`: a directory others can write to is refused (anyone there could stand in for the
+    server); a private one is made, the server answers there, forks a child whose command line reads as a spawned
+    one's, and exits with its owner."""
+    from hfllamarl.runtime.world.preload import Client, usable
+
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    refused = subprocess.run([sys.executable, "-m", "hfllamarl.cli", "preload", "--socket", str(open_dir / "s")],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "not writable by others" in refused.stderr, refused
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    path = tmp_path / "new" / "s"
+    server = subprocess.Popen([sys.executable, "-m", "hfllamarl.cli", "preload", "--socket", str(path), "--owner",
+                               str(owner.pid)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == f"export HFLLAMARL_PRELOAD={path}"
+        assert os.stat(path.parent).st_mode & 0o777 == 0o700
+        deadline = time.monotonic() + 300
+        while not path.exists():
+            assert server.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        client = Client(str(path))
+        assert usable(client.hello())["pid"] == server.pid  # (the command became the server: nothing in between)
+        (tmp_path / "probe.py").write_text("import time, sys\nprint('READY', flush=True)\ntime.sleep(30)\n")
+        child = client.run("probe", ["--out", str(tmp_path / "job")], {**os.environ, "PYTHONPATH": str(tmp_path)})
+        import psutil
+
+        deadline = time.monotonic() + 30
+        while "probe" not in " ".join(psutil.Process(child.pid).cmdline()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert psutil.Process(child.pid).cmdline() == [sys.executable, "-m", "probe", "--out", str(tmp_path / "job")]
+        child.kill()
+        assert child.wait(30) == -9
+        owner.kill()
+        owner.wait()
+        assert server.wait(timeout=30) == 0  # its owner gone, it ends
+    finally:
+        for p in (server, owner):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

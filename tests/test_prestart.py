@@ -20,6 +20,12 @@ from hfllamarl.runtime.world.topology import Topology
 pytestmark = pytest.mark.slow  # real processes, each importing vLLM
 
 
+@pytest.fixture(autouse=True)
+def no_preload_server(monkeypatch):
+    """The path a job takes without a preload server (the session's is named in the environment)."""
+    monkeypatch.setenv("HFLLAMARL_PRELOAD", "0")
+
+
 def gone(pid: int, within: float) -> bool:
     """Whether process `pid` has ended (a zombie counts as ended) within `within` seconds."""
     deadline = time.monotonic() + within

@@ -24,11 +24,12 @@ STEP_KEYS = {"reward", "reward_std", "rewards/math_sympy/mean", "is_ratio/mean",
 
 def notebook_run(tiny_model: str, out: str) -> subprocess.CompletedProcess:
     """`python script.py`, train() run twice as in a notebook, with evaluation during training (see
-    `check_notebook_run`)."""
+    `check_notebook_run`). Its generators are prestarted and spawned, as a user's job without a preload server."""
     evaluation = {"eval_strategy": "steps", "eval_steps": 1, "eval_on_start": True, "num_generations_eval": 2}
     return run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--steps", "6", "--repeat", "2",
                        "--max-staleness", "3", "--beta", "0.04", "--eval-rows", "6",
-                       "--extra", json.dumps(evaluation)], timeout=400, env=SIDE_BY_SIDE_ENV)
+                       "--extra", json.dumps(evaluation)], timeout=400,
+                      env={**SIDE_BY_SIDE_ENV, "HFLLAMARL_PRELOAD": "0"})
 
 
 def check_notebook_run(proc: subprocess.CompletedProcess, out: str) -> None:

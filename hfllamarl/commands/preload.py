@@ -1,7 +1,7 @@
 """`hfllamarl preload`: keep a preloaded process server for the single-process jobs started from this shell.
 
     hfllamarl preload [--socket PATH] [--owner PID] &
-    export HFLLAMARL_PRELOAD=PATH        # the line it prints
+    export HFLLAMARL_PRELOAD=PATH        # the line it prints (PATH: --socket's, or a new private one)
 
 A single-process job (`python train.py`) starts one generator process per generator rank, and each imports
 torch, transformers and vLLM before it can build its engine: seconds of a core, on the way to the first step.
@@ -20,8 +20,9 @@ import sys
 
 def add_arguments(parser) -> None:
     parser.add_argument("--socket", default=None,
-                        help="the server's unix socket (default: a new private directory under the temporary "
-                             "directory); its directory must be yours and closed to others")
+                        help="the server's unix socket (default: in a new private directory under the temporary "
+                             "directory); its directory, made (0700) if it does not exist, must be yours and closed "
+                             "to others")
     parser.add_argument("--owner", type=int, default=None,
                         help="exit when this process exits (default: the process that started the command)")
 
@@ -37,8 +38,9 @@ def run(args) -> int:
     if args.socket is None:
         path = os.path.join(tempfile.mkdtemp(prefix="hfllamarl-preload-"), "s")
     else:
-        path = os.path.abspath(args.socket)
+        path = os.path.abspath(os.path.expanduser(args.socket))
         where = os.path.dirname(path)
+        os.makedirs(where, mode=0o700, exist_ok=True)
         st = os.stat(where)
         if st.st_uid != os.getuid() or st.st_mode & 0o022:
             raise SystemExit(f"hfllamarl preload: {where} must be your own directory, not writable by others "
@@ -48,5 +50,6 @@ def run(args) -> int:
     print(f"(importing vLLM; jobs that name this server fork their generator processes from it; it exits with "
           f"process {owner})", file=sys.stderr, flush=True)
     # (the server's own command line, with room for its children's: `ps` shows each one's as if spawned)
-    os.execv(sys.executable, [sys.executable, "-m", "hfllamarl.runtime.world.preload", "--socket", path, "--owner",
-                              str(owner), "--room", " " * preload.ROOM])
+    os.execve(sys.executable, [sys.executable, "-m", "hfllamarl.runtime.world.preload", "--socket", path, "--owner",
+                               str(owner), "--room", " " * preload.ROOM],
+              {**os.environ, preload.ENV_ROOM: " " * preload.ENV_ROOM_SIZE})

@@ -140,6 +140,7 @@ def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a Ctrl-C in the owner's terminal: the owner ends this server)
+    os.environ.pop(ENV_ROOM, None)  # (its span stays: the children's environment is shown there)
     owner_fd = os.pidfd_open(owner)
     warm(modules)
     import threading
@@ -294,19 +295,35 @@ def _become(req: dict, fds: list[int], requester: int, requester_pid: int, state
         spawn.PARENT_PIDFD = requester
         import runpy
 
-        # (as `python -m` would: the working directory, then PYTHONPATH's entries, ahead of the server's path)
-        extra = [req["cwd"], *filter(None, req["env"].get("PYTHONPATH", "").split(os.pathsep))]
+        # (as `python -m` / `python script.py` would: the working directory or the script's, then PYTHONPATH's
+        # entries, ahead of the server's path)
+        script = req.get("path")
+        first = os.path.dirname(os.path.abspath(script)) if script else req["cwd"]
+        extra = [first, *filter(None, req["env"].get("PYTHONPATH", "").split(os.pathsep))]
         sys.path[:0] = [p for p in extra if p not in sys.path]
-        sys.argv = [req["module"], *req.get("args", [])]
-        retitle([sys.executable, "-m", req["module"], *req.get("args", [])])
-        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        if script:
+            sys.argv = [script, *req.get("args", [])]
+            retitle([sys.executable, *sys.argv])
+        else:
+            sys.argv = [req["module"], *req.get("args", [])]
+            retitle([sys.executable, "-m", *sys.argv])
+        show_environ(req["env"])
+        if script:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
         code = 0
+        _exit_as_python_does()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+        _exit_as_python_does()
     except BaseException:  # noqa: BLE001 - the child's error reaches the requester's stderr, as a spawned one's
         import traceback
 
         traceback.print_exc()
+        _exit_as_python_does()
     finally:
         try:
             sys.stdout.flush()
@@ -316,6 +333,45 @@ def _become(req: dict, fds: list[int], requester: int, requester_pid: int, state
 
 
 ROOM = 768  # characters of command line a server reserves (`--room`) for its children's own (`retitle`)
+ENV_ROOM = "HFLLAMARL_PRELOAD_ROOM"  # ... and of environment, for theirs (`show_environ`)
+ENV_ROOM_SIZE = 32768
+
+
+def _spans() -> tuple[int, int, int, int] | None:
+    """This process's command-line and environment spans (arg_start, arg_end, env_start, env_end: fields 48-51 of
+    /proc/PID/stat), where the kernel reads /proc/PID/cmdline and /proc/PID/environ from."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return int(fields[45]), int(fields[46]), int(fields[47]), int(fields[48])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def show_environ(env: dict) -> bool:
+    """Make /proc/PID/environ (psutil's `environ()`, what tools read of a process) show `env`, as a spawned child's
+    would, by writing over the span it is read from (the server reserves room there with `ENV_ROOM`). Safe only once
+    the C environment no longer points into that span: `_become` cleared `os.environ` (unsetenv of every initial
+    variable) and set the job's (setenv copies them), so nothing reads the old strings. Variables that do not fit
+    are left out, the job's own (`HFLLAMARL_*`, `RANK`, ...) first in. Returns whether it was written."""
+    import ctypes
+
+    spans = _spans()
+    if spans is None:
+        return False
+    start, end = spans[2], spans[3]
+    size = end - start
+    first = sorted(env, key=lambda k: (not k.startswith(("HFLLAMARL_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                          "MASTER_", "OMP_")), k))
+    data = b""
+    for k in first:
+        item = os.fsencode(f"{k}={env[k]}") + b"\0"
+        if len(data) + len(item) <= size:
+            data += item
+    if size <= 0:
+        return False
+    ctypes.memmove(start, data + b"\0" * (size - len(data)), size)
+    return True
 
 
 def retitle(argv: list[str]) -> bool:
@@ -326,12 +382,10 @@ def retitle(argv: list[str]) -> bool:
     reads as two.) Returns whether the command line was written."""
     import ctypes
 
-    try:
-        with open("/proc/self/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49 of proc(5))
-    except (OSError, ValueError, IndexError):
+    spans = _spans()
+    if spans is None:
         return False
+    start, end = spans[0], spans[1]
     size = end - start
     if size <= 1:
         return False
@@ -344,6 +398,23 @@ def retitle(argv: list[str]) -> bool:
     # command line up to the first NUL (as it does for setproctitle(3)), and `ps` and psutil split it at the spaces.
     ctypes.memmove(start, title + b"\0" + b" " * (size - len(title) - 1), size)
     return True
+
+
+def _exit_as_python_does() -> None:
+    """What the interpreter does at a normal exit, before this child's `os._exit`: wait for the program's
+    non-daemon threads, then run its atexit functions (a job's logging flush, its own server's end)."""
+    try:
+        import threading
+
+        threading._shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        import atexit
+
+        atexit._run_exitfuncs()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _threads_again() -> None:
@@ -442,13 +513,17 @@ class Client:
             raise OSError(f"preload server {self.path}: {msg}")
         return msg
 
-    def run(self, module: str, args, env: dict, timeout: float = 30.0) -> PreloadedProcess:
-        """Fork a child running `python -m module args` with `env`, this process's stdio, directory and cores."""
+    def run(self, module: str | None, args, env: dict, timeout: float = 30.0, path: str | None = None,
+            stdio=(0, 1, 2), cwd: str | None = None) -> PreloadedProcess:
+        """Fork a child running `python -m module args` (or `python path args`) with `env`, `stdio` (this
+        process's by default: file descriptors for its standard input, output and error), `cwd` (this process's
+        by default) and this process's cores."""
         sock = self._connect(timeout)
         try:
             cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-            _send(sock, {"op": "run", "module": module, "args": list(args), "env": dict(env), "cwd": os.getcwd(),
-                         "cpus": cpus}, fds=(0, 1, 2))
+            what = {"path": os.path.abspath(path)} if path is not None else {"module": module}
+            _send(sock, {"op": "run", **what, "args": list(args), "env": dict(env), "cwd": cwd or os.getcwd(),
+                         "cpus": cpus}, fds=tuple(stdio))
             msg = _Lines(sock).read(timeout)
             if msg is None or "pid" not in msg:
                 raise OSError(f"preload server {self.path} did not fork: {msg}")
@@ -468,7 +543,7 @@ def start_server(owner: int | None = None, modules=DEFAULT_WARM, ready_timeout: 
            "--owner", str(owner or os.getpid()), "--room", " " * ROOM]
     for m in modules:
         cmd += ["--warm", m]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env={**os.environ, ENV_ROOM: " " * ENV_ROOM_SIZE})
     client = Client(path)
     if wait:
         wait_ready(proc, client, ready_timeout)
