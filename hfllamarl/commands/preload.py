@@ -50,6 +50,6 @@ def run(args) -> int:
     print(f"(importing vLLM; jobs that name this server fork their generator processes from it; it exits with "
           f"process {owner})", file=sys.stderr, flush=True)
     # (the server's own command line, with room for its children's: `ps` shows each one's as if spawned)
-    os.execve(sys.executable, [sys.executable, "-m", "hfllamarl.runtime.world.preload", "--socket", path, "--owner",
+    os.execve(sys.executable, [sys.executable, "-m", "hfllamarl.runtime.world.preload_server", "--socket", path, "--owner",
                                str(owner), "--room", " " * preload.ROOM],
               {**os.environ, preload.ENV_ROOM: " " * preload.ENV_ROOM_SIZE})
