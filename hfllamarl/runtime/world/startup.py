@@ -11,8 +11,8 @@ Every process marks its milestones as it reaches them (`mark`, wall-clock time, 
 A generator writes its marks to the job's store (`publish`, JSON) before it waits for the others, so the first
 trainer rank, past the same wait, reads them all (`collect`) and reports, in seconds after its `train()`:
 
-    start-up: generator imports done 7.2 s, engine built 9.5 s, ready 10.1 s; trainer ready 9.7 s; first rollouts
-    11.7 s; first step 13.2 s
+    start-up (seconds after train()): generator imports done 7.2 s, engine built 9.5 s, ready 10.1 s; trainer
+    ready 9.7 s; first rollouts 11.7 s; first step 13.2 s
 
 (`AsyncAIPOTrainer.startup_profile` holds the figures; `hfllamarl bench vs-trl --profile` prints them.) A mark
 before `train()` (a prestarted generator imports while the trainer is built) is a negative figure.
