@@ -32,9 +32,10 @@ def preload_server():
     if os.environ.get("HFLLAMARL_TEST_PRELOAD", "1") == "0" or "HFLLAMARL_PRELOAD" in os.environ:
         yield None
         return
-    from hfllamarl.runtime.world.preload import start_server
+    from hfllamarl.runtime.world.preload import DEFAULT_WARM, start_server
 
-    proc, client = start_server()
+    # (the trainer's modules too: a job's trainer ranks are forked from it as well as its generator ranks)
+    proc, client = start_server(modules=(*DEFAULT_WARM, "hfllamarl.trainers.async_aipo_trainer"))
     os.environ["HFLLAMARL_PRELOAD"] = client.path
     try:
         yield client
@@ -91,8 +92,10 @@ def free_port() -> int:
 
 
 def run_script(args: list[str], nproc: int | None = None, timeout: float = 600, env: dict | None = None,
-               launcher: str = "torchrun") -> subprocess.CompletedProcess:
-    """Run a script as one process (`nproc=None`) or under torchrun / accelerate with `nproc` processes."""
+               launcher: str = "ranks") -> subprocess.CompletedProcess:
+    """Run a script as one process (`nproc=None`) or as `nproc` ranks: `launcher="ranks"` forks them from the
+    session's preload server as a batch scheduler starts ranks (RANK, WORLD_SIZE, MASTER_*; torchrun where there
+    is no server); "torchrun" and "accelerate ..." launch them as users do, every rank importing everything."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env.pop("WORLD_SIZE", None)
@@ -102,7 +105,11 @@ def run_script(args: list[str], nproc: int | None = None, timeout: float = 600, 
         forked = _run_forked(cmd, full_env, timeout)
         if forked is not None:
             return forked
-    elif launcher == "torchrun":
+    elif launcher in ("ranks", "torchrun"):
+        if launcher == "ranks":
+            forked = _run_ranks_forked(nproc, args, full_env, timeout)
+            if forked is not None:
+                return forked
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
     else:
@@ -112,16 +119,107 @@ def run_script(args: list[str], nproc: int | None = None, timeout: float = 600, 
     return proc
 
 
-def _run_forked(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess | None:
-    """`python script.py ARGS` (or `python -m module ARGS`) forked from the session's preload server, captured as
-    `subprocess.run` captures it (None: spawn it). Only a job that names the session's server in its environment is
-    forked (one given `HFLLAMARL_PRELOAD=0`, a user's job without a server, is spawned, imports and all)."""
+def _session_client(env: dict):
+    """The session's preload client, if the job's environment names the session's server (a job given
+    `HFLLAMARL_PRELOAD=0` is spawned, imports and all); else None."""
     setting = os.environ.get("HFLLAMARL_PRELOAD")
     if not setting or env.get("HFLLAMARL_PRELOAD") != setting:
         return None
     from hfllamarl.runtime.world import preload
 
-    client = preload.client()
+    return preload.client()
+
+
+def rank_env(env: dict, rank: int, n: int, port: int) -> dict:
+    """A rank's environment as a batch scheduler (or mpirun) sets it: rank 0 hosts the job's store."""
+    e = dict(env, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
+             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    e.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    return e
+
+
+class _Drain:
+    """Reads a pipe to its end in a thread of its own; `.text(timeout)` is what it read (TimeoutError before)."""
+
+    def __init__(self, fd: int):
+        self._chunks: list[bytes] = []
+        self._future = ThreadPoolExecutor(1).submit(self._read, fd)
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd, "rb") as fh:
+            for chunk in iter(lambda: fh.read1(1 << 16), b""):
+                self._chunks.append(chunk)
+
+    def text(self, timeout: float | None) -> str:
+        self._future.result(timeout=timeout)
+        return b"".join(self._chunks).decode(errors="replace")
+
+
+def _fork_ranks(client, n: int, args: list[str], env: dict, stdio) -> list | None:
+    """`n` ranks of `python args[0] args[1:]`, forked (None: the server would not fork them all)."""
+    port = free_port()
+    procs = []
+    try:
+        for rank in range(n):
+            procs.append(client.run(None, args[1:], rank_env(env, rank, n, port), path=args[0],
+                                    stdio=stdio(rank), cwd=str(REPO)))
+    except (OSError, ValueError):
+        for p in procs:
+            p.kill()
+            p.wait(30)
+        return None
+    return procs
+
+
+def _run_ranks_forked(n: int, args: list[str], env: dict, timeout: float,
+                      grace: float = 90.0) -> subprocess.CompletedProcess | None:
+    """`n` ranks forked from the session's server, their output captured in one stream each (as torchrun's is). A
+    rank that fails leaves the others `grace` s to end on their own (the job's liveness ends them, as under any
+    launcher that does not); any still running then are killed, and said so. None: spawn them (torchrun)."""
+    client = _session_client(env)
+    if client is None:
+        return None
+    import time
+
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    null = os.open(os.devnull, os.O_RDONLY)
+    procs = _fork_ranks(client, n, args, env, lambda rank: (null, out_w, err_w))
+    for fd in (out_w, err_w, null):
+        os.close(fd)
+    if procs is None:
+        os.close(out_r)
+        os.close(err_r)
+        return None
+    out, err = _Drain(out_r), _Drain(err_r)
+    deadline, failed_at, note = time.monotonic() + timeout, None, ""
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_at = now
+        late = failed_at is not None and now - failed_at > grace
+        if now > deadline or late:
+            left = [r for r, p in enumerate(procs) if p.poll() is None]
+            for r in left:
+                procs[r].kill()
+            for p in procs:
+                p.wait(30)
+            if not late:
+                err.text(30)
+                raise subprocess.TimeoutExpired(args, timeout)
+            note = f"\n[test launcher] ranks {left} were still running {grace:.0f} s after a rank failed: killed\n"
+            break
+        time.sleep(0.1)
+    codes = [p.returncode for p in procs]
+    code = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(args, 1 if code else 0, out.text(60), err.text(60) + note)
+
+
+def _run_forked(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess | None:
+    """`python script.py ARGS` (or `python -m module ARGS`) forked from the session's preload server, captured as
+    `subprocess.run` captures it (None: spawn it). Only a job that names the session's server in its environment is
+    forked (one given `HFLLAMARL_PRELOAD=0`, a user's job without a server, is spawned, imports and all)."""
+    client = _session_client(env)
     if client is None:
         return None
     args = cmd[1:]
@@ -138,22 +236,14 @@ def _run_forked(cmd: list[str], env: dict, timeout: float) -> subprocess.Complet
         return None
     for fd in (out_w, err_w, null):
         os.close(fd)
-    chunks = {out_r: [], err_r: []}
-
-    def drain(fd):
-        with os.fdopen(fd, "rb") as fh:
-            chunks[fd].append(fh.read())
-
-    readers = [ThreadPoolExecutor(1).submit(drain, fd) for fd in (out_r, err_r)]
+    out, err = _Drain(out_r), _Drain(err_r)
     try:
         code = proc.wait(timeout)
-        for r in readers:
-            r.result(timeout=max(timeout, 60))
+        text = out.text(max(timeout, 60)), err.text(max(timeout, 60))
     except (subprocess.TimeoutExpired, TimeoutError) as e:
         proc.kill()
         raise subprocess.TimeoutExpired(cmd, timeout) from e
-    text = {fd: b"".join(c).decode(errors="replace") for fd, c in chunks.items()}
-    return subprocess.CompletedProcess(cmd, code, text[out_r], text[err_r])
+    return subprocess.CompletedProcess(cmd, code, *text)
 
 
 def beside(fn, *args, **kwargs) -> Future:
@@ -223,15 +313,68 @@ def trained_rows(out: str, rank: int = 0) -> dict[int, list[int]]:
     return rows
 
 
-def launch_bare(n: int, args: list[str], env: dict) -> list[subprocess.Popen]:
+def launch_bare(n: int, args: list[str], env: dict) -> list:
     """Start n ranks with only RANK/WORLD_SIZE/MASTER_* set (rank 0 hosts the store), as mpirun or
-    a batch scheduler would: unlike torchrun, nobody kills the survivors when one rank dies."""
+    a batch scheduler would: unlike torchrun, nobody kills the survivors when one rank dies. Forked from the
+    session's preload server (`ForkedRank`s) where there is one, else spawned (`subprocess.Popen`s); either way
+    each has its own `stdout`/`stderr` pipes, `communicate()`, `send_signal()`, `kill()`."""
+    full = dict(os.environ, **env)
+    client = _session_client(full)
+    if client is not None:
+        pipes = {}
+
+        def stdio(rank):
+            pipes[rank] = os.pipe(), os.pipe()
+            return os.open(os.devnull, os.O_RDONLY), pipes[rank][0][1], pipes[rank][1][1]
+
+        procs = _fork_ranks(client, n, args, full, stdio)
+        for (o_r, o_w), (e_r, e_w) in pipes.values():
+            os.close(o_w)
+            os.close(e_w)
+            if procs is None:
+                os.close(o_r)
+                os.close(e_r)
+        if procs is not None:
+            return [ForkedRank(p, pipes[r][0][0], pipes[r][1][0], args) for r, p in enumerate(procs)]
     port = free_port()
-    procs = []
-    for rank in range(n):
-        e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port), **env)
-        e.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        procs.append(subprocess.Popen([sys.executable, *args], cwd=str(REPO), env=e, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return procs
+    return [subprocess.Popen([sys.executable, *args], cwd=str(REPO), env=rank_env(full, rank, n, port), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(n)]
+
+
+class ForkedRank:
+    """A rank forked from the session's server, held as `subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True)`
+    is: pid, returncode, poll(), wait(), send_signal(), kill(), communicate()."""
+
+    def __init__(self, proc, out_fd: int, err_fd: int, args):
+        self._proc, self.pid, self.args = proc, proc.pid, args
+        self._out, self._err = _Drain(out_fd), _Drain(err_fd)
+
+    @property
+    def returncode(self):
+        return self._proc.returncode
+
+    def poll(self):
+        return self._proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._proc.wait(timeout)
+
+    def send_signal(self, sig: int) -> None:
+        self._proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def terminate(self) -> None:
+        self._proc.terminate()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        import time
+
+        start = time.monotonic()
+        self._proc.wait(timeout)
+        rest = None if timeout is None else max(timeout - (time.monotonic() - start), 1.0)
+        try:
+            return self._out.text(rest), self._err.text(rest)
+        except TimeoutError as e:  # (a descendant still holds its output open)
+            raise subprocess.TimeoutExpired(self.args, timeout) from e

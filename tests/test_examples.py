@@ -128,7 +128,7 @@ def test_a_small_plans_launch_settings_run_on_the_cpu(tiny_model, tmp_path, caps
                        "tiny_cpu.yaml"), "--model_name_or_path", tiny_model, "--dataset_name", str(data),
                        "--output_dir", str(out), "--num_generator_processes", str(launch["num_generator_processes"]),
                        "--generator_tensor_parallel_size", str(launch["generator_tensor_parallel_size"])],
-                      nproc=launch["nproc_per_node"], timeout=400)
+                      nproc=launch["nproc_per_node"], timeout=400, launcher="torchrun")
     assert proc.returncode == 0, tail(proc)
     assert (out / "model.safetensors").exists()  # save_model at the end
     assert "'replicas/live': '2'" in proc.stdout + proc.stderr, tail(proc)  # the step logs: both replicas sampled
