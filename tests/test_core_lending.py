@@ -59,3 +59,22 @@ def test_the_trainer_borrows_only_after_every_generator_finished_its_tick_and_gi
         assert lender.borrowed and threads_in_backward == [len(CPUS)]
     lender.close()
     assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {CPUS[0]}
+
+
+@pytest.mark.slow
+def test_after_train_the_process_has_its_cores_and_threads_back(tiny_model, tmp_path, restore):
+    """A single-process job pins its trainer (this process) to cores of its own while it trains; once train()
+    returns, the process (a notebook's) runs on the cores and torch threads it had before, as seen by the OS."""
+    from datasets import Dataset
+
+    from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
+
+    before = (os.sched_getaffinity(0), torch.get_num_threads())
+    args = AsyncAIPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2,
+                           per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
+    trainer = AsyncAIPOTrainer(model=tiny_model, args=args,
+                               reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                               train_dataset=Dataset.from_list([{"prompt": f"{i} + 1 ="} for i in range(8)]))
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == before

@@ -141,6 +141,7 @@ def start_children(topo, spec_path: str, prestarted: Prestarted | None = None) -
 
         board = CoreBoard(spec_path + ".cores", topo.num_generators, create=True)
         topo.core_lender = CoreLender(board, split[0], sorted(c for cpus in split.values() for c in cpus))
+        topo.cores_before = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())  # (stop_children restores)
         os.sched_setaffinity(0, split[0])
         torch.set_num_threads(len(split[0]))
     children = []

@@ -131,6 +131,7 @@ class Topology:
     _children: list = field(default_factory=list, repr=False)  # single mode: (rank, Popen) of each generator
     _prestarted: Any = field(default=None, repr=False)  # single mode: `spawn.Prestarted`, children awaiting a job
     core_lender: object = field(default=None, repr=False)  # single mode on a CPU: `core_lending.CoreLender`
+    cores_before: object = field(default=None, repr=False)  # single mode: (cores, torch threads) before the job pinned
 
     def __post_init__(self):
         self.liveness = Liveness(self)
@@ -444,6 +445,12 @@ class Topology:
                 proc.kill()
                 proc.wait()
         self._children.clear()
+        if self.cores_before is not None:  # the process goes on (a notebook) on the cores and threads it had before
+            import torch
+
+            (cores, threads), self.cores_before = self.cores_before, None
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
 
 
 _TOPOLOGY: Topology | None = None
