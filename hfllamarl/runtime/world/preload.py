@@ -162,10 +162,14 @@ class PreloadedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None and self._pidfd is not None:
+        """As `Popen.send_signal`: nothing once the child has ended (exited but not yet reported included)."""
+        if self.poll() is None and self._pidfd is not None:
             import signal
 
-            signal.pidfd_send_signal(self._pidfd, sig)
+            try:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            except ProcessLookupError:  # (it ended; its status is on its way)
+                pass
 
     def terminate(self) -> None:
         import signal
