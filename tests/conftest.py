@@ -341,13 +341,46 @@ def launch_bare(n: int, args: list[str], env: dict) -> list:
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(n)]
 
 
-class ForkedRank:
-    """A rank forked from the session's server, held as `subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True)`
-    is: pid, returncode, poll(), wait(), send_signal(), kill(), communicate()."""
+def popen_script(args: list[str], env: dict | None = None, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+    """`subprocess.Popen([python, *args], cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True)` (`args`: a
+    script and its arguments, or `-m module ...`), forked from the session's preload server where the environment
+    names it (a `ForkedRank`); `stdout` a pipe or a file, `stderr` a pipe, a file or `subprocess.STDOUT`."""
+    full = dict(os.environ) if env is None else dict(env)
+    client = _session_client(full)
+    if client is not None:
+        module, path = (args[1], None) if args[0] == "-m" else (None, args[0])
+        rest = args[2:] if module else args[1:]
+        out_r = out_w = err_r = err_w = None
+        if stdout == subprocess.PIPE:
+            out_r, out_w = os.pipe()
+        if stderr == subprocess.PIPE:
+            err_r, err_w = os.pipe()
+        o = out_w if out_w is not None else stdout.fileno()
+        e = err_w if err_w is not None else (o if stderr == subprocess.STDOUT else stderr.fileno())
+        null = os.open(os.devnull, os.O_RDONLY)
+        try:
+            proc = client.run(module, rest, full, path=path, stdio=(null, o, e), cwd=str(REPO))
+        except (OSError, ValueError):
+            proc = None
+        for fd in (out_w, err_w, null):
+            if fd is not None:
+                os.close(fd)
+        if proc is not None:
+            return ForkedRank(proc, out_r, err_r, args)
+        for fd in (out_r, err_r):
+            if fd is not None:
+                os.close(fd)
+    return subprocess.Popen([sys.executable, *args], cwd=str(REPO), env=full, stdout=stdout, stderr=stderr, text=True)
 
-    def __init__(self, proc, out_fd: int, err_fd: int, args):
+
+class ForkedRank:
+    """A process forked from the session's server, held as `subprocess.Popen(..., text=True)` is: pid, returncode,
+    poll(), wait(), send_signal(), kill(), communicate() (its output, where it goes to a pipe)."""
+
+    def __init__(self, proc, out_fd: int | None, err_fd: int | None, args):
         self._proc, self.pid, self.args = proc, proc.pid, args
-        self._out, self._err = _Drain(out_fd), _Drain(err_fd)
+        self._out = None if out_fd is None else _Drain(out_fd)
+        self._err = None if err_fd is None else _Drain(err_fd)
 
     @property
     def returncode(self):
@@ -375,6 +408,6 @@ class ForkedRank:
         self._proc.wait(timeout)
         rest = None if timeout is None else max(timeout - (time.monotonic() - start), 1.0)
         try:
-            return self._out.text(rest), self._err.text(rest)
+            return tuple(None if d is None else d.text(rest) for d in (self._out, self._err))
         except TimeoutError as e:  # (a descendant still holds its output open)
             raise subprocess.TimeoutExpired(self.args, timeout) from e

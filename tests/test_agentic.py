@@ -6,13 +6,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, run_script, step_logs, tail
+from conftest import SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, popen_script, run_script, step_logs, tail
 
 from hfllamarl.runtime.loop.rollout import Rollout
 from hfllamarl.runtime.agents.tool_calls import ToolRunner
@@ -270,8 +269,7 @@ def test_multi_turn_rollouts_on_a_real_engine(tool_model, tmp_path):
 def _launch(args: list[str], log) -> subprocess.Popen:
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", **SIDE_BY_SIDE_ENV)  # (the scripts run side by side)
     env.pop("WORLD_SIZE", None), env.pop("RANK", None)
-    return subprocess.Popen([sys.executable, str(SCRIPTS / "agentic_user.py"), *args], cwd=str(REPO), env=env,
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    return popen_script([str(SCRIPTS / "agentic_user.py"), *args], env, stdout=log, stderr=subprocess.STDOUT)
 
 
 @pytest.mark.slow

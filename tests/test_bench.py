@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import SIDE_BY_SIDE_ENV
+from conftest import SIDE_BY_SIDE_ENV, popen_script
 from hfllamarl.runtime.generation.preflight import cpu_has_bf16
 from hfllamarl.commands.bench_rank import llama_config_for
 
@@ -46,18 +46,14 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     themselves are tested in test_train_e2e.py and test_agentic.py)."""
     precision = "bf16" if cpu_has_bf16() else "fp32"  # the default: bf16 on both sides where the CPU has it
     env = dict(os.environ, **SIDE_BY_SIDE_ENV)
-    multi_turn = subprocess.Popen([sys.executable, "-m", "hfllamarl.cli", "bench", "multi-turn", "--steps", "3",
-                                   "--variants", "sync,async", "--tool-latency", "0.05", "--model", tool_model,
-                                   "--output-dir", str(tmp_path / "multi_turn")], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=env)
-    learning = subprocess.Popen([sys.executable, "-m", "hfllamarl.cli", "bench", "learning", "--steps", "3",
-                                 "--variants", "aipo_staleness_4", "--seeds", "0", "--output-dir",
-                                 str(tmp_path / "learning")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env)
-    vs_trl = subprocess.Popen([sys.executable, "-m", "hfllamarl.cli", "bench", "vs-trl", "--steps", "2", "--hidden-size",
-                               "64", "--layers", "1", "--max-completion-length", "8", "--profile", "--output-dir",
-                               str(tmp_path / "vs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env)  # (its sides drop OMP_NUM_THREADS: each times its own setting)
+    multi_turn = popen_script(["-m", "hfllamarl.cli", "bench", "multi-turn", "--steps", "3", "--variants", "sync,async",
+                               "--tool-latency", "0.05", "--model", tool_model, "--output-dir",
+                               str(tmp_path / "multi_turn")], env)
+    learning = popen_script(["-m", "hfllamarl.cli", "bench", "learning", "--steps", "3", "--variants",
+                             "aipo_staleness_4", "--seeds", "0", "--output-dir", str(tmp_path / "learning")], env)
+    vs_trl = popen_script(["-m", "hfllamarl.cli", "bench", "vs-trl", "--steps", "2", "--hidden-size", "64", "--layers",
+                           "1", "--max-completion-length", "8", "--profile", "--output-dir", str(tmp_path / "vs")],
+                          env)  # (its sides drop OMP_NUM_THREADS: each times its own setting)
     out, err = learning.communicate(timeout=600)
     assert learning.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])

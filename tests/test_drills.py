@@ -18,8 +18,8 @@ import time
 import psutil
 import pytest
 
-from conftest import (SCRIPTS, assert_on_policy, free_port, job_processes, launch_bare, orphans, step_logs,
-                      trained_rows)
+from conftest import (SCRIPTS, assert_on_policy, free_port, job_processes, launch_bare, orphans, popen_script,
+                      step_logs, trained_rows)
 
 pytestmark = [pytest.mark.slow, pytest.mark.drill]
 
@@ -38,6 +38,8 @@ def start(model: str, out: str, launch: str, extra=(), nproc: int = 3) -> subpro
         cmd = [sys.executable, *args]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
+    if launch == "python":  # (forked from the session's preload server, as a script run from its shell would be)
+        return popen_script(args, env)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -264,10 +266,12 @@ def replica_job(model: str, out: str, name: str, results: dict) -> None:
     if launch == "bare":
         procs = launch_bare(n, args, env={"OMP_NUM_THREADS": "1"})
     else:
-        cmd = [sys.executable, *args] if launch == "python" else [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), *args]
-        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)]
+        if launch == "python":
+            procs = [popen_script(args, env)]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr",
+                   "127.0.0.1", "--master_port", str(free_port()), *args]
+            procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)]
     try:
         watched = procs[:-1] if launch == "bare" else procs
         outs = [p.communicate(timeout=600) for p in watched]

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import SCRIPTS, SIDE_BY_SIDE_ENV, run_script, step_logs, tail, trained_rows
+from conftest import SCRIPTS, SIDE_BY_SIDE_ENV, popen_script, run_script, step_logs, tail, trained_rows
 from hfllamarl.runtime.training.dynamic_sampling import GroupFilter, ScoredGroup, join_scored, split_scored
 from hfllamarl.runtime.data.prompts import batch_rows
 from hfllamarl.runtime.loop.rollout import Rollout, RolloutGroup
@@ -73,18 +73,13 @@ def test_two_trainer_ranks_drop_refill_and_resume_with_the_reserve(family_model,
     """2 trainer ranks + 1 generator, 4 prompts per rank per step and 2 extra per rank; the rows whose answer is 0
     score 1.0 whatever the completion. Then the same job resumes from checkpoint 2. Beside the first run, the same
     settings from plain `python` (one trainer, 4 prompts and 4 extra per step)."""
-    import subprocess
-    import sys
-
     model = family_model("llama")  # a random model: its completions' digit shares vary within a group
     extra = json.dumps({"drop_zero_variance_groups": True, "dynamic_sampling_extra_prompts": 4})
     args = ["--steps", "4", "--max-staleness", "2", "--reward", "flat_zero", "--report-to", "none", "--save-steps", "2",
             "--extra", extra]
     single = str(tmp_path / "single")
-    plain = subprocess.Popen([sys.executable, str(SCRIPTS / "train_tiny.py"), model, single, "--steps", "3", *args[2:]],
-                             env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
-                                  **SIDE_BY_SIDE_ENV},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    plain = popen_script([str(SCRIPTS / "train_tiny.py"), model, single, "--steps", "3", *args[2:]],
+                         {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, **SIDE_BY_SIDE_ENV})
     first = str(tmp_path / "first")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), model, first, *args], nproc=3)
     out, err = plain.communicate(timeout=600)

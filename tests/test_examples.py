@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, run_script, tail
+from conftest import REPO, popen_script, run_script, tail
 
 CONFIGS = sorted(glob.glob(str(REPO / "examples" / "accelerate" / "*.yaml")))
 
@@ -37,9 +37,8 @@ LAUNCHERS = sorted(glob.glob(str(REPO / "examples" / "launch" / "*.sh")))
 
 def start_recipe_check(path, model, data, *extra) -> subprocess.Popen:
     """The recipe checked with the tiny model and a few MATH/GSM8K-shaped rows in place of the cluster's files."""
-    return subprocess.Popen([sys.executable, str(REPO / "examples" / "train_math.py"), "--config", path, "--check",
-                             "--model_name_or_path", model, "--dataset_name", data, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO))
+    return popen_script([str(REPO / "examples" / "train_math.py"), "--config", path, "--check", "--model_name_or_path",
+                         model, "--dataset_name", data, *extra])
 
 
 def test_every_recipe_is_valid_and_fp8_is_refused_without_a_gpu(tmp_path, tiny_model):

@@ -39,8 +39,23 @@ def import_vllm():
 
         resolve_obj_by_qualname(_worker_class(current_platform))
     except Exception:  # noqa: BLE001 - only a head start: the engine's build imports what it needs anyway
-        pass
+        return LLM
+    if current_platform.is_cpu():
+        _kernel_overrides_once(type(current_platform))
     return LLM
+
+
+def _kernel_overrides_once(platform_cls) -> None:
+    """vLLM's CPU platform registers its C++ stand-ins for some Triton kernels in every worker's init, by scanning
+    every attribute of every loaded module (about 0.6 s of a core here, more the more modules the process holds);
+    registered twice in one process, its wrappers would wrap wrappers. Registered here once per process, while a
+    generator warms (before its job arrives: off the critical path of a prestarted or preloaded child), after
+    which vLLM's own call does nothing. Modules imported later take the stand-ins from the kernels' own modules."""
+    if platform_cls.__dict__.get("_hfllamarl_overrides_registered"):
+        return
+    platform_cls.register_triton_kernel_overrides()
+    platform_cls.register_triton_kernel_overrides = classmethod(lambda cls: None)
+    platform_cls._hfllamarl_overrides_registered = True
 
 
 def _worker_class(platform) -> str:
