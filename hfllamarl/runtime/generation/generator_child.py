@@ -42,9 +42,17 @@ def main(spec_path: str) -> int:
     topo.join_bridges()
     spec = job["spec"]
     backend = build_backend(spec.weight_sync_backend, topo, **spec.weight_sync_options)
-    run_job(GeneratorExecutor(spec, topo), backend, topo, spec.schedule, start_tick=job.get("start_tick", 0))
+    executor = GeneratorExecutor(spec, topo)
+    run_job(executor, backend, topo, spec.schedule, start_tick=job.get("start_tick", 0))
     topo.liveness.finish()  # the parent is done with this child too (or it froze or died: named, exit non-zero)
+    # The engine stays as it is until the process ends (`os._exit`, below): dropped here, vLLM's teardown would
+    # unfreeze the heap and collect it whole twice (1.4 s of a tiny model's job on this CPU), while the trainer
+    # waits for this process to exit before its train() returns.
+    _kept.append(executor)
     return 0
+
+
+_kept: list = []  # (what `main` leaves for the process's end)
 
 
 def warm() -> None:
