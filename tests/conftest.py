@@ -100,12 +100,16 @@ def run_script(args: list[str], nproc: int | None = None, timeout: float = 600, 
     full_env.update(env or {})
     full_env.pop("WORLD_SIZE", None)
     full_env.pop("RANK", None)
-    if nproc is None:
-        cmd = [sys.executable, *args]
-        forked = _run_forked(cmd, full_env, timeout)
-        if forked is not None:
-            return forked
-    elif launcher in ("ranks", "torchrun"):
+    if nproc is None:  # (forked from the session's server where there is one, as `subprocess.run` runs it)
+        proc = popen_script(args, full_env)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        return subprocess.CompletedProcess([sys.executable, *args], proc.returncode, out, err)
+    if launcher in ("ranks", "torchrun"):
         if launcher == "ranks":
             forked = _run_ranks_forked(nproc, args, full_env, timeout)
             if forked is not None:
@@ -213,37 +217,6 @@ def _run_ranks_forked(n: int, args: list[str], env: dict, timeout: float,
     codes = [p.returncode for p in procs]
     code = next((c for c in codes if c != 0), 0)
     return subprocess.CompletedProcess(args, 1 if code else 0, out.text(60), err.text(60) + note)
-
-
-def _run_forked(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess | None:
-    """`python script.py ARGS` (or `python -m module ARGS`) forked from the session's preload server, captured as
-    `subprocess.run` captures it (None: spawn it). Only a job that names the session's server in its environment is
-    forked (one given `HFLLAMARL_PRELOAD=0`, a user's job without a server, is spawned, imports and all)."""
-    client = _session_client(env)
-    if client is None:
-        return None
-    args = cmd[1:]
-    module, path = (args[1], None) if args[0] == "-m" else (None, args[0])
-    rest = args[2:] if module else args[1:]
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    null = os.open(os.devnull, os.O_RDONLY)
-    try:
-        proc = client.run(module, rest, env, path=path, stdio=(null, out_w, err_w), cwd=str(REPO))
-    except (OSError, ValueError):
-        for fd in (out_r, out_w, err_r, err_w, null):
-            os.close(fd)
-        return None
-    for fd in (out_w, err_w, null):
-        os.close(fd)
-    out, err = _Drain(out_r), _Drain(err_r)
-    try:
-        code = proc.wait(timeout)
-        text = out.text(max(timeout, 60)), err.text(max(timeout, 60))
-    except (subprocess.TimeoutExpired, TimeoutError) as e:
-        proc.kill()
-        raise subprocess.TimeoutExpired(cmd, timeout) from e
-    return subprocess.CompletedProcess(cmd, code, *text)
 
 
 def beside(fn, *args, **kwargs) -> Future:
