@@ -387,7 +387,8 @@ def test_a_rank_frozen_after_the_last_checkpoint(family_model, tmp_path):
     and plain python: the survivor ends within collective_timeout_s + 30 s of the signal, non-zero, its last lines
     naming the frozen rank, and no process of the job is left (a frozen rank under torchrun is killed by the survivor;
     the frozen trainer of a plain-python job is the user's process: its generator child ends, the parent stays).
-    Four jobs side by side."""
+    A generator child frozen after it reached the end of the job (a race with the parent's signal) is killed after a
+    short grace, with a warning naming it, and the complete run ends normally. Four jobs side by side."""
     cases = [(launch, victim) for launch in ("torchrun", "python") for victim in (0, 1)]
     results: dict = {}
     threads = [threading.Thread(target=exit_drill, args=(family_model("llama"), str(tmp_path / f"{c[0]}-{c[1]}"), *c,
@@ -402,9 +403,16 @@ def test_a_rank_frozen_after_the_last_checkpoint(family_model, tmp_path):
         r = results.get(case)
         assert r is not None, f"{case}: the drill itself failed"
         tail = "\n".join(r["err"].strip().splitlines()[-12:])
+        name = "rank 0 (trainer 0)" if victim == 0 else "rank 1 (generator 0)"
+        if case == ("python", 1) and "reached the end of the job" in tail:
+            # The parent stops its child right after the commit; the child, past the commit's last barrier, may have
+            # reached the end-of-job rendezvous first: the run is complete, the child is killed after a short grace.
+            assert r["code"] == 0 and r["seconds"] is not None and r["seconds"] < 30, (case, r["code"], tail)
+            assert name in tail and "killed" in tail and not r["victim_left"], (case, tail)
+            assert not orphans(str(tmp_path / f"{launch}-{victim}")), case
+            continue
         assert r["seconds"] is not None and r["seconds"] < BOUND_S, (case, r["seconds"], tail)
         assert r["code"] != 0 and not r["victim_left"], (case, r["code"], tail)
-        name = "rank 0 (trainer 0)" if victim == 0 else "rank 1 (generator 0)"
         assert name in tail and "stopped answering" in tail, (case, tail)
         assert not orphans(str(tmp_path / f"{launch}-{victim}")), case
 

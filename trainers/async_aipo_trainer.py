@@ -280,7 +280,7 @@ class AsyncAIPOTrainer:
             raise
         finally:
             if topo.mode == "single":  # on an error, do not wait for children stuck in a channel
-                topo.stop_children(grace_s=60.0 if finished else 2.0)
+                topo.stop_children(grace_s=10.0 if finished else 2.0, finished=finished)
                 shutil.rmtree(getattr(self, "_workdir", ""), ignore_errors=True)
 
     def _finished(self, directory: str, marker: dict) -> TrainOutput:

@@ -434,16 +434,24 @@ class Topology:
             if proc.poll() is None and (ranks is None or rank in ranks):
                 proc.kill()
 
-    def stop_children(self, grace_s: float = 10.0) -> None:
-        """Wait up to `grace_s` for the child generators to finish, then kill the ones still running."""
+    def stop_children(self, grace_s: float = 10.0, finished: bool = False) -> None:
+        """Wait up to `grace_s` for the child generators to finish, then kill the ones still running.
+        `finished`: every child reached the end of the job (the end-of-job rendezvous), so all that is left for
+        it is its process's exit; one that does not exit within `grace_s` (frozen after the rendezvous) is killed
+        with a warning, and the job, whose work is all delivered, still ends normally."""
+        import logging
         import subprocess
 
-        for _, proc in self._children:
+        for rank, proc in self._children:
             try:
                 proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+                if finished:
+                    logging.getLogger("hfllamarl").warning(
+                        "%s reached the end of the job but its process (pid %d) did not exit within %.0f s: killed "
+                        "(the run is complete)", self.describe(rank), proc.pid, grace_s)
         self._children.clear()
         if self.cores_before is not None:  # the process goes on (a notebook) on the cores and threads it had before
             import torch
