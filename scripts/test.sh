@@ -11,4 +11,10 @@ cd "$ROOT"
 SITE=$(mktemp -d)
 trap 'rm -rf "$SITE"' EXIT
 NO_MKDOCS_2_WARNING=1 timeout 600 "$VENV/bin/python" -m mkdocs build --strict --site-dir "$SITE"
-"$VENV/bin/python" -m pytest -q "$@"
+# Two workers (HFLLAMARL_TEST_WORKERS; 0: one process), each taking whole files, the longest first
+# (tests/conftest.py): a test that waits (a drill's frozen rank, a launcher) leaves its cores to the other worker.
+"$VENV/bin/python" -m pip install -q -r tests/requirements.txt >&2
+WORKERS=${HFLLAMARL_TEST_WORKERS:-2}
+XDIST=()
+if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder); fi
+"$VENV/bin/python" -m pytest -q "${XDIST[@]}" "$@"
