@@ -11,10 +11,11 @@ cd "$ROOT"
 SITE=$(mktemp -d)
 trap 'rm -rf "$SITE"' EXIT
 NO_MKDOCS_2_WARNING=1 timeout 600 "$VENV/bin/python" -m mkdocs build --strict --site-dir "$SITE"
-# Two workers (HFLLAMARL_TEST_WORKERS; 0: one process), each taking whole files, the longest first
-# (tests/conftest.py): a test that waits (a drill's frozen rank, a launcher) leaves its cores to the other worker.
+# Two workers (HFLLAMARL_TEST_WORKERS; 0: one process), each taking whole files (the files with the most tests first,
+# pytest-xdist's order): a test that waits (a drill's frozen rank, a launcher) leaves its cores to the other worker.
+# (The longest files first was slower: the drills' side-by-side jobs and the TRL port then share the cores.)
 "$VENV/bin/python" -m pip install -q -r tests/requirements.txt >&2
 WORKERS=${HFLLAMARL_TEST_WORKERS:-2}
 XDIST=()
-if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder); fi
+if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadfile); fi
 "$VENV/bin/python" -m pytest -q "${XDIST[@]}" "$@"

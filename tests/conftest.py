@@ -23,19 +23,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# The longest test files first (in this order: their seconds in a clean-clone run, one test at a time). Under
-# `scripts/test.sh`, two pytest-xdist workers take whole files (`--dist loadfile`, in this order): the long files
-# start at once, each beside short ones, and the workers end together instead of one running the drills alone.
-LONGEST_FIRST = ("test_drills.py", "test_trl_grpo_port.py", "test_multinode.py", "test_train_e2e.py",
-                 "test_bench.py", "test_agentic.py", "test_preload.py", "test_grader_budget.py", "test_families.py",
-                 "test_lora.py", "test_replicas.py", "test_weight_sync.py", "test_examples.py", "test_rewards.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the other files keep their order)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def preload_server():
     """One preloaded process server for the session (`hfllamarl.runtime.world.preload`), named to every job in
