@@ -298,6 +298,21 @@ def test_a_failed_isolation_step_fails_closed():
     shutil.rmtree(marker)
 
 
+def test_a_probe_that_never_answers_is_called_slow_not_a_missing_kernel_feature():
+    """The start-up probe (one isolated call doing nothing) stuck in an isolation step, as on a starved machine:
+    the sandbox refuses to start within its budget (fail closed) and says the probe did not answer in time, not
+    that the kernel lacks the isolation."""
+    stuck = Sandbox("sandbox_targets:run_code", _test_fail_step="hang:chdir_scratch", startup_timeout=8)
+    try:
+        started = time.monotonic()
+        with pytest.raises(SandboxError, match=r"probe .* did not answer within 4 s") as raised:
+            stuck.wait_ready()
+        assert not isinstance(raised.value, SandboxUnavailable) and "kernel" not in str(raised.value)
+        assert time.monotonic() - started < 8
+    finally:
+        stuck.close()
+
+
 _REFUSED_SCRIPT = """
 from hfllamarl.plugins.environments.python_sandbox import PythonSandbox
 from hfllamarl.sandbox.client import SandboxUnavailable

@@ -289,7 +289,9 @@ class Sandbox:
                 theirs.close()
             config = {"sys_path": list(sys.path), "parent_pid": os.getpid(), "fn": self.fn, "warmup": self.warmup,
                       "isolation": self.requested_isolation, "parallel": self.parallel, "limits": self._limits,
-                      "max_reply_bytes": self.max_reply_bytes, "fail_step": self._fail_step}
+                      "max_reply_bytes": self.max_reply_bytes, "fail_step": self._fail_step,
+                      # (the probe takes at most half the start-up budget)
+                      "probe_timeout": min(30.0, self.startup_timeout / 2)}
             self._server = _Server(proc, ours, self.max_reply_bytes + 65536)
             self.starts += 1
             try:
@@ -321,6 +323,11 @@ class Sandbox:
                     if mode == "namespaces" else "")
             raise SandboxUnavailable(f"sandbox isolation {mode!r} is not available on this machine: step "
                                      f"{info.get('step')!r} failed: {info.get('error')}.{hint}")
+        if info.get("type") == "slow":
+            self._discard()
+            raise SandboxError(f"the sandbox's start-up probe (one isolated call that does nothing) did not answer "
+                               f"within {info.get('seconds', 0):.0f} s: the machine is overloaded or the isolation "
+                               "hangs here. Nothing runs unisolated; retry when the machine is less busy.")
         if server.dead or info.get("type") != "ready":
             self._discard()
             raise SandboxError(server.dead or "the sandbox server sent no ready message")

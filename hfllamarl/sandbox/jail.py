@@ -89,6 +89,8 @@ def _step(step: str, fail_step: str | None, fn: Callable[[], Any]) -> Any:
     """Runs a Python-level isolation step, turning any exception into :class:`IsolationError`."""
     if fail_step == step:
         raise IsolationError(step, "failed on purpose (test hook)")
+    if fail_step == "hang:" + step:  # (test hook: a step that never ends, e.g. on a starved machine)
+        signal.pause()
     try:
         return fn()
     except IsolationError:

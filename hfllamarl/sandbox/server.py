@@ -358,9 +358,13 @@ def main(sock: socket.socket, config: dict) -> None:
         except Exception as exc:  # noqa: BLE001 - a failed warm-up only makes calls slower
             warmup_error = f"{type(exc).__name__}: {exc}"
         fail = config.get("fail_step")
-        probe = server.run_one(None, 30.0, None if fail and fail.startswith("call:") else fail)
+        probe_s = float(config.get("probe_timeout", 30.0))  # the start-up probe: one isolated call doing nothing
+        probe = server.run_one(None, probe_s, None if fail and fail.startswith("call:") else fail)
         if fail and fail.startswith("call:"):
             server.config["fail_step"] = fail[len("call:"):]
+        if probe.get("status") == "timeout":  # slow, not refused: the isolation itself is not known to fail
+            send_frame(sock, {"type": "slow", "seconds": probe_s})
+            return
         if probe.get("status") != "ok":
             send_frame(sock, {"type": "unavailable", "step": probe.get("step", "probe"),
                               "error": probe.get("error", "no reply")})
