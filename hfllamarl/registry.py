@@ -53,6 +53,18 @@ def list_plugins() -> list[dict[str, str]]:
     return rows
 
 
+def did_you_mean(name: str, choices, n: int = 2) -> str:
+    """` Did you mean a or b?` for the choices closest to a misspelt `name` (case and `-`/`_` ignored), or ''."""
+    import difflib
+
+    def norm(text: str) -> str:
+        return text.lower().replace("-", "_")
+
+    by_norm = {norm(c): c for c in sorted(choices)}
+    close = difflib.get_close_matches(norm(name), list(by_norm), n=n, cutoff=0.6)
+    return f" Did you mean {' or '.join(by_norm[c] for c in close)}?" if close else ""
+
+
 @functools.lru_cache(maxsize=None)
 def load_plugin(group: str, name: str):
     """Return the object the entry point `name` in group `hfllamarl.<group>` names.
@@ -69,7 +81,7 @@ def load_plugin(group: str, name: str):
     if name not in eps:
         names = ", ".join(sorted(eps)) or "(none)"
         raise PluginError(
-            f"No {group} plugin named {name!r}. Installed {group} plugins: {names}. "
+            f"No {group} plugin named {name!r}.{did_you_mean(name, eps)} Installed {group} plugins: {names}. "
             f"Install the distribution that provides it (`pip install ...`) or fix the name; "
             f"`hfllamarl plugins list` shows everything installed."
         )

@@ -32,7 +32,10 @@ def test_unknown_reward_plugin_lists_installed(tiny_model, config, data):
 
 def test_unknown_algorithm_and_weight_sync(tiny_model, tmp_path, data):
     for kw, match in [({"algorithm": "ppo2"}, "No algorithms plugin named 'ppo2'"),
-                      ({"weight_sync_backend": "carrier_pigeon"}, "No weight_sync plugin named 'carrier_pigeon'")]:
+                      ({"weight_sync_backend": "carrier_pigeon"}, r"No weight_sync plugin named 'carrier_pigeon'\. "
+                                                                  "Installed"),  # (nothing close: no guess)
+                      ({"weight_sync_backend": "NCCL-DDMA"}, "No weight_sync plugin named 'NCCL-DDMA'. Did you mean "
+                                                             "nccl_ddma\\? Installed weight_sync plugins: ")]:
         with pytest.raises(PluginError, match=match):  # refused with the config, before anything starts
             AsyncAIPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
                             report_to="none", **kw)

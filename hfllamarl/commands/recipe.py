@@ -11,7 +11,6 @@ and an unknown key or flag is named with the closest field.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 import json
 import os
@@ -160,9 +159,9 @@ def _read_yaml(path: str, parser) -> dict:
 
 def _unknown(key: str, parser, where: str) -> str:
     fields = sorted({a.dest for a in parser._actions if a.dest != "help"})
-    close = difflib.get_close_matches(key, fields, n=3, cutoff=0.6)
-    hint = f" Did you mean {' or '.join(close)}?" if close else ""
-    return (f"{where} {key!r} is not a recipe field.{hint} The fields are those of AsyncAIPOConfig, TRL's "
+    from hfllamarl.registry import did_you_mean
+
+    return (f"{where} {key!r} is not a recipe field.{did_you_mean(key, fields, n=3)} The fields are those of AsyncAIPOConfig, TRL's "
             "ModelConfig and the recipe's own (`hfllamarl train --help` lists them all).")
 
 
@@ -373,9 +372,9 @@ def resolve_rewards(names: list[str]) -> list:
         elif os.path.isdir(name) or looks_like_hub_id(name):
             out.append(name)  # a reward model: its directory, or its Hub id
         else:
-            close = difflib.get_close_matches(name, sorted(plugins), n=2, cutoff=0.6)
-            hint = f" Did you mean {' or '.join(close)}?" if close else ""
-            raise RecipeError(f"reward_funcs: no reward plugin named {name!r}.{hint} Installed reward plugins: "
+            from hfllamarl.registry import did_you_mean
+
+            raise RecipeError(f"reward_funcs: no reward plugin named {name!r}.{did_you_mean(name, plugins)} Installed reward plugins: "
                               f"{', '.join(sorted(plugins)) or '(none)'}. Or give a dotted path `pkg.module:function`, "
                               "a reward model's directory or its Hub id.")
     return out
