@@ -246,7 +246,7 @@ def test_a_failing_store_host_waits_for_a_survivor_to_look_not_for_a_rank_that_e
     assert 2.0 <= waited < 4.0, waited  # until rank 1 has looked: not less, and not for rank 2
     started = time.monotonic()
     live._linger(linger_s=20.0)  # nobody left to wait for
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 3.0  # not the 20 s bound
 
 
 def test_under_torchrun_the_survivors_failure_not_the_frozen_ranks_kill_is_the_root_cause(tmp_path):

@@ -202,10 +202,10 @@ HOSTILE_EXTRACTION = [
 
 @pytest.mark.parametrize("text", HOSTILE_EXTRACTION, ids=range(len(HOSTILE_EXTRACTION)))
 def test_extraction_is_fast_on_hostile_text(text):
-    start = time.monotonic()
+    start = time.process_time()  # this process's CPU time: what a backtracking pattern burns, whatever else runs
     extract_answer(text)
     gold_text(text)
-    assert time.monotonic() - start < 1.0
+    assert time.process_time() - start < 1.0
 
 
 HOSTILE_GRADING = [

@@ -183,7 +183,7 @@ def test_batch_of_64_is_fast_and_counted():
     before = math_sympy.stats()
     start = time.monotonic()
     out = math_sympy(prompts=None, completions=[rf"\boxed{{{p}}}" for p in preds], answer=golds)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 2.0  # (1 s on an idle machine; two test workers may share its cores)
     assert out == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0] * 8
     after = math_sympy.stats()
     assert after["calls"] == before["calls"] + 1 and after["samples"] == before["samples"] + 64

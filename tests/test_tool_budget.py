@@ -166,7 +166,8 @@ def test_a_turn_of_many_slow_calls_ends_within_the_rollouts_budget(tokenizer):
     assert seconds < budget + 0.5, seconds
     assert CALLS * SLEEP_S > 10 * budget  # without the budget the turn would have run for 25 s
     _ended_as_trl_ends_it(bad, tokenizer)
-    assert bad.episode.ended_by == "time_budget" and budget <= bad.episode.tool_seconds < budget + 0.2
+    # (+0.5 s: a loaded machine's scheduling; without the budget the calls would have run for 25 s)
+    assert bad.episode.ended_by == "time_budget" and budget <= bad.episode.tool_seconds < budget + 0.5
     made = bad.episode.tool_calls
     assert made == int(budget / SLEEP_S) - 1 or made == int(budget / SLEEP_S), made  # ~4 calls fit in 2 s
     assert bad.episode.calls_refused == CALLS - made and ran.calls == made + 1  # +1: the one abandoned at the budget
@@ -205,7 +206,8 @@ def test_a_budget_cuts_async_calls_and_a_stuck_event_loop():
     for calls in (call, stuck):
         start = time.monotonic()
         turn = runner.submit(calls, tools, budget_s=0.5).result(5)
-        assert time.monotonic() - start < 0.8 and turn.over_budget and turn.refused == len(calls) and not turn.results
+        # the 0.5 s budget, not the calls' 5 s or 3 s (+1 s: a loaded machine's scheduling)
+        assert time.monotonic() - start < 1.5 and turn.over_budget and turn.refused == len(calls) and not turn.results
     assert runner.call("add_one", add_one, {"x": 1}).content == 2  # a new event loop serves what comes next
 
 
