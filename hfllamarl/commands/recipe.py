@@ -158,11 +158,11 @@ def _read_yaml(path: str, parser) -> dict:
 
 
 def _unknown(key: str, parser, where: str) -> str:
-    fields = sorted({a.dest for a in parser._actions if a.dest != "help"})
     from hfllamarl.registry import did_you_mean
 
-    return (f"{where} {key!r} is not a recipe field.{did_you_mean(key, fields, n=3)} The fields are those of AsyncAIPOConfig, TRL's "
-            "ModelConfig and the recipe's own (`hfllamarl train --help` lists them all).")
+    fields = sorted({a.dest for a in parser._actions if a.dest != "help"})
+    return (f"{where} {key!r} is not a recipe field.{did_you_mean(key, fields, n=3)} The fields are those of "
+            "AsyncAIPOConfig, TRL's ModelConfig and the recipe's own (`hfllamarl train --help` lists them all).")
 
 
 def _coerce(action, value):
@@ -374,9 +374,9 @@ def resolve_rewards(names: list[str]) -> list:
         else:
             from hfllamarl.registry import did_you_mean
 
-            raise RecipeError(f"reward_funcs: no reward plugin named {name!r}.{did_you_mean(name, plugins)} Installed reward plugins: "
-                              f"{', '.join(sorted(plugins)) or '(none)'}. Or give a dotted path `pkg.module:function`, "
-                              "a reward model's directory or its Hub id.")
+            raise RecipeError(f"reward_funcs: no reward plugin named {name!r}.{did_you_mean(name, plugins)} Installed "
+                              f"reward plugins: {', '.join(sorted(plugins)) or '(none)'}. Or give a dotted path "
+                              "`pkg.module:function`, a reward model's directory or its Hub id.")
     return out
 
 
