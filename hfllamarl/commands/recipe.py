@@ -352,7 +352,7 @@ def to_prompts(dataset, script: RecipeArguments):
 def resolve_rewards(names: list[str]) -> list:
     """Each reward name as the trainer takes it: a plugin name or a reward model stays a string (the trainer loads
     it; the plugin is imported here so that a broken one fails now), a dotted path becomes its function."""
-    from hfllamarl.registry import PluginError, installed, load_plugin
+    from hfllamarl.registry import PluginError, did_you_mean, installed, load_plugin
     from hfllamarl.runtime.weights.loading import looks_like_hub_id
 
     plugins = installed("rewards")
@@ -372,8 +372,6 @@ def resolve_rewards(names: list[str]) -> list:
         elif os.path.isdir(name) or looks_like_hub_id(name):
             out.append(name)  # a reward model: its directory, or its Hub id
         else:
-            from hfllamarl.registry import did_you_mean
-
             raise RecipeError(f"reward_funcs: no reward plugin named {name!r}.{did_you_mean(name, plugins)} Installed "
                               f"reward plugins: {', '.join(sorted(plugins)) or '(none)'}. Or give a dotted path "
                               "`pkg.module:function`, a reward model's directory or its Hub id.")
