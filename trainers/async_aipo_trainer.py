@@ -25,6 +25,7 @@ from transformers.trainer_utils import TrainOutput
 from hfllamarl.runtime.weights import checkpoint
 from hfllamarl.runtime.loop.controller import run_job
 from hfllamarl.runtime.generation.generator import GeneratorExecutor, GeneratorSpec
+from hfllamarl.runtime.training import bootstrap
 from hfllamarl.runtime.training.moe import aux_loss_coef
 from hfllamarl.runtime.generation.preflight import check_generator
 from hfllamarl.runtime.data.prompts import PromptEncoder, validate_dataset
@@ -38,7 +39,8 @@ from .agent_setup import build_agent, check_dataset, placeholder_dataset, prepar
 from .config import AsyncAIPOConfig
 from .model_io import load_policy, resolve_model, save_for_generator
 from .iterations import check_iterations
-from .trainer_ranks import eval_delay, eval_every, save_every
+from .trainer_ranks import (bootstrap_first_batches, build_trainer_executor, eval_delay, eval_every, load_best_model,
+                            save_every)
 
 logger = logging.getLogger(__name__)
 
@@ -243,12 +245,18 @@ class AsyncAIPOTrainer:
                 logger.warning("removed %s, a checkpoint a stopped run left half-written", name)
         if topo.mode == "single":
             topo.new_job()
+            why_not = bootstrap.blocker(self.args, spec, topo, resuming=resume is not None)
+            spec.bootstrapped = why_not is None
+            if why_not and self.args.bootstrap_generation:
+                logger.info("the trainer waits for the generator's start-up (no bootstrap: %s)", why_not)
             self._start_children(spec, start_tick)
-        finished = False
+        finished, executor = False, None
         try:
             topo.init_local_world()
             if topo.mode == "single":
                 topo.liveness.start()
+                if spec.bootstrapped:  # train on its own samples while the generators start
+                    executor = bootstrap_first_batches(self, spec)
                 topo.liveness.await_joining(topo.generator_ranks, self.args.vllm_server_timeout)
             topo.join_bridges()  # every rank joins its bridge groups up front
             backend = build_backend(self.args.weight_sync_backend, topo, **spec.weight_sync_options)
@@ -262,9 +270,7 @@ class AsyncAIPOTrainer:
                     os.path.join(self.args.output_dir, ".hfllamarl", f"generator-tokenizer-rank{topo.rank}"))
                 run_job(GeneratorExecutor(spec, topo), backend, topo, self.schedule, start_tick)
                 return TrainOutput(self.num_steps, 0.0, {})
-            from .trainer_ranks import build_trainer_executor, load_best_model
-
-            executor = build_trainer_executor(self, backend, resume_dir, unsampled)
+            executor = executor or build_trainer_executor(self, backend, resume_dir, unsampled)
             run_job(executor, backend, topo, self.schedule, start_tick)
             self.startup_profile = executor.startup_profile
             if self.args.load_best_model_at_end:

@@ -76,6 +76,15 @@ class AsyncAIPOConfig(GRPOConfig):
                   "it was sampled under. A batch then spans up to ceil(max_completion_length / partial_rollout_tokens) "
                   "ticks, which must not exceed max_staleness. None: every completion is generated in one tick."},
     )
+    bootstrap_generation: bool = field(
+        default=True,
+        metadata={"help": "A single-process job (python script.py, a notebook): while the generator process starts "
+                  "(imports vLLM, builds its engine) the trainer samples the first batches itself with transformers, "
+                  "on-policy, and trains on them; the generator takes over at the next batch once its engine is up. "
+                  "Not used (logged why) under a launcher, on a resume, with tools / environments / rollout_func, "
+                  "reward models, partial rollouts, dynamic sampling, penalties, generation_kwargs or eval_on_start; "
+                  "never for a checkpointed or evaluated step, nor the last batch. False: the trainer waits."},
+    )
     aipo_rho: float = field(
         default=4.0,
         metadata={"help": "AIPO clips the per-token importance ratio pi/mu from above at rho (paper: 2..10)."},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
@@ -17,6 +18,8 @@ from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
 from hfllamarl.runtime.loop.weights_channel import verify_dir
 
 from .model_io import is_meta
+
+logger = logging.getLogger(__name__)
 
 
 def _check_accelerate(args) -> None:
@@ -257,3 +260,46 @@ def load_best_model(trainer) -> None:
         checkpoint.load_adapter_shards(trainer.model, best)
     else:
         load_shards(trainer.model, best)
+
+
+def bootstrap_first_batches(trainer, spec) -> TrainerExecutor:
+    """A single-process job whose generators are starting (`hfllamarl.runtime.training.bootstrap`): build the
+    trainer executor and train on batches the trainer samples itself until every generator has its engine up (or
+    the bootstrap's limit). Joins the bridges as soon as the generators join them, so that they build their
+    engines meanwhile. Returns the executor, its `first_tick` the generators' first batch (told them through the
+    store before the start-up rendezvous)."""
+    import time
+
+    from hfllamarl.runtime.training import bootstrap
+    from hfllamarl.runtime.world import startup
+    from hfllamarl.runtime.world.liveness import STARTUP, _reached
+
+    topo = trainer.topology
+    executor = build_trainer_executor(trainer, None)
+    executor.prepare()
+    unwrapped = getattr(trainer.model, "generation_config", None)
+    sampler = bootstrap.BootstrapSampler(trainer.model, trainer.processing_class, trainer.train_dataset, spec,
+                                         executor.spec.device, generation_config=unwrapped)
+    limit = bootstrap.batch_limit(trainer.schedule, spec.save_steps, spec.eval_every)
+    joined = False
+
+    def generators_ready() -> bool:
+        nonlocal joined
+        if not joined and startup.generators_reached(topo, "joining"):
+            topo.join_bridges()  # (they wait in it: joined now, they go on to build their engines)
+            joined = True
+        return joined and startup.generators_reached(topo, _reached(STARTUP))
+
+    began = time.perf_counter()
+    executor.bootstrapping = True
+    try:
+        done = bootstrap.run(executor, sampler, limit, generators_ready)
+    finally:
+        executor.bootstrapping = False
+    executor.first_tick = done
+    startup.hand_over(topo, done)
+    if done:
+        startup.mark("handover")
+        logger.info("bootstrap: the trainer sampled and trained batches 0-%d itself (%.1f s) while the generator "
+                    "started; the generator samples from batch %d on", done - 1, time.perf_counter() - began, done)
+    return executor

@@ -240,7 +240,7 @@ def _profile_rows(side: str, r: dict) -> dict[str, float]:
     for key, label in (("generator_started", "generator process began"), ("generator_imported", "generator imports done"),
                        ("generator_engine", "generator engine built"), ("generator_ready", "generator ready"),
                        ("trainer_ready", "trainer ready"), ("trainer_first_rollouts", "first rollouts arrived"),
-                       ("trainer_first_step", "first step ended")):
+                       ("trainer_first_step", "first step ended"), ("trainer_handover", "generators took over")):
         if key in s:
             rows[f"  at {label}"] = s[key]
     return rows

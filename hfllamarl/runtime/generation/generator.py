@@ -78,6 +78,8 @@ class GeneratorSpec:
     eval_delay: int = 0  # no evaluation of a version below this (eval_delay), but for eval_on_start's
     num_generations_eval: int = 1
     agent: Any = None  # tools / environments / rollout_func: `hfllamarl.runtime.agents.multi_turn.AgentSpec`
+    bootstrapped: bool = False  # the trainer may sample the first batches (`runtime.training.bootstrap`): the
+    # tick to start at is read past the start-up rendezvous (its weights come with that tick's sync)
 
 
 class GeneratorExecutor(Executor):
@@ -117,6 +119,8 @@ class GeneratorExecutor(Executor):
         startup.mark("ready")
         startup.publish(self.topology)  # (the first trainer rank reads it past the wait below)
         wait_for_startup(self.topology, spec.startup_timeout_s)
+        if spec.bootstrapped:  # the trainer sampled the first batches itself: this generator starts where it stopped
+            self.first_tick = startup.handover_tick(self.topology)
         if self.backend is None:
             self.backend = build_backend(spec.weight_sync_backend, self.topology, **spec.weight_sync_options)
         self.backend.setup_generator(lambda weights: loader_boxes(self.llm, weights))

@@ -77,6 +77,7 @@ def run_job(executor: Executor, backend, topology, schedule: Schedule, start_tic
     try:
         executor.init()  # start-up failures (an engine that cannot start) are reported like any other
         topology.containing = True  # every rank is up: from now on a lost replica may be survived
+        start_tick = max(start_tick, executor.first_tick)  # (the trainer bootstrapped the batches before it)
         ExecutorController(executor, stages_, num_ticks=schedule.total_ticks, start_tick=start_tick).run()
     except Exception as exc:
         error = fail(topology, exc)

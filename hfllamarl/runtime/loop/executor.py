@@ -17,6 +17,7 @@ class Executor:
 
     role: str = "executor"
     stopped: bool = False  # the trainer ranks ended the run early (a callback's should_training_stop): no more ticks
+    first_tick: int = 0  # known by the end of `init`: the tick this job's loop starts at (a bootstrapped start's)
 
     def init(self) -> None:
         """Called once before the first tick: build the model, the engine, the optimizer."""

@@ -104,18 +104,29 @@ class TrainerExecutor(Executor):
         self.balancing = (balancing_loss_fn(spec.model)  # (router logits, token mask) -> an MoE's aux loss
                           if spec.router_aux_loss_coef else None)
         self._tick_started = time.perf_counter()  # when this tick began (`set_step`): a step's wall time
+        self._prepared = self._reported = False
+        self.bootstrapping = False  # training on batches it sampled itself (`runtime.training.bootstrap`)
+        self.first_tick = 0  # after a bootstrap: the generators' first tick; earlier batches are trained already
 
     @property
     def weights(self):
         """What the weight sync sends: the policy, or for a LoRA policy its merged weights."""
         return self.spec.weights if self.spec.weights is not None else self.spec.model
 
-    def init(self) -> None:
-        self.backend = self.backend or self.spec.backend
+    def prepare(self) -> None:
+        """What training needs before the first step, apart from the generators (a bootstrapping trainer calls it
+        before they are up; `init` calls it otherwise)."""
+        if self._prepared:
+            return
+        self._prepared = True
         if self.topology.core_lender is not None:  # a single-process CPU job: borrow the generators' idle cores
             self.topology.core_lender.install(self.spec.model)
         if self.spec.padding_free:
             self.packed = packing_agrees(self.spec.model, self.spec.model.config.vocab_size, self.spec.device)
+
+    def init(self) -> None:
+        self.backend = self.backend or self.spec.backend
+        self.prepare()
         startup.mark("ready")
         wait_for_startup(self.topology, self.spec.startup_timeout_s)
         self.backend.setup_trainer(self.weights)
@@ -170,9 +181,10 @@ class TrainerExecutor(Executor):
             for version in sorted({g.eval_version for g in evaluations}):
                 self.spec.on_eval(self.evaluation_metrics([g for g in evaluations if g.eval_version == version]))
         batch_index = self.spec.schedule.trainer_batch(self.tick)
-        if batch_index is None:
+        if batch_index is None or batch_index < self.first_tick:  # (a bootstrapped batch is trained already)
             return
-        self.channel_seconds = time.perf_counter() - self._tick_started
+        # (a bootstrapped batch waited for nothing: the time before this was its own sampling)
+        self.channel_seconds = 0.0 if self.bootstrapping else time.perf_counter() - self._tick_started
         groups = self.inbox.pop(batch_index, None)
         if not groups:
             raise RuntimeError(f"trainer: batch {batch_index} never arrived from the generator")
@@ -182,8 +194,9 @@ class TrainerExecutor(Executor):
         lender = self.topology.core_lender
         with lender.lending(self.tick) if lender is not None else contextlib.nullcontext():
             self.train_on(groups)
-        if "first_step" not in startup.marks():
-            startup.mark("first_step")
+        startup.mark("first_step")
+        if not self.bootstrapping and not self._reported:  # (after a bootstrap: its first generated batch)
+            self._reported = True
             self._report_startup()
 
     def _report_startup(self) -> None:

@@ -6,7 +6,9 @@ Every process marks its milestones as it reaches them (`mark`, wall-clock time, 
   and the generator's modules imported), `job` (its job received), `engine` (its vLLM engine built), `ready` (its
   start-up done, about to wait for the others);
 - a trainer: `train` (`train()` called), `ready` (the policy loaded and sharded, its start-up done),
-  `first_rollouts` (the first batch arrived), `first_step` (the first optimizer step ended).
+  `first_rollouts` (the first batch arrived), `first_step` (the first optimizer step ended), and when it
+  bootstrapped (`runtime.training.bootstrap`: it sampled the first batches itself while the generators started)
+  `handover` (every generator up: they sample from the next batch on).
 
 A generator writes its marks to the job's store (`publish`, JSON) before it waits for the others, so the first
 trainer rank, past the same wait, reads them all (`collect`) and reports, in seconds after its `train()`:
@@ -27,7 +29,7 @@ import time
 logger = logging.getLogger(__name__)
 
 GENERATOR_MARKS = ("started", "imported", "job", "engine", "ready")
-TRAINER_MARKS = ("train", "ready", "first_rollouts", "first_step")
+TRAINER_MARKS = ("train", "ready", "first_rollouts", "first_step", "handover")
 _MARKS: dict[str, float] = {}
 
 
@@ -112,7 +114,45 @@ def describe(p: dict[str, float]) -> str:
                                                         ("ready", "ready")) if f"generator_{k}" in p]
     if gen:
         parts.append("generator " + ", ".join(f"{label} {s:.1f} s" for label, s in gen))
-    for k, label in (("ready", "trainer ready"), ("first_rollouts", "first rollouts"), ("first_step", "first step")):
+    for k, label in (("ready", "trainer ready"), ("first_rollouts", "first rollouts"), ("first_step", "first step"),
+                     ("handover", "generators took over")):
         if f"trainer_{k}" in p:
             parts.append(f"{label} {p[f'trainer_{k}']:.1f} s")
     return "start-up (seconds after train()): " + "; ".join(parts)
+
+
+# ---------------------------------------------------------------- a bootstrapping trainer and its generators
+def generators_reached(topology, kind: str) -> bool:
+    """Whether every generator rank has set its `kind` key ("joining": about to join the bridges; or a rendezvous
+    reached, `liveness._reached`), without waiting; raises the verdict when a rank failed meanwhile."""
+    from hfllamarl.runtime.world.liveness import STORE_CALL_S, PeerLostError, timed
+
+    liveness = topology.liveness
+    keys = [liveness._key(kind, r) for r in topology.generator_ranks]
+    if timed(lambda: liveness._locked(lambda c: all(c.check([k]) for k in keys)), STORE_CALL_S):
+        return True
+    verdict = liveness.verdict()
+    if verdict:
+        raise PeerLostError(f"{topology.describe(topology.rank)} stops because {verdict}")
+    return False
+
+
+def hand_over(topology, tick: int) -> None:
+    """The trainer: the generators start at `tick` (the batches before it were bootstrapped). Written before the
+    start-up rendezvous, so every generator reads it past that rendezvous."""
+    from hfllamarl.runtime.world.liveness import STORE_CALL_S, timed
+
+    timed(lambda: topology.liveness._locked(lambda c: c.set(_handover_key(topology), str(int(tick)))), STORE_CALL_S)
+
+
+def handover_tick(topology) -> int:
+    """A generator, past the start-up rendezvous: the tick it starts at (0: the trainer bootstrapped nothing)."""
+    from hfllamarl.runtime.world.liveness import STORE_CALL_S, timed
+
+    key = _handover_key(topology)
+    value = timed(lambda: topology.liveness._locked(lambda c: c.get(key) if c.check([key]) else b"0"), STORE_CALL_S)
+    return int(value)
+
+
+def _handover_key(topology) -> str:
+    return f"hfllamarl/{topology.job_id}/startup/handover"

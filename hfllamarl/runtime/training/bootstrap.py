@@ -1,0 +1,202 @@
+"""Bootstrap: the trainer samples the first batches itself while the generator process starts.
+
+A single-process job (`python script.py`, a notebook) starts its generator as a child process, which imports
+torch, transformers and vLLM and builds its engine before it can sample anything: on a small CPU machine that is
+most of the time to the first step. Meanwhile the trainer would only wait. With bootstrapping it does instead
+what TRL's GRPOTrainer does at every step: it samples the batch with its own policy (transformers, KV cache, on
+its own cores), scores it and trains on it, one batch after the other, until every generator rank has its engine
+up. The generator then takes over at the next batch, like a resume from that step: it receives the trainer's
+weights in the first tick's weight sync and samples from there on, the trainer trains what it sends.
+
+What a bootstrapped batch is: the same prompts (`prompts.batch_rows`), the same chat rendering, the same sampling
+distribution (`loop.sampling.processed_logits`: what vLLM samples from, what the trainer computes pi under), the
+behaviour log-prob of each token recorded as the generator records it, the version being the trainer's current
+one (on-policy: pi/mu is 1 up to the kernels' rounding). It is a `RolloutGroup` like any other, trained by the
+same `TrainerExecutor.train_on`.
+
+Where it does not apply (`blocker` says why, logged once): a launcher's ranks, a resume, tools / environments /
+rollout_func (multi-turn rollouts run on the generator), reward models (scored on the generator), partial
+rollouts, dynamic sampling, penalties or generation_kwargs (vLLM-only options), an evaluation at the start. It
+also stops before any step that is checkpointed or evaluated (those need the generator) and leaves the last batch
+to the generator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from hfllamarl.runtime.data.prompts import PromptEncoder, batch_rows
+from hfllamarl.runtime.loop.rollout import ROLLOUTS, Rollout, RolloutGroup
+from hfllamarl.runtime.loop.sampling import Sampling, processed_logits
+from hfllamarl.runtime.weights import checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+def blocker(args, spec, topology, resuming: bool) -> str | None:
+    """Why this job cannot bootstrap (None: it can). `spec`: the job's `GeneratorSpec`."""
+    if not args.bootstrap_generation:
+        return "bootstrap_generation=False"
+    reasons = [
+        (topology.mode != "single", "its ranks were started by a launcher (each rank starts at once)"),
+        (resuming, "it resumes from a checkpoint"),
+        (spec.agent is not None, "multi-turn rollouts (tools, environments, rollout_func) run on the generator"),
+        (bool(spec.reward_models), "reward models score on the generator"),
+        (spec.schedule.generation_ticks > 1, "partial rollouts are carried by the generator"),
+        (bool(args.drop_zero_variance_groups), "dynamic sampling draws from the generator's reserve"),
+        (spec.sampling.penalties, "repetition / presence / frequency penalties"),
+        (bool(spec.generation_kwargs), f"generation_kwargs {sorted(spec.generation_kwargs)} are vLLM options"),
+        (spec.eval_on_start, "eval_on_start evaluates the starting policy on the generator"),
+    ]
+    why = [text for hit, text in reasons if hit]
+    return "; ".join(why) if why else None
+
+
+def batch_limit(schedule, save_steps: int, eval_every: int) -> int:
+    """How many batches the trainer may bootstrap: none whose steps are checkpointed or evaluated (both need the
+    generator: its part of a checkpoint, its samples of an evaluation), and never the last batch."""
+    limit = 0
+    while limit < schedule.num_batches - 1:
+        last = min((limit + 1) * schedule.iterations, schedule.num_steps)
+        steps = range(limit * schedule.iterations + 1, last + 1)
+        if any(checkpoint.due(s, save_steps, schedule.num_steps) for s in steps):
+            break
+        if eval_every and any(schedule.evaluates(s) for s in steps):
+            break
+        limit += 1
+    return limit
+
+
+class BootstrapSampler:
+    """Samples generation batches with the trainer's policy, as the generator would (see the module's text)."""
+
+    def __init__(self, model, tokenizer, dataset, spec, device: torch.device, generation_config=None):
+        self.model, self.tokenizer, self.dataset, self.spec, self.device = model, tokenizer, dataset, spec, device
+        self.encoder = PromptEncoder(tokenizer, spec.chat_template_kwargs)
+        self.sampling: Sampling = spec.sampling
+        eos = {tokenizer.eos_token_id}
+        configured = getattr(generation_config, "eos_token_id", None)  # vLLM adds the model's generation_config's
+        eos |= set(configured if isinstance(configured, (list, tuple)) else [configured])
+        self.eos = sorted(t for t in eos if t is not None)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos or [0])[0]
+
+    def fits(self, batch_index: int) -> bool:
+        """Whether every prompt of the batch leaves room for a whole completion (else the generator decides)."""
+        return all(len(ids) + self.spec.max_completion_length <= self.spec.max_model_len
+                   for _, _, ids in self._prompts(batch_index))
+
+    def _prompts(self, batch_index: int):
+        spec = self.spec
+        indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
+        rows = [self.dataset[i] for i in indices]
+        return [(i, row, self.encoder.encode(row["prompt"])) for i, row in zip(indices, rows)]
+
+    def sample(self, batch_index: int, version: int) -> list[RolloutGroup]:
+        """The groups of batch `batch_index`, sampled now by the policy at `version`."""
+        spec = self.spec
+        prompts = self._prompts(batch_index)
+        start = time.perf_counter()
+        streams = [ids for _, _, ids in prompts for _ in range(spec.num_generations)]
+        generator = torch.Generator(device=self.device).manual_seed(spec.seed * 1_000_003 + batch_index)
+        tokens, logprobs, reasons = self._decode(streams, generator)
+        seconds = time.perf_counter() - start
+        total = sum(len(t) for t in tokens)
+        groups = []
+        for position, (index, row, ids) in enumerate(prompts):
+            columns = {k: v for k, v in row.items() if k != "prompt"}
+            group = []
+            for k in range(position * spec.num_generations, (position + 1) * spec.num_generations):
+                group.append(Rollout(prompt=row["prompt"], prompt_ids=list(ids), completion_ids=tokens[k],
+                                     behavior_logprobs=logprobs[k], versions=[version] * len(tokens[k]),
+                                     finish_reason=reasons[k],
+                                     completion_text=self.tokenizer.decode(tokens[k], skip_special_tokens=True),
+                                     columns=columns, row_index=int(index), segments=1))
+            groups.append(RolloutGroup(group, batch_index, version, seconds, total, position=position, replica=0))
+        return groups
+
+    @torch.no_grad()
+    def _decode(self, prompts: list[list[int]], generator: torch.Generator):
+        """Sample a completion of each prompt (left-padded, one forward per token with the KV cache): its tokens,
+        their log-probs under the processed distribution, and why it ended ("stop": an end-of-sequence token,
+        kept as vLLM keeps it; "length": max_completion_length)."""
+        model, n, length = self.model, len(prompts), self.spec.max_completion_length
+        width = max(len(p) for p in prompts)
+        ids = torch.full((n, width), self.pad, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        eos = torch.tensor(self.eos, dtype=torch.long, device=self.device)
+        chosen_ids, chosen_logprobs = [], []
+        open_ = torch.ones(n, dtype=torch.bool, device=self.device)
+        was_training, stack = model.training, contextlib.ExitStack()
+        model.eval()
+        try:
+            stack.enter_context(_gathered(model))
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            for _ in range(length):
+                logits = processed_logits(out.logits[:, -1:, :].float(), self.sampling)[:, 0, :]
+                logp = torch.log_softmax(logits, dim=-1)
+                choice = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+                chosen_ids.append(choice)
+                chosen_logprobs.append(logp.gather(-1, choice[:, None])[:, 0])
+                open_ &= ~torch.isin(choice, eos)
+                if len(chosen_ids) == length or not bool(open_.any()):
+                    break
+                mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=self.device)], dim=1)
+                positions = positions[:, -1:] + 1
+                out = model(input_ids=choice[:, None], attention_mask=mask, position_ids=positions,
+                            past_key_values=out.past_key_values, use_cache=True)
+        finally:
+            stack.close()
+            model.train(was_training)
+        sampled = torch.stack(chosen_ids, dim=1).tolist()
+        sampled_logprobs = torch.stack(chosen_logprobs, dim=1).tolist()
+        tokens, logprobs, reasons = [], [], []
+        for row, row_logprobs in zip(sampled, sampled_logprobs):
+            end = next((t + 1 for t, token in enumerate(row) if token in self.eos), None)
+            tokens.append(row[:end] if end else row)
+            logprobs.append(row_logprobs[:end] if end else row_logprobs)
+            reasons.append("stop" if end else "length")
+        return tokens, logprobs, reasons
+
+
+@contextlib.contextmanager
+def _gathered(model):
+    """FSDP2's decoder layers keep their parameters gathered between forwards while this lasts (one forward per
+    sampled token: gathering and freeing them each time doubled a tiny model's decoding time on a CPU), and free
+    them at its end, as after any forward. (The root module keeps its own gathered after a forward anyway.)"""
+    from torch.distributed.fsdp import FSDPModule
+
+    layers = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    for m in layers:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.set_reshard_after_forward(True, recurse=False)
+            m.reshard()
+
+
+def run(executor, sampler: BootstrapSampler, limit: int, generator_ready) -> int:
+    """Bootstrap batches 0, 1, ... on `executor` (the trainer's) until `generator_ready()` (called before each batch;
+    it raises when a generator failed), `limit` batches, a prompt too long for the trainer to judge, or a callback's
+    stop. Returns how many batches were trained (the generator's first batch)."""
+    schedule = executor.spec.schedule
+    done = 0
+    while done < limit and not generator_ready() and sampler.fits(done):
+        executor.set_step(done + schedule.max_staleness)  # the tick that trains batch `done` in the schedule
+        groups = sampler.sample(done, executor.version)
+        executor.put_input(ROLLOUTS, groups)
+        executor.step()
+        done += 1
+        if executor.spec.should_stop():
+            break
+    return done
