@@ -291,8 +291,8 @@ def test_trls_loss_settings_train_from_plain_python(tiny_model, family_model, tm
 
     def run(name, model, extra):
         procs[name] = run_script([str(SCRIPTS / "train_tiny.py"), model, str(tmp_path / name), "--steps", "3",
-                                  "--max-staleness", "2", "--report-to", "none", *extra], timeout=400,
-                                  env=SIDE_BY_SIDE_ENV)
+                                  "--max-staleness", "2", "--report-to", "none", "--no-bootstrap", *extra],
+                                 timeout=400, env=SIDE_BY_SIDE_ENV)  # (stale samples from the first steps on)
 
     threads = [threading.Thread(target=run, args=(name, *job)) for name, job in jobs.items()]
     for t in threads:

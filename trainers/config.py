@@ -81,8 +81,9 @@ class AsyncAIPOConfig(GRPOConfig):
         metadata={"help": "A single-process job (python script.py, a notebook): while the generator process starts "
                   "(imports vLLM, builds its engine) the trainer samples the first batches itself with transformers, "
                   "on-policy, and trains on them; the generator takes over at the next batch once its engine is up. "
-                  "Not used (logged why) under a launcher, on a resume, with tools / environments / rollout_func, "
-                  "reward models, partial rollouts, dynamic sampling, penalties, generation_kwargs or eval_on_start; "
+                  "Not used (logged why) under a launcher, on a resume, with generator_failure='continue', tools / "
+                  "environments / rollout_func, reward models, partial rollouts, dynamic sampling, penalties, "
+                  "generation_kwargs or eval_on_start; "
                   "never for a checkpointed or evaluated step, nor the last batch. False: the trainer waits."},
     )
     aipo_rho: float = field(

@@ -282,13 +282,15 @@ def bootstrap_first_batches(trainer, spec) -> TrainerExecutor:
                                          executor.spec.device, generation_config=unwrapped)
     limit = bootstrap.batch_limit(trainer.schedule, spec.save_steps, spec.eval_every)
     joined = False
+    # (past the start-up budget the trainer stops bootstrapping: it then waits for them as it would have)
+    deadline = time.monotonic() + trainer.args.vllm_server_timeout
 
     def generators_ready() -> bool:
         nonlocal joined
         if not joined and startup.generators_reached(topo, "joining"):
             topo.join_bridges()  # (they wait in it: joined now, they go on to build their engines)
             joined = True
-        return joined and startup.generators_reached(topo, _reached(STARTUP))
+        return (joined and startup.generators_reached(topo, _reached(STARTUP))) or time.monotonic() > deadline
 
     began = time.perf_counter()
     executor.bootstrapping = True

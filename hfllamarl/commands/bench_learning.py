@@ -64,6 +64,7 @@ def train_variant(job: dict) -> None:
         max_completion_length=4, learning_rate=job["learning_rate"], lr_scheduler_type="constant",
         logging_steps=1, save_strategy="no", report_to="none", seed=job["seed"], collective_timeout_s=600,
         disable_tqdm=True, **VARIANTS[job["variant"]],
+        bootstrap_generation=False,  # (the variants compare staleness: every batch comes from the generator)
     )
     trainer = AsyncAIPOTrainer(model=job["model"], reward_funcs="math_sympy", args=config,
                                train_dataset=Dataset.from_list(successor_rows(4096, seed=1)))

@@ -243,6 +243,8 @@ def _profile_rows(side: str, r: dict) -> dict[str, float]:
                        ("trainer_first_step", "first step ended"), ("trainer_handover", "generators took over")):
         if key in s:
             rows[f"  at {label}"] = s[key]
+    if s.get("bootstrapped_batches"):  # sampled by the trainer itself while the generator started
+        rows["  batches the trainer sampled itself"] = s["bootstrapped_batches"]
     return rows
 
 

@@ -218,6 +218,7 @@ def main():
     p.add_argument("--transforms", action="store_true",
                    help="sample with temperature 0.9, top-k 20, top-p 0.95, min-p 0.02, repetition penalty 1.3")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="generator_kv_cache_bytes (tiny: vLLM fails to start)")
+    p.add_argument("--no-bootstrap", action="store_true", help="bootstrap_generation=False: every batch from vLLM")
     p.add_argument("--extra", default="{}", help="more AsyncAIPOConfig fields, as a JSON object")
     p.add_argument("--reward-model", default=None, help="also a reward model: the directory of a sequence classifier")
     p.add_argument("--rows", type=int, default=64, help="training dataset rows")
@@ -239,7 +240,7 @@ def main():
         max_staleness=a.max_staleness, num_generator_processes=a.num_generators, seed=0,
         generator_tensor_parallel_size=a.generator_tp,
         collective_timeout_s=a.timeout, vllm_server_timeout=a.startup_timeout, generator_kv_cache_bytes=a.kv_cache_bytes, save_steps=a.save_steps, beta=a.beta, partial_rollout_tokens=a.partial_rollout_tokens,
-        algorithm=a.algorithm,
+        algorithm=a.algorithm, bootstrap_generation=not a.no_bootstrap,
         verify_weight_sync=a.verify_weight_sync,
         **(dict(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.3) if a.transforms else {}),
         **json.loads(a.extra),

@@ -14,7 +14,8 @@ behaviour log-prob of each token recorded as the generator records it, the versi
 one (on-policy: pi/mu is 1 up to the kernels' rounding). It is a `RolloutGroup` like any other, trained by the
 same `TrainerExecutor.train_on`.
 
-Where it does not apply (`blocker` says why, logged once): a launcher's ranks, a resume, tools / environments /
+Where it does not apply (`blocker` says why, logged once): a launcher's ranks, a resume, generator_failure=
+"continue" (a replica lost while the others start is not survived), tools / environments /
 rollout_func (multi-turn rollouts run on the generator), reward models (scored on the generator), partial
 rollouts, dynamic sampling, penalties or generation_kwargs (vLLM-only options), an evaluation at the start. It
 also stops before any step that is checkpointed or evaluated (those need the generator) and leaves the last batch
@@ -44,6 +45,7 @@ def blocker(args, spec, topology, resuming: bool) -> str | None:
     reasons = [
         (topology.mode != "single", "its ranks were started by a launcher (each rank starts at once)"),
         (resuming, "it resumes from a checkpoint"),
+        (topology.failure == "continue", "generator_failure='continue' survives a lost replica only once all are up"),
         (spec.agent is not None, "multi-turn rollouts (tools, environments, rollout_func) run on the generator"),
         (bool(spec.reward_models), "reward models score on the generator"),
         (spec.schedule.generation_ticks > 1, "partial rollouts are carried by the generator"),

@@ -205,6 +205,8 @@ class TrainerExecutor(Executor):
             return
         generators = startup.collect(self.topology, self.topology.generator_ranks)
         self.startup_profile = startup.profile(startup.marks(), generators)
+        if self.startup_profile and self.first_tick:  # (the batches the trainer sampled itself: `bootstrap`)
+            self.startup_profile["bootstrapped_batches"] = float(self.first_tick)
         if self.startup_profile:
             logger.info("%s", startup.describe(self.startup_profile))
 

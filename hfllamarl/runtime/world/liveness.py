@@ -155,6 +155,7 @@ class Liveness:
         self._threads: list[threading.Thread] = []
         self._client = None
         self._store_silent_since: float | None = None
+        self._stopped_since: dict[int, float] = {}  # a starting child seen stopped (`_stopped_starting`): since when
         self.verdict_cause: str | None = None  # what the watchdog found (a single-process parent raises it)
         self._lock = threading.Lock()  # one store call at a time on the shared client
         self._where: dict[int, dict] = {}  # rank -> its `process_identity`, read while the store answers
@@ -414,6 +415,19 @@ class Liveness:
         return [r for last, r in sorted((last, r) for r, last in beats.items()
                                         if r not in done and now - last > self._silence_s(r))]
 
+    def _stopped_starting(self, beats: dict[int, float]) -> list[int]:
+        """Generator children of this process that never beat (still importing or loading) and whose process has
+        been stopped (SIGSTOP) for as long as a starting rank may be silent: frozen, not slow."""
+        from hfllamarl.runtime.world.spawn import stopped
+
+        now, out = time.monotonic(), []
+        for rank, proc in getattr(self.topology, "_children", []):
+            if rank in beats or not stopped(proc.pid):
+                self._stopped_since.pop(rank, None)
+            elif now - self._stopped_since.setdefault(rank, now) > self._silence_s(rank):
+                out.append(rank)
+        return out
+
     def lost_ranks(self) -> list[int]:
         try:
             _, beats, done = timed(self._read_store, STORE_CALL_S)
@@ -447,6 +461,7 @@ class Liveness:
         seen = {r for r, _ in exited}
         exited += [(r, None) for r in ended if r not in failed and r not in done and r not in seen]
         stale = self._stale(beats, done)
+        stale += [r for r in self._stopped_starting(beats) if r not in stale]
         if topo.failure == "continue" and topo.containing:
             failed, exited, stale = self._contain(failed, exited, stale)
             if topo.role == "trainer" and not topo.live_replicas:
