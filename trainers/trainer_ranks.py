@@ -301,7 +301,6 @@ def bootstrap_first_batches(trainer, spec) -> TrainerExecutor:
     executor.first_tick = done
     startup.hand_over(topo, done)
     if done:
-        startup.mark("handover")
         logger.info("bootstrap: the trainer sampled and trained batches 0-%d itself (%.1f s) while the generator "
                     "started; the generator samples from batch %d on", done - 1, time.perf_counter() - began, done)
     return executor

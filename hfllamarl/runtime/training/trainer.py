@@ -129,6 +129,8 @@ class TrainerExecutor(Executor):
         self.prepare()
         startup.mark("ready")
         wait_for_startup(self.topology, self.spec.startup_timeout_s)
+        if self.first_tick:  # (the trainer bootstrapped the batches before it: the generators take over now)
+            startup.mark("handover")
         self.backend.setup_trainer(self.weights)
         self.sync_bytes = sum(t.numel() * self.backend.wire_dtype(t.dtype).itemsize
                               for t in self.weights.state_dict().values())
