@@ -115,18 +115,18 @@ def test_what_cannot_bootstrap_says_why():
 def test_a_single_process_run_bootstraps_trains_the_same_prompts_and_hands_over(tiny_model, tmp_path):
     """`python train_tiny.py` (one trainer, its generator child spawned): the trainer trains the first batches on its
     own samples (on-policy: staleness 0, pi/mu 1), the generator takes over with the trainer's weights (every sync
-    checked against vLLM's own loader; its first batch, sampled under them, is on-policy too), and every step
-    trains the rows the schedule names (`batch_rows`), whoever sampled them."""
+    checked against vLLM's own loader; its first batch, sampled under them, is on-policy too), the checkpoints
+    fall where they are due, and every step trains the rows the schedule names (`batch_rows`), whoever sampled them."""
     import json
 
     out = str(tmp_path / "run")
     proc = run_script([os.path.join(SCRIPTS, "train_tiny.py"), tiny_model, out, "--steps", "8", "--report-to", "none",
-                       "--verify-weight-sync"],
+                       "--verify-weight-sync", "--save-steps", "4"],
                       env={"HFLLAMARL_PRELOAD": "0"})  # (its generator starts cold, importing vLLM: the one-shot path)
     assert proc.returncode == 0, tail(proc)
     profile = json.loads([line for line in proc.stdout.splitlines() if line.startswith("STARTUP ")][-1][8:])
     handed = int(profile.get("bootstrapped_batches", 0))
-    assert 1 <= handed <= 7, profile  # (the last batch is always the generator's)
+    assert 1 <= handed <= 3, profile  # (never a checkpointed step: checkpoint 4 has the generator's part too)
     assert profile["trainer_first_step"] < profile["generator_ready"] <= profile["trainer_handover"], profile
     logs = step_logs(proc.stdout)
     assert [h["step"] for h in logs] == list(range(1, 9))
@@ -134,5 +134,6 @@ def test_a_single_process_run_bootstraps_trains_the_same_prompts_and_hands_over(
         assert h["staleness/mean"] == 0.0 and abs(h["is_ratio/max"] - 1.0) < 1e-3, h
         assert abs(h["is_ratio/min"] - 1.0) < 1e-3, h
     assert any(h["staleness/mean"] > 0 for h in logs[handed + 1:])  # then the asynchronous loop, one version behind
+    assert {"checkpoint-4", "checkpoint-8"} <= set(os.listdir(out)), os.listdir(out)
     rows = trained_rows(out)
     assert rows == {step: batch_rows(64, 4, step - 1, seed=0) for step in range(1, 9)}
