@@ -122,7 +122,7 @@ def test_startup_waits_for_a_slow_peer_past_the_collective_timeout_and_no_longer
 def _store_host(world_size: int = 2):
     """Rank 0 of a single-process job (it hosts the job's store) and its liveness, set up as `Liveness.start` does
     it, without the heartbeat and watchdog threads: the tests drive it."""
-    from hfllamarl.runtime.world.liveness import process_identity
+    from hfllamarl.runtime.world.processes import process_identity
     from hfllamarl.runtime.world.topology import Topology
 
     topo = Topology(mode="single", rank=0, world_size=world_size, num_generators=world_size - 1, timeout_s=60,
@@ -141,7 +141,7 @@ def test_a_peer_whose_process_ended_on_this_machine_is_named_at_once():
     import subprocess
     import sys
 
-    from hfllamarl.runtime.world.liveness import _proc_stat, process_gone, process_identity
+    from hfllamarl.runtime.world.processes import process_gone, process_identity, proc_stat as _proc_stat
 
     topo, live = _store_host()
     here = live._here
@@ -183,7 +183,7 @@ def test_a_killed_child_is_named_by_its_signal_while_another_thread_reaps_it():
     import sys
     import threading
 
-    from hfllamarl.runtime.world.liveness import _proc_stat, process_identity
+    from hfllamarl.runtime.world.processes import process_identity, proc_stat as _proc_stat
 
     topo, live = _store_host()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -225,7 +225,7 @@ def test_a_failing_store_host_waits_for_a_survivor_to_look_not_for_a_rank_that_e
     import sys
     import threading
 
-    from hfllamarl.runtime.world.liveness import process_identity
+    from hfllamarl.runtime.world.processes import process_identity
 
     topo, live = _store_host(world_size=3)
     assert topo.hosts_store
@@ -264,13 +264,13 @@ def test_under_torchrun_the_survivors_failure_not_the_frozen_ranks_kill_is_the_r
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from hfllamarl.runtime.world.liveness import _proc_stat, process_identity
+    from hfllamarl.runtime.world.processes import process_identity, proc_stat as _proc_stat
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     error_file = str(tmp_path / "error.json")
     survivor_code = f"""
-from hfllamarl.runtime.world.liveness import process_identity
+from hfllamarl.runtime.world.processes import process_identity
 from hfllamarl.runtime.world.topology import Topology
 topo = Topology(mode="launcher", rank=1, world_size=2, num_generators=1, timeout_s=60, use_cpu=True,
                 store_addr=("127.0.0.1", {store.port}))

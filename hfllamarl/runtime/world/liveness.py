@@ -25,6 +25,8 @@ import threading
 import time
 import traceback
 
+from hfllamarl.runtime.world.processes import proc_stat, process_gone, process_identity, same_pid_space, stopped
+
 
 class PeerLostError(RuntimeError):
     """Another rank of the job died, froze or failed; the message names it and ends with its own error."""
@@ -86,63 +88,6 @@ END = "end of the job"  # the rendezvous every rank reaches once it is done with
 def _reached(what: str) -> str:
     """The store key kind a rank sets once it has reached the rendezvous `what`."""
     return "reached/" + what.replace(" ", "_")
-
-
-def process_identity(pid: int | None = None) -> dict:
-    """Where a process runs, precise enough for a peer to tell whether it shares that process's pid space: the host
-    name, and on Linux the kernel's boot id, the pid namespace and the process's start time (a reused pid has
-    another)."""
-    import socket
-
-    pid = os.getpid() if pid is None else pid
-    info: dict = {"host": socket.gethostname(), "pid": pid}
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            info["boot"] = fh.read().strip()
-        info["pidns"] = os.stat("/proc/self/ns/pid").st_ino
-        info["start"] = _proc_stat(pid)[1]
-    except (OSError, ValueError, IndexError):
-        pass
-    return info
-
-
-def _proc_stat(pid: int) -> tuple[str, str]:
-    """(state, start time) of a process, from /proc/<pid>/stat (fields 3 and 22; the command name may hold
-    spaces and parentheses, so count from its closing parenthesis)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        data = fh.read()
-    fields = data[data.rindex(")") + 2:].split()
-    return fields[0], fields[19]
-
-
-def same_pid_space(where: dict, here: dict) -> bool:
-    """Whether the process `where` describes runs in the pid space of `here` (same machine, boot and pid
-    namespace); without Linux's ids on both sides, by the host name alone."""
-    if where.get("host") != here.get("host"):
-        return False
-    if "boot" in where or "boot" in here:
-        return where.get("boot") == here.get("boot") and where.get("pidns") == here.get("pidns")
-    return True
-
-
-def process_gone(where: dict, here: dict) -> bool:
-    """Whether the process `where` describes has ended, on evidence only: it shares this pid space (Linux ids
-    known) and its pid is free, a zombie, or another process's (a different start time). Anything unreadable
-    counts as alive."""
-    if "start" not in where or "boot" not in here or not same_pid_space(where, here):
-        return False
-    pid = int(where["pid"])
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # it exists (another user's process: not ours to judge further)
-        return False
-    try:
-        state, start = _proc_stat(pid)
-    except (OSError, ValueError, IndexError):
-        return False
-    return state in ("Z", "X") or start != where["start"]
 
 
 class Liveness:
@@ -351,7 +296,7 @@ class Liveness:
         with the verdict. `why` names the budget's setting in the error."""
         topo = self.topology
         kind = _reached(what)
-        timed(lambda: self._locked(lambda c: c.set(self._key(kind, topo.rank), "1")), STORE_CALL_S)
+        self._patient(lambda c: c.set(self._key(kind, topo.rank), "1"), time.monotonic() + budget_s)
         self._await_marks(kind, self._others(), budget_s, lambda names: (
             f"{names} did not reach '{what}' within {budget_s:.0f} s{why} (seen from {topo.describe(topo.rank)}) "
             "and did not fail: raise that budget for a large model or a busy machine."))
@@ -362,14 +307,29 @@ class Liveness:
         topo = self.topology
         deadline = time.monotonic() + budget_s
         keys = {r: self._key(kind, r) for r in ranks}
-        while missing := timed(lambda: self._locked(lambda c: [r for r, k in keys.items() if not c.check([k])]),
-                               STORE_CALL_S):
+        while missing := self._patient(lambda c: [r for r, k in keys.items() if not c.check([k])], deadline):
             verdict = self.verdict()
             if verdict:
                 raise PeerLostError(f"{topo.describe(topo.rank)} stops because {verdict}")
             if time.monotonic() > deadline:
                 raise PeerLostError(late(", ".join(topo.describe(r) for r in missing)))
             time.sleep(poll_s)
+
+    def _patient(self, call, deadline: float):
+        """`call(client)` on the store, tried again while the store does not answer: its host (a trainer rank,
+        frozen while this rank starts) is named by the verdict once it has been silent for the heartbeat timeout,
+        instead of this rank failing on the first unanswered call. Past `deadline`, the store's own error."""
+        while True:
+            try:
+                return timed(lambda: self._locked(call), STORE_CALL_S)
+            except Exception:  # noqa: BLE001 - a store that does not answer (TimeoutError) or is gone
+                verdict = self.verdict()
+                if verdict:
+                    topo = self.topology
+                    raise PeerLostError(f"{topo.describe(topo.rank)} stops because {verdict}") from None
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     # ---------------------------------------------------------------- the others
     def _others(self) -> list[int]:
@@ -418,8 +378,6 @@ class Liveness:
     def _stopped_starting(self, beats: dict[int, float]) -> list[int]:
         """Generator children of this process that never beat (still importing or loading) and whose process has
         been stopped (SIGSTOP) for as long as a starting rank may be silent: frozen, not slow."""
-        from hfllamarl.runtime.world.spawn import stopped
-
         now, out = time.monotonic(), []
         for rank, proc in getattr(self.topology, "_children", []):
             if rank in beats or not stopped(proc.pid):
@@ -590,7 +548,7 @@ class Liveness:
             if not where or not same_pid_space(where, here) or where["pid"] == os.getpid():
                 continue
             try:
-                if "start" in where and _proc_stat(int(where["pid"]))[1] != where["start"]:
+                if "start" in where and proc_stat(int(where["pid"]))[1] != where["start"]:
                     continue  # the pid is another process's by now
                 os.kill(int(where["pid"]), signal.SIGKILL)
             except (OSError, ValueError, IndexError):

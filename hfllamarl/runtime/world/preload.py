@@ -41,6 +41,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 logger = logging.getLogger(__name__)
@@ -121,12 +122,22 @@ class PreloadedProcess:
 
     def __init__(self, conn: socket.socket, pid: int):
         self._conn, self._lines, self.pid, self.returncode = conn, _Lines(conn), pid, None
+        self._lock = threading.Lock()  # (a watchdog thread polls while the main thread waits: one reads at a time)
         try:
             self._pidfd = os.pidfd_open(pid)  # (its pid cannot be reused while this is open)
         except OSError:
             self._pidfd = None
 
     def _take(self, timeout: float | None) -> None:
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return  # (another thread is reading the status)
+        try:
+            if self.returncode is None:
+                self._read_status(timeout)
+        finally:
+            self._lock.release()
+
+    def _read_status(self, timeout: float | None) -> None:
         try:
             msg = self._lines.read(timeout)
         except TimeoutError:

@@ -202,15 +202,6 @@ def watch_parent(parent: int, gone, name: str, until: threading.Event | None = N
     threading.Thread(target=watch, name=name, daemon=True).start()
 
 
-def stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped (SIGSTOP, SIGTSTP, a tracer): frozen until someone continues it."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
 def parent_gone(parent: int) -> bool:
     """Whether the trainer process `parent` is gone: this process's parent changed, or (forked by the preload
     server, whose child it is) the trainer's pidfd says it exited."""
