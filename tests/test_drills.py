@@ -167,7 +167,8 @@ def test_every_rank_under_plain_python_and_a_rank_that_fails(family_model, tmp_p
     failing = {"python": ["--kv-cache-bytes", "4096", "--steps", "2"],
                "torchrun": ["--kv-cache-bytes", "4096", "--steps", "2"],
                "reward": ["--bad-reward", "raise", "--steps", "2"],
-               "startup": ["--startup-timeout", "1", "--steps", "2"]}
+               # (the trainer waits from the start: bootstrapping, it would train while the budget is not spent)
+               "startup": ["--startup-timeout", "1", "--steps", "2", "--no-bootstrap"]}
     started = time.monotonic()
     procs = {name: start(model, str(tmp_path / f"fails-{name}"), "torchrun" if name == "torchrun" else "python",
                          extra=extra) for name, extra in failing.items()}

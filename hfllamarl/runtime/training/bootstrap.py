@@ -37,6 +37,8 @@ from hfllamarl.runtime.weights import checkpoint
 
 logger = logging.getLogger(__name__)
 
+TOKENS_PER_CHUNK = 65536  # prompt + completion tokens sampled at once (the trainer's KV cache holds that many)
+
 
 def blocker(args, spec, topology, resuming: bool) -> str | None:
     """Why this job cannot bootstrap (None: it can). `spec`: the job's `GeneratorSpec`."""
@@ -104,7 +106,13 @@ class BootstrapSampler:
         start = time.perf_counter()
         streams = [ids for _, _, ids in prompts for _ in range(spec.num_generations)]
         generator = torch.Generator(device=self.device).manual_seed(spec.seed * 1_000_003 + batch_index)
-        tokens, logprobs, reasons = self._decode(streams, generator)
+        # (in chunks of at most TOKENS_PER_CHUNK prompt and completion tokens: the KV cache stays bounded)
+        per_chunk = max(1, TOKENS_PER_CHUNK // (max(len(s) for s in streams) + spec.max_completion_length))
+        tokens, logprobs, reasons = [], [], []
+        for start_at in range(0, len(streams), per_chunk):
+            for out, part in zip((tokens, logprobs, reasons), self._decode(streams[start_at:start_at + per_chunk],
+                                                                           generator)):
+                out += part
         seconds = time.perf_counter() - start
         total = sum(len(t) for t in tokens)
         groups = []
