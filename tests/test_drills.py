@@ -29,6 +29,10 @@ NAMES = {"trainer0": "rank 0 (trainer 0)", "trainer1": "rank 1 (trainer 1)", "ge
 
 
 def start(model: str, out: str, launch: str, extra=(), nproc: int = 3) -> subprocess.Popen:
+    """`launch`: "torchrun", "python" (the trainer bootstraps: its first steps come while the generator starts), or
+    "python-mid" (python without bootstrap: the first step is the generator's, the job is in its loop)."""
+    if launch == "python-mid":
+        launch, extra = "python", [*extra, "--no-bootstrap"]
     args = [str(SCRIPTS / "train_tiny.py"), model, out, "--steps", "200", "--report-to", "none",
             "--timeout", str(TIMEOUT_S), *extra]
     if launch == "torchrun":
@@ -45,7 +49,7 @@ def start(model: str, out: str, launch: str, extra=(), nproc: int = 3) -> subpro
 
 def ranks_of(proc: subprocess.Popen, launch: str, out: str) -> dict[str, psutil.Process]:
     """The job's processes by role."""
-    if launch == "python":
+    if launch.startswith("python"):
         kids = [p for p in job_processes(proc, out)
                 if "hfllamarl.runtime.generation.generator_child" in " ".join(cmdline(p))]
         return {"trainer0": psutil.Process(proc.pid), "generator": kids[0]}
@@ -96,7 +100,7 @@ def drill(model: str, out: str, launch: str, victim: str, sig: str, results: dic
         survivors = [p for role, p in ranks.items() if role != victim]
         signalled = time.monotonic()
         ranks[victim].send_signal(getattr(signal, sig))
-        if launch == "python" and victim == "trainer0":  # the survivors are the children; the parent is the victim
+        if launch.startswith("python") and victim == "trainer0":  # (the parent is the victim; its children survive)
             while any(alive(p) for p in survivors) and time.monotonic() - signalled < BOUND_S + 30:
                 time.sleep(0.2)
             ended = time.monotonic() - signalled
@@ -158,7 +162,8 @@ def test_every_rank_under_torchrun(family_model, tmp_path, sig):
 
 
 def test_every_rank_under_plain_python_and_a_rank_that_fails(family_model, tmp_path):
-    """Plain `python`: the trainer (the parent) and the generator child, killed and frozen. Side by side, four
+    """Plain `python`: the trainer (the parent) and the generator child, killed and frozen while the child starts and
+    the trainer trains on its own samples (bootstrap), and the child again in the loop. Side by side, four
     jobs whose rank fails on its own: vLLM cannot start (a KV cache too small for one sequence; under python and
     torchrun), a reward function raises, or the start-up budget (vllm_server_timeout, 1 s) runs out before the
     engine is up; each ends with that rank's own exception as its last lines, not with a lost heartbeat. (The
@@ -172,7 +177,10 @@ def test_every_rank_under_plain_python_and_a_rank_that_fails(family_model, tmp_p
     started = time.monotonic()
     procs = {name: start(model, str(tmp_path / f"fails-{name}"), "torchrun" if name == "torchrun" else "python",
                          extra=extra) for name, extra in failing.items()}
+    # Signalled 1 s after the first step: under "python" the trainer is still bootstrapping (its own first batches)
+    # while the generator child starts; under "python-mid" the job is in its loop.
     cases = [("python", victim, sig) for victim in ("trainer0", "generator") for sig in ("SIGKILL", "SIGSTOP")]
+    cases += [("python-mid", "generator", sig) for sig in ("SIGKILL", "SIGSTOP")]
     results = run_side_by_side(model, tmp_path, cases)
     for case in cases:
         check(results, case)
