@@ -277,9 +277,9 @@ def bootstrap_first_batches(trainer, spec) -> TrainerExecutor:
     topo = trainer.topology
     executor = build_trainer_executor(trainer, None)
     executor.prepare()
-    unwrapped = getattr(trainer.model, "generation_config", None)
     sampler = bootstrap.BootstrapSampler(trainer.model, trainer.processing_class, trainer.train_dataset, spec,
-                                         executor.spec.device, generation_config=unwrapped)
+                                         executor.spec.device,
+                                         generation_config=getattr(trainer.model, "generation_config", None))
     limit = bootstrap.batch_limit(trainer.schedule, spec.save_steps, spec.eval_every)
     joined = False
     # (past the start-up budget the trainer stops bootstrapping: it then waits for them as it would have)
@@ -293,11 +293,7 @@ def bootstrap_first_batches(trainer, spec) -> TrainerExecutor:
         return (joined and startup.generators_reached(topo, _reached(STARTUP))) or time.monotonic() > deadline
 
     began = time.perf_counter()
-    executor.bootstrapping = True
-    try:
-        done = bootstrap.run(executor, sampler, limit, generators_ready)
-    finally:
-        executor.bootstrapping = False
+    done = bootstrap.run(executor, sampler, limit, generators_ready)
     executor.first_tick = done
     startup.hand_over(topo, done)
     if done:

@@ -88,21 +88,19 @@ class BootstrapSampler:
         self.eos = sorted(t for t in eos if t is not None)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos or [0])[0]
 
-    def fits(self, batch_index: int) -> bool:
-        """Whether every prompt of the batch leaves room for a whole completion (else the generator decides)."""
-        return all(len(ids) + self.spec.max_completion_length <= self.spec.max_model_len
-                   for _, _, ids in self._prompts(batch_index))
-
     def _prompts(self, batch_index: int):
         spec = self.spec
         indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
         rows = [self.dataset[i] for i in indices]
         return [(i, row, self.encoder.encode(row["prompt"])) for i, row in zip(indices, rows)]
 
-    def sample(self, batch_index: int, version: int) -> list[RolloutGroup]:
-        """The groups of batch `batch_index`, sampled now by the policy at `version`."""
+    def sample(self, batch_index: int, version: int) -> list[RolloutGroup] | None:
+        """The groups of batch `batch_index`, sampled now by the policy at `version`; None when a prompt leaves no
+        room for a whole completion (max_model_len: the generator decides what becomes of it)."""
         spec = self.spec
         prompts = self._prompts(batch_index)
+        if any(len(ids) + spec.max_completion_length > spec.max_model_len for _, _, ids in prompts):
+            return None
         start = time.perf_counter()
         streams = [ids for _, _, ids in prompts for _ in range(spec.num_generations)]
         generator = torch.Generator(device=self.device).manual_seed(spec.seed * 1_000_003 + batch_index)
@@ -145,10 +143,7 @@ class BootstrapSampler:
         eos = torch.tensor(self.eos, dtype=torch.long, device=self.device)
         chosen_ids, chosen_logprobs = [], []
         open_ = torch.ones(n, dtype=torch.bool, device=self.device)
-        was_training, stack = model.training, contextlib.ExitStack()
-        model.eval()
-        try:
-            stack.enter_context(_gathered(model))
+        with _sampling(model):
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
             for _ in range(length):
                 logits = processed_logits(out.logits[:, -1:, :].float(), self.sampling)[:, 0, :]
@@ -163,9 +158,6 @@ class BootstrapSampler:
                 positions = positions[:, -1:] + 1
                 out = model(input_ids=choice[:, None], attention_mask=mask, position_ids=positions,
                             past_key_values=out.past_key_values, use_cache=True)
-        finally:
-            stack.close()
-            model.train(was_training)
         sampled = torch.stack(chosen_ids, dim=1).tolist()
         sampled_logprobs = torch.stack(chosen_logprobs, dim=1).tolist()
         tokens, logprobs, reasons = [], [], []
@@ -178,13 +170,16 @@ class BootstrapSampler:
 
 
 @contextlib.contextmanager
-def _gathered(model):
-    """FSDP2's decoder layers keep their parameters gathered between forwards while this lasts (one forward per
-    sampled token: gathering and freeing them each time doubled a tiny model's decoding time on a CPU), and free
-    them at its end, as after any forward. (The root module keeps its own gathered after a forward anyway.)"""
+def _sampling(model):
+    """The policy in eval mode, and FSDP2's decoder layers keeping their parameters gathered between forwards while
+    this lasts (one forward per sampled token: gathering and freeing them each time doubled a tiny model's decoding
+    time on a CPU); at its end they are freed, as after any forward, and the mode is the one before. (The root
+    module keeps its own gathered after a forward anyway.)"""
     from torch.distributed.fsdp import FSDPModule
 
+    was_training = model.training
     layers = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    model.eval()
     for m in layers:
         m.set_reshard_after_forward(False, recurse=False)
     try:
@@ -193,6 +188,7 @@ def _gathered(model):
         for m in layers:
             m.set_reshard_after_forward(True, recurse=False)
             m.reshard()
+        model.train(was_training)
 
 
 def run(executor, sampler: BootstrapSampler, limit: int, generator_ready) -> int:
@@ -201,12 +197,18 @@ def run(executor, sampler: BootstrapSampler, limit: int, generator_ready) -> int
     stop. Returns how many batches were trained (the generator's first batch)."""
     schedule = executor.spec.schedule
     done = 0
-    while done < limit and not generator_ready() and sampler.fits(done):
-        executor.set_step(done + schedule.max_staleness)  # the tick that trains batch `done` in the schedule
-        groups = sampler.sample(done, executor.version)
-        executor.put_input(ROLLOUTS, groups)
-        executor.step()
-        done += 1
-        if executor.spec.should_stop():
-            break
+    executor.bootstrapping = True
+    try:
+        while done < limit and not generator_ready():
+            groups = sampler.sample(done, executor.version)
+            if groups is None:
+                break
+            executor.set_step(done + schedule.max_staleness)  # the tick that trains batch `done` in the schedule
+            executor.put_input(ROLLOUTS, groups)
+            executor.step()
+            done += 1
+            if executor.spec.should_stop():
+                break
+    finally:
+        executor.bootstrapping = False
     return done
