@@ -21,21 +21,22 @@ def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> to
 
 
 def global_nan_moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) of the non-NaN `values` of every trainer rank (torch.distributed's default group when it is
-    initialised: the trainer world), std with Bessel's correction and NaN below two values; two all-reduces, the
+    """(mean, std) of the non-NaN `values` of every trainer rank that holds different data (the trainer world, or with
+    trainer tensor parallelism one rank of each tensor-parallel group), std with Bessel's correction and NaN below two values; two all-reduces, the
     second over the deviations from the global mean (exact, no sum-of-squares cancellation). Every trainer rank
     must call it."""
     kept = values[~torch.isnan(values)].double()
     stats = torch.stack([torch.tensor(float(kept.numel()), dtype=torch.float64), kept.sum()])
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
-        torch.distributed.get_world_size() > 1
+    from hfllamarl.runtime.world.mesh import data_group, data_world_size
+
+    distributed, group = data_world_size() > 1, data_group()
     if distributed:
-        torch.distributed.all_reduce(stats)
+        torch.distributed.all_reduce(stats, group=group)
     count, total = stats.tolist()
     mean = total / count if count else math.nan
     squares = ((kept - mean) ** 2).sum().reshape(1) if count else torch.zeros(1, dtype=torch.float64)
     if distributed:
-        torch.distributed.all_reduce(squares)
+        torch.distributed.all_reduce(squares, group=group)
     std = math.sqrt(squares.item() / (count - 1)) if count > 1 else math.nan
     return torch.tensor(mean, dtype=values.dtype), torch.tensor(std, dtype=values.dtype)
 

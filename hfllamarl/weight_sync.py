@@ -12,8 +12,11 @@ moves, so a timeout or a lost peer reports it, and waits at most `collective_tim
 
 Shards and boxes:
 
-- `local_shard(tensor, trainer_rank)`: this trainer rank's rows of an FSDP2 parameter and their offset on dim 0 (a
-  plain tensor belongs to trainer rank 0).
+- `local_box(tensor, trainer_rank)`: this trainer rank's part of a parameter, the box of the full tensor it is, and
+  whether this rank sends it (a part several ranks hold is sent by the first; a plain tensor by trainer rank 0): FSDP2
+  rows, or with trainer tensor parallelism a block of rows and columns.
+- `local_shard(tensor, trainer_rank)`: the same for a parameter sharded by rows only (FSDP2 alone): its rows and
+  their offset on dim 0.
 - `whole(shape)`: the box of a whole tensor; `crop(tensor, box)`: the part of a tensor a box names.
 
 Surviving a lost replica (`generator_failure="continue"`):
@@ -27,8 +30,8 @@ from __future__ import annotations
 from hfllamarl.runtime.loop.channels import (recv_object, recv_tensor, send_objects, send_tensor, start_recv_tensor,
                                              start_send_object)
 from hfllamarl.runtime.loop.weights_channel import crop, settle, whole
-from hfllamarl.runtime.weights.fsdp import local_shard
+from hfllamarl.runtime.weights.fsdp import local_box, local_shard
 from hfllamarl.runtime.world.liveness import ReplicaLostError
 
-__all__ = ["ReplicaLostError", "crop", "local_shard", "recv_object", "recv_tensor", "send_objects", "send_tensor",
+__all__ = ["ReplicaLostError", "crop", "local_box", "local_shard", "recv_object", "recv_tensor", "send_objects", "send_tensor",
            "settle", "start_recv_tensor", "start_send_object", "whole"]

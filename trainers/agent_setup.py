@@ -57,7 +57,7 @@ def build_agent(args, tools, environment_factory, rollout_func) -> Agent:
             agent.tools += [m for m in tool_methods(instance) if m.__name__ not in {t.__name__ for t in agent.tools}]
         agent.env_rewards = [EnvironmentReward(name) for name in reward_kinds(kinds)]
         if agent.env_rewards:  # their get_reward calls take part of the generator's tick too
-            from .config import check_tool_tick
+            from .tool_budget import check_tool_tick
 
             check_tool_tick(args, get_reward=True)
     agent.spec = AgentSpec(

@@ -28,6 +28,7 @@ from hfllamarl.runtime.generation.generator import GeneratorExecutor, GeneratorS
 from hfllamarl.runtime.training import bootstrap
 from hfllamarl.runtime.training.moe import aux_loss_coef
 from hfllamarl.runtime.generation.preflight import check_generator
+from hfllamarl.runtime.weights.tensor_parallel import check_trainer_tp
 from hfllamarl.runtime.data.prompts import PromptEncoder, validate_dataset
 from hfllamarl.runtime.data.reward_models import RewardModel
 from hfllamarl.runtime.data.rewards import RewardRunner, resolve_reward_funcs
@@ -162,6 +163,7 @@ class AsyncAIPOTrainer:
         self._model_obj = model_obj
         check_generator(model_config, use_cpu=args.use_cpu, dtype=self._generator_dtype(),
                         tensor_parallel_size=args.generator_tensor_parallel_size, model_impl=args.vllm_model_impl)
+        check_trainer_tp(model_config, args.trainer_tensor_parallel_size, peft_config, model_obj)
         if processing_class is None:
             from transformers import AutoTokenizer
 

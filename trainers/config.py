@@ -14,6 +14,7 @@ from trl import GRPOConfig
 from hfllamarl.runtime.loop.sampling import NEUTRAL_KWARGS, TRANSFORM_KWARGS, Sampling
 
 from .config_fields import UNSUPPORTED as _UNSUPPORTED
+from .tool_budget import check_tool_tick, default_tool_budget
 
 # generation_kwargs the trainer sets itself, with what to set instead.
 _SET_BY_TRAINER = {
@@ -33,9 +34,10 @@ _ONLINE_QUANTIZATION = {"fp8": "vLLM's fp8 kernels, compute capability 8.9+, e.g
 class AsyncAIPOConfig(GRPOConfig):
     """Configuration of an asynchronous AIPO job (all `GRPOConfig` fields, plus the ones below).
 
-    A generation batch (one optimizer step) is `per_device_train_batch_size x (number of trainer
-    ranks) x gradient_accumulation_steps` completions, `num_generations` per prompt; the
-    completions of one prompt always land on the same trainer rank.
+    A generation batch (one optimizer step) is `per_device_train_batch_size x (number of data-parallel
+    trainer ranks: the trainer ranks / trainer_tensor_parallel_size) x gradient_accumulation_steps`
+    completions, `num_generations` per prompt; the completions of one prompt always land on the same
+    trainer rank (tensor-parallel group).
     """
 
     num_generator_processes: int = field(
@@ -50,6 +52,15 @@ class AsyncAIPOConfig(GRPOConfig):
         metadata={"help": "Tensor-parallel size of each vLLM replica (default: `vllm_tensor_parallel_size` if set, "
                   "else num_generator_processes / vllm_data_parallel_size: with neither, one engine over all "
                   "generator processes)."},
+    )
+    trainer_tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Tensor-parallel size of the trainer ranks: consecutive groups of this many trainer processes "
+                  "split each decoder layer (attention heads, MLP columns) and the output layer's vocabulary between "
+                  "them, and FSDP2 shards over the groups (a 2-D mesh, data parallel x tensor parallel). A batch is "
+                  "split over the groups, not the processes. Needs a launcher (torchrun / accelerate launch) with at "
+                  "least this many trainer processes; refused for mixtures of experts, LoRA, and models whose heads "
+                  "or MLP width it does not divide."},
     )
     vllm_data_parallel_size: int | None = field(
         default=None,
@@ -209,7 +220,9 @@ class AsyncAIPOConfig(GRPOConfig):
             use_cpu=self.use_cpu,
             tensor_parallel_size=self.generator_tensor_parallel_size,
             failure=self.generator_failure,
+            trainer_tp=self._check_trainer_tp(),
         )
+        self._check_trainer_layout()
         self._check_generation_batch(batch_fields)
         super().__post_init__()
         self._check_dynamic_sampling()  # needs the topology (the trainer processes)
@@ -241,7 +254,7 @@ class AsyncAIPOConfig(GRPOConfig):
         values from gradient_accumulation_steps) are accepted; any other value is refused."""
         accumulation = self.gradient_accumulation_steps
         meaning = {"steps_per_generation": accumulation,
-                   "generation_batch_size": self.per_device_train_batch_size * self.num_trainer_processes * accumulation}
+                   "generation_batch_size": self.per_device_train_batch_size * self.num_data_parallel_trainers * accumulation}
         for name in sorted(set_fields):
             if getattr(self, name) != meaning[name]:
                 raise ValueError(f"AsyncAIPOConfig: `{name}`={getattr(self, name)}, but {_UNSUPPORTED[name]} "
@@ -359,6 +372,29 @@ class AsyncAIPOConfig(GRPOConfig):
             raise ValueError(f"AsyncAIPOConfig: generator_failure must be 'stop' or 'continue', not "
                              f"{self.generator_failure!r}.")
 
+    def _check_trainer_tp(self) -> int:
+        tp = self.trainer_tensor_parallel_size
+        if not _is_whole(tp) or tp < 1:
+            raise ValueError(f"AsyncAIPOConfig: trainer_tensor_parallel_size={tp!r}; it must be a whole number >= 1.")
+        return tp
+
+    def _check_trainer_layout(self) -> None:
+        """Trainer tensor parallelism needs trainer processes to split: several of them, in whole groups."""
+        tp, topo = self.trainer_tensor_parallel_size, self._topology
+        if tp == 1:
+            return
+        if topo.mode == "single":
+            raise ValueError(
+                f"AsyncAIPOConfig: trainer_tensor_parallel_size={tp} needs {tp} trainer processes at least, and "
+                "`python script.py` runs one. Launch the script with torchrun or accelerate launch, e.g. "
+                f"`torchrun --nproc_per_node {tp + self.num_generator_processes} script.py` ({tp} trainer, "
+                f"{self.num_generator_processes} generator processes).")
+        if topo.num_trainers % tp:
+            raise ValueError(
+                f"AsyncAIPOConfig: trainer_tensor_parallel_size={tp} does not divide the {topo.num_trainers} trainer "
+                f"processes; launch a multiple of {tp} trainer processes (plus {self.num_generator_processes} "
+                "generator processes), or change trainer_tensor_parallel_size.")
+
     @property
     def num_generator_replicas(self) -> int:
         """Independent vLLM engines: num_generator_processes / generator_tensor_parallel_size."""
@@ -372,9 +408,10 @@ class AsyncAIPOConfig(GRPOConfig):
             raise ValueError("AsyncAIPOConfig: dynamic_sampling_extra_prompts is set without drop_zero_variance_groups: "
                              "the extra prompts replace the groups dynamic sampling drops, and would otherwise never be "
                              "trained. Set drop_zero_variance_groups=True, or remove dynamic_sampling_extra_prompts.")
-        if extra % self.num_trainer_processes:
+        if extra % self.num_data_parallel_trainers:
             raise ValueError(f"AsyncAIPOConfig: dynamic_sampling_extra_prompts={extra} must be a multiple of the "
-                             f"{self.num_trainer_processes} trainer processes (each trains its own share of a batch).")
+                             f"{self.num_data_parallel_trainers} data-parallel trainer ranks (each trains its own "
+                             "share of a batch).")
 
     @property
     def sampling(self) -> Sampling:
@@ -507,9 +544,15 @@ class AsyncAIPOConfig(GRPOConfig):
         return self._topology.num_trainers
 
     @property
+    def num_data_parallel_trainers(self) -> int:
+        """Trainer ranks that train different shares of a batch (the trainer processes over
+        trainer_tensor_parallel_size: the ranks of a tensor-parallel group train the same share)."""
+        return self._topology.data_parallel_size
+
+    @property
     def completions_per_step(self) -> int:
-        """Completions in one generation batch (= one optimizer step), over all trainer ranks."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_trainer_processes
+        """Completions in one generation batch (= one optimizer step), over all data-parallel trainer ranks."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_data_parallel_trainers
 
     @property
     def prompts_per_step(self) -> int:
@@ -520,69 +563,6 @@ class AsyncAIPOConfig(GRPOConfig):
     def prompts_per_generation(self) -> int:
         """Prompts the generator samples per step: the step's, plus dynamic sampling's extra ones."""
         return self.prompts_per_step + self.dynamic_sampling_extra_prompts
-
-
-# The share of collective_timeout_s that tool calls may take in one generator tick.
-TOOL_SHARE = 0.5
-
-
-def tool_tick_bound(iterations: int | None, calls_per_turn: int, call_timeout_s: float, budget_s: float,
-                    runs: int, get_reward: bool = False) -> tuple[float, str]:
-    """The longest tool calls (and environments' get_reward) can take in one generator tick, and the arithmetic as
-    text.
-
-    Each rollout's turns run in a thread of their own, concurrently with the other rollouts' turns and the generate
-    calls, and no rollout waits for another's calls (`MultiTurn.run`): so a run of rollouts spends on tools at most
-    what one rollout may, beyond its generate calls. One rollout may spend the smaller of its budget and
-    max_tool_calling_iterations turns x (calls per turn x tool_call_timeout_s + 1 s for a stuck event loop; a
-    turn's synchronous calls run one after the other). With `get_reward`, the get_reward calls of a run start as
-    their rollouts finish and run together, each bounded by tool_call_timeout_s (+ 1 s for a stuck event loop): the
-    last one ends at most that long after the run's last turn. A tick holds one run, two when an evaluation is due.
-    """
-    per_turn = calls_per_turn * call_timeout_s + 1.0
-    if iterations is None:
-        rollout, terms = budget_s, f"rollout_time_budget_s={budget_s:g}"
-    else:
-        rollout = min(budget_s, iterations * per_turn)
-        terms = (f"min(rollout_time_budget_s={budget_s:g}, max_tool_calling_iterations={iterations} x "
-                 f"(max_tool_calls_per_turn={calls_per_turn} x tool_call_timeout_s={call_timeout_s:g} + 1))")
-    if get_reward:
-        rollout += call_timeout_s + 1.0
-        terms = f"({terms} + get_reward's tool_call_timeout_s={call_timeout_s:g} + 1)"
-    if runs > 1:
-        terms += f" x {runs} (an evaluation runs in the same tick as training)"
-    return runs * rollout, terms
-
-
-def _runs(args) -> int:
-    return 2 if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" else 1
-
-
-def default_tool_budget(args) -> float:
-    """rollout_time_budget_s left unset: what `TOOL_SHARE` of collective_timeout_s leaves per run of rollouts once the
-    get_reward calls (tool_call_timeout_s + 1 s) are set aside; all of it when they do not fit (then an environment
-    with get_reward is refused, `check_tool_tick`)."""
-    per_run = TOOL_SHARE * args.collective_timeout_s / _runs(args)
-    reward_s = args.tool_call_timeout_s + 1.0
-    return per_run - reward_s if per_run > reward_s else per_run
-
-
-def check_tool_tick(args, get_reward: bool) -> None:
-    """Refuse settings under which the tool calls (and, with `get_reward`, the environments' get_reward calls) of one
-    generator tick could take more than `TOOL_SHARE` of collective_timeout_s."""
-    runs, share = _runs(args), TOOL_SHARE * args.collective_timeout_s
-    worst, terms = tool_tick_bound(args.max_tool_calling_iterations, args.max_tool_calls_per_turn,
-                                   args.tool_call_timeout_s, args.rollout_time_budget_s, runs, get_reward)
-    if worst > share:
-        room = share / runs - (args.tool_call_timeout_s + 1.0 if get_reward else 0.0)
-        fix = (f"Set rollout_time_budget_s <= {room:g}, lower" if room > 0 else "Lower")
-        what = "tool calls and get_reward" if get_reward else "tool calls"
-        raise ValueError(
-            f"AsyncAIPOConfig: {what} could take {worst:g} s of one generator tick ({terms}), more than "
-            f"{TOOL_SHARE:g} x collective_timeout_s={args.collective_timeout_s:g} = {share:g} s (the rest of it is "
-            f"left for generation and the weight sync; past collective_timeout_s the job fails). {fix} "
-            "max_tool_calls_per_turn, tool_call_timeout_s or max_tool_calling_iterations, or raise "
-            "collective_timeout_s.")
 
 
 def _is_whole(value) -> bool:

@@ -213,7 +213,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
         rewards=trainer.rewards, backend=backend, schedule=trainer.schedule,
         num_generations=args.num_generations,
         micro_batch_size=args.per_device_train_batch_size,
-        dynamic_sampling_groups=(args.prompts_per_step // args.num_trainer_processes
+        dynamic_sampling_groups=(args.prompts_per_step // args.num_data_parallel_trainers
                                  if args.drop_zero_variance_groups else 0),
         sampling=args.sampling, max_grad_norm=args.max_grad_norm,
         pad_token_id=trainer.processing_class.pad_token_id, device=device, on_step=on_step,

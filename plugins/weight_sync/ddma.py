@@ -1,10 +1,10 @@
 """`nccl_ddma` weight sync: every trainer rank sends its own FSDP2 shard straight to the generators.
 
 LlamaRL's distributed direct memory access (paper, section 4.3): no rank gathers the model. Each
-trainer rank holds dim-0 shards of every parameter (FSDP2's `Shard(0)` DTensors) and sends them
-to every generator rank itself, all links at once; each generator rank receives the rows from
-every trainer rank directly into the full tensor they belong to, and streams the full tensors into
-vLLM's `reload_weights` as they complete.
+trainer rank holds a box of every parameter (FSDP2's rows; with trainer tensor parallelism a block of rows and
+columns, `local_box`; a part several ranks hold is sent by one of them) and sends it to every generator rank
+itself, all links at once; each generator rank receives the boxes from every trainer rank directly into the full
+tensor they belong to, and streams the full tensors into vLLM's `reload_weights` as they complete.
 
 With tensor parallelism on the generators, each generator rank receives only the part of each
 weight its vLLM shard reads. That part is not restated here per layer type: at start-up each
@@ -47,19 +47,22 @@ from dataclasses import dataclass
 import torch
 
 from hfllamarl.contracts import Box, WeightSyncBackend
-from hfllamarl.weight_sync import (ReplicaLostError, local_shard, recv_object, send_objects, send_tensor, settle,
+from hfllamarl.weight_sync import (ReplicaLostError, local_box, recv_object, send_objects, send_tensor, settle,
                                    start_recv_tensor, whole)
 
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """Rows `[row_offset, row_offset + rows)` of parameter `name` live on one trainer rank."""
+    """The box of parameter `name` one trainer rank sends (None: nothing; another rank holds the same part)."""
 
     name: str
     shape: tuple[int, ...]  # the full parameter's shape
     dtype: torch.dtype
-    row_offset: int
-    rows: int
+    box: Box | None
+
+    @property
+    def volume(self) -> int:
+        return _volume(self.box) if self.box is not None else 0
 
     @property
     def full_bytes(self) -> int:
@@ -72,25 +75,33 @@ class ShardInfo:
 @dataclass(frozen=True)
 class Piece:
     """The box of weight `name` (full-tensor coordinates) that travels from one trainer rank to one
-    generator rank: the generator's box, cut on dim 0 to the trainer's rows."""
+    generator rank: the generator's box cut to the trainer's."""
 
     name: str
     box: Box
 
 
 def plan_piece(shard: ShardInfo, box: Box | None) -> Piece | None:
-    """What of `shard` (one trainer rank's rows) a generator rank reading `box` receives."""
-    if box is None or not shard.rows:
+    """What of `shard` (one trainer rank's box) a generator rank reading `box` receives."""
+    if box is None or shard.box is None:
         return None
-    start, end = max(shard.row_offset, box[0][0]), min(shard.row_offset + shard.rows, box[0][1])
-    if start >= end:
+    cut = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(shard.box, box))
+    if any(start >= end for start, end in cut):
         return None
-    return Piece(shard.name, ((start, end),) + tuple(box[1:]))
+    return Piece(shard.name, cut)
 
 
-def _index(box: Box, row_offset: int = 0) -> tuple[slice, ...]:
-    return tuple(slice(s - (row_offset if d == 0 else 0), e - (row_offset if d == 0 else 0))
-                 for d, (s, e) in enumerate(box))
+def _volume(box: Box) -> int:
+    n = 1
+    for start, end in box:
+        n *= end - start
+    return n
+
+
+def _index(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
+    """`box` as slices of a tensor whose first element is at `origin`'s start (None: the full tensor)."""
+    starts = [0] * len(box) if origin is None else [s for s, _ in origin]
+    return tuple(slice(s - o, e - o) for (s, e), o in zip(box, starts))
 
 
 def plan_buckets(names: list[str], sizes: dict[str, int], dtypes: dict[str, torch.dtype],
@@ -156,9 +167,8 @@ class DDMAWeightSync(WeightSyncBackend):
         topo = self.topology
         infos = []
         for name, t in model.state_dict().items():
-            local, offset = local_shard(t, topo.rank)
-            infos.append(ShardInfo(name, tuple(t.shape) or (1,), self.wire_dtype(t.dtype), offset,
-                                   local.shape[0] if local.dim() else 1))
+            _, box, owner = local_box(t, topo.rank)
+            infos.append(ShardInfo(name, tuple(t.shape) or (1,), self.wire_dtype(t.dtype), box if owner else None))
         send_objects(topo, infos, topo.generator_ranks, "nccl_ddma plan")
         self.boxes = {g: recv_object(topo, g, "nccl_ddma boxes") for g in topo.generator_ranks}
         for g in topo.generator_ranks:  # every replica's engine must read what replica 0's does (relays rely on it)
@@ -223,16 +233,14 @@ class DDMAWeightSync(WeightSyncBackend):
         self.wanted = {n for (t, g), link in self.pieces.items() if g == me for n in link}
 
     def _check_tiling(self) -> None:
+        """The trainer ranks' boxes of every weight are distinct, inside it, and as large as it together."""
         for name in self.names:
-            covered = 0
-            for o, n in sorted((i.row_offset, i.rows) for infos in self.shards.values() for i in infos
-                               if i.name == name and i.rows):
-                if o != covered:
-                    raise ValueError(f"nccl_ddma: the trainer shards of {name} do not tile it (gap at row {covered})")
-                covered += n
-            if covered != self.info[name].shape[0]:
-                raise ValueError(f"nccl_ddma: the trainer shards of {name} cover {covered} of "
-                                 f"{self.info[name].shape[0]} rows")
+            shape = self.info[name].shape
+            boxes = [i.box for infos in self.shards.values() for i in infos if i.name == name and i.box is not None]
+            inside = all(0 <= s < e <= n for box in boxes for (s, e), n in zip(box, shape))
+            covered = sum(_volume(b) for b in boxes)
+            if not inside or len(set(boxes)) != len(boxes) or covered != _volume(whole(shape)):
+                raise ValueError(f"nccl_ddma: the trainer shards of {name} {tuple(shape)} do not tile it: {boxes}")
 
     # ------------------------------------------------------------------ every sync
     def send(self, model: torch.nn.Module) -> None:
@@ -240,8 +248,8 @@ class DDMAWeightSync(WeightSyncBackend):
         state = model.state_dict()
         locals_ = {}
         for name in self.names:
-            local, offset = local_shard(state[name], topo.rank)
-            locals_[name] = (local.detach().to(self.device, self.info[name].dtype), offset)
+            local, box, _ = local_box(state[name], topo.rank)
+            locals_[name] = (local.detach().to(self.device, self.info[name].dtype), box)
         entries = [r for r, src in self.layout().items() if src is None]
         ranks = [g for r in entries for g in topo.replica_ranks(r)]
         waits = []
@@ -255,9 +263,8 @@ class DDMAWeightSync(WeightSyncBackend):
                     if key not in payloads:
                         parts = []
                         for p in message:
-                            local, offset = locals_[p.name]
-                            parts.append(local.reshape((local.shape[0],) + self.info[p.name].shape[1:])[
-                                _index(p.box, offset)])
+                            local, box = locals_[p.name]
+                            parts.append(local.reshape([e - s for s, e in box])[_index(p.box, box)])
                         payloads[key] = (parts[0].contiguous() if len(parts) == 1
                                          else torch.cat([x.reshape(-1) for x in parts]))
                     waits.append(send_tensor(topo, payloads[key], g, f"nccl_ddma bucket {bucket[0]}"))
@@ -276,10 +283,7 @@ class DDMAWeightSync(WeightSyncBackend):
                 continue
             piece, info = link[name], self.info[name]
             rows = all(b == (0, size) for b, size in zip(piece.box[1:], info.shape[1:]))
-            count = 1
-            for start, end in piece.box:
-                count *= end - start
-            (alone if rows and count * info.dtype.itemsize >= self.alone_bytes else packed).append(piece)
+            (alone if rows and _volume(piece.box) * info.dtype.itemsize >= self.alone_bytes else packed).append(piece)
         return [[p] for p in alone] + ([packed] if packed else [])
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -234,7 +234,7 @@ def main():
     rewards = [{"digits": digits, "flat_zero": flat_zero}.get(a.reward, a.reward)] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
     if a.reward_model:
         rewards.insert(0, a.reward_model)
-    config = AsyncAIPOConfig(
+    config = AsyncAIPOConfig(**dict(dict(
         output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=16, num_generations=4,
         max_completion_length=4, learning_rate=a.learning_rate, logging_steps=1, report_to=a.report_to,
         max_staleness=a.max_staleness, num_generator_processes=a.num_generators, seed=0,
@@ -242,9 +242,8 @@ def main():
         collective_timeout_s=a.timeout, vllm_server_timeout=a.startup_timeout, generator_kv_cache_bytes=a.kv_cache_bytes, save_steps=a.save_steps, beta=a.beta, partial_rollout_tokens=a.partial_rollout_tokens,
         algorithm=a.algorithm, bootstrap_generation=not a.no_bootstrap,
         verify_weight_sync=a.verify_weight_sync,
-        **(dict(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.3) if a.transforms else {}),
-        **json.loads(a.extra),
-    )
+        **(dict(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.3) if a.transforms else {})),
+        **json.loads(a.extra)))  # (--extra overrides)
     for _ in range(a.repeat):
         peft_config = None
         if a.lora:

@@ -1,7 +1,8 @@
 """Where each tick's work goes with several generator replicas, and how the loss of one is survived.
 
 Batch b's prompts are split by position twice (`hfllamarl.runtime.loop.schedule`): live replica r generates
-`replica_share(P, live, b)[r]`, trainer rank k trains `trainer_positions(P, T, k)`. The `rollouts` channel
+`replica_share(P, live, b)[r]`, the trainer ranks of data-parallel rank d (one tensor-parallel group) train
+`trainer_positions(P, D, d)`. The `rollouts` channel
 (`RolloutsChannel`) carries each replica's finished groups straight to the trainer rank that owns their
 positions, and a trainer rank assembles its share of a batch in position order (`Dispatch.ordered`), so what a
 trainer rank trains at each step does not depend on the replicas.
@@ -113,7 +114,7 @@ class Dispatch:
         topo, out = self.topology, {}
         for batch, owners in self.assigned.items():
             have = {g.position for g in inbox.get(batch, [])}
-            mine = trainer_positions(self.prompts, topo.num_trainers, topo.rank)
+            mine = trainer_positions(self.prompts, topo.data_parallel_size, topo.data_rank_of(topo.rank))
             missing = [p for p in mine if owners[p] in topo.lost and p not in have]
             if missing:
                 out[batch] = missing
@@ -140,7 +141,7 @@ class Dispatch:
         if not groups or any(g.position < 0 for g in groups):
             return groups
         topo = self.topology
-        want = list(trainer_positions(self.prompts, topo.num_trainers, topo.rank))
+        want = list(trainer_positions(self.prompts, topo.data_parallel_size, topo.data_rank_of(topo.rank)))
         groups = sorted(groups, key=lambda g: g.position)
         got = [g.position for g in groups]
         if got != want:
@@ -187,14 +188,16 @@ class RolloutsChannel:
         if topo.role == "generator":
             groups = executor.get_output(ROLLOUTS)
             if topo.local_rank == 0:
-                send_shares(topo, self.split(groups, topo.num_trainers), f"channel '{ROLLOUTS}'")
+                send_shares(topo, self.split(groups, topo.data_parallel_size), f"channel '{ROLLOUTS}'")
             return
         executor.put_input(ROLLOUTS, receive_shares(topo, self.dispatch.live, f"channel '{ROLLOUTS}'"))
 
 
 def send_shares(topo: Topology, chunks: list[list], what: str) -> None:
-    """A replica's first rank: chunk k to trainer rank k, all at once."""
-    waits = [w for dst, chunk in zip(topo.trainer_ranks, chunks) for w in start_send_object(topo, chunk, dst, what)]
+    """A replica's first rank: chunk k to the trainer ranks of data-parallel rank k (each rank of a tensor-parallel
+    group trains the same chunk), all at once."""
+    waits = [w for dst in topo.trainer_ranks
+             for w in start_send_object(topo, chunks[topo.data_rank_of(dst)], dst, what)]
     for wait in waits:
         wait()
 
@@ -274,7 +277,7 @@ class RecoveryStage:
         if order["work"]:
             groups = executor.generate_makeup(order["work"])
             if topo.local_rank == 0:
-                send_shares(topo, self.split(groups, topo.num_trainers), "recovery (make-up rollouts)")
+                send_shares(topo, self.split(groups, topo.data_parallel_size), "recovery (make-up rollouts)")
         return True
 
 

@@ -26,6 +26,7 @@ import logging
 import torch
 
 from hfllamarl.runtime.loop.rollout import Rollout
+from hfllamarl.runtime.training import vocab_parallel
 from hfllamarl.runtime.loop.sampling import Sampling, processed_logits, seen_tokens
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def _lm_head_at(model, positions: torch.Tensor):
         state["fired"] = True
         return (hidden.reshape(-1, hidden.shape[-1])[positions].unsqueeze(0), *args[1:])
 
-    handle = head.register_forward_pre_hook(pick)
+    handle = head.register_forward_pre_hook(pick, prepend=True)  # (before a tensor-parallel plan's own hook)
     try:
         yield state
     finally:
@@ -187,6 +188,10 @@ def completion_logprobs(model, batch: dict, sampling: Sampling | float, entropy:
     logits = outputs.logits
     if routers:
         router_logits.extend(outputs.router_logits)
+    if vocab_parallel.is_sharded(logits):
+        if sampling.temperature_only:  # trainer tensor parallelism: log-probs on the vocabulary shards
+            return _sharded_logprobs(logits, head["fired"], positions, tokens, where, out, sampling, entropy, empty)
+        logits = logits.full_tensor()  # top-k/top-p/min-p/penalties transform the whole distribution
     logits = logits.reshape(-1, logits.shape[-1])
     if not head["fired"]:
         logits = logits[positions]
@@ -205,6 +210,22 @@ def completion_logprobs(model, batch: dict, sampling: Sampling | float, entropy:
     if not entropy:
         return out.index_put(where, logprobs)
     return out.index_put(where, logprobs), out.detach().index_put(where, _entropy(x.detach()))
+
+
+def _sharded_logprobs(logits, fired: bool, positions, tokens, where, out, sampling: Sampling, entropy: bool,
+                      empty: bool):
+    """`completion_logprobs` on vocabulary-sharded logits (`vocab_parallel`), temperature only."""
+    local, start, group = vocab_parallel.shard_of(logits)
+    local = local.reshape(-1, local.shape[-1])
+    if not fired:
+        local = local[positions]
+    x = local.float() / sampling.temperature
+    if empty:
+        return (out + 0.0 * x.sum(), out.detach().clone()) if entropy else out + 0.0 * x.sum()
+    logprobs = vocab_parallel.token_logprobs(x, start, tokens[where], group)
+    if not entropy:
+        return out.index_put(where, logprobs)
+    return out.index_put(where, logprobs), out.detach().index_put(where, vocab_parallel.entropies(x.detach(), group))
 
 
 def _entropy(x: torch.Tensor, rows: int = 4096) -> torch.Tensor:

@@ -9,6 +9,8 @@ would otherwise wait on it, and every rank raises the same message.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -78,10 +80,28 @@ def first_bad_gradient(model: torch.nn.Module) -> str | None:
 
 
 def total_grad_norm(model: torch.nn.Module, max_norm: float | None) -> float:
-    """The gradients' global L2 norm (a collective under FSDP2), clipping them to `max_norm` when it is > 0."""
+    """The gradients' global L2 norm (a collective under FSDP2), clipping them to `max_norm` when it is > 0. With
+    trainer tensor parallelism the gradients live on two meshes (the 2-D one of the split layers, the data-parallel
+    one of what tensor parallelism keeps whole): each mesh's norm is reduced over it, then they are combined."""
     params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm and max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    meshes: dict[str, list[torch.Tensor]] = {}
+    for p in params:
+        mesh = getattr(p.grad, "device_mesh", None)
+        meshes.setdefault("" if mesh is None else f"{mesh.mesh.tolist()}{mesh.mesh_dim_names}", []).append(p.grad)
+    if len(meshes) <= 1:
+        if max_norm and max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    squares = 0.0
+    for grads in meshes.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        squares += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
+    total = math.sqrt(squares)
+    if max_norm and max_norm > 0 and math.isfinite(total):
+        coef = min(1.0, max_norm / (total + 1e-6))  # (torch's clip_grad_norm_ arithmetic)
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+    return total

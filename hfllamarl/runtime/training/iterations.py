@@ -47,17 +47,19 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: flo
 
 def _gather_padded(local: torch.Tensor) -> torch.Tensor:
     """`local` of every trainer rank, concatenated (the ranks' lengths differ: padded with a sentinel, then dropped)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    from hfllamarl.runtime.world.mesh import data_group, data_world_size
+
+    world, group = data_world_size(), data_group()  # (a tensor-parallel group's ranks hold the same tokens)
+    if world == 1:
         return local
-    world = dist.get_world_size()
     size = torch.tensor([local.numel()], dtype=torch.int64)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
+    dist.all_gather(sizes, size, group=group)
     width = int(max(s.item() for s in sizes))
     padded = torch.full((width,), _PAD, dtype=torch.float32)
     padded[:local.numel()] = local.cpu()
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=group)
     out = torch.cat(parts)
     return out[out != _PAD].to(local.device)
 

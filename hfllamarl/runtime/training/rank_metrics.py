@@ -10,15 +10,17 @@ import torch.distributed as dist
 
 from hfllamarl.runtime.data.episodes import reward_arguments
 from hfllamarl.runtime.loop.rollout import RolloutGroup
+from hfllamarl.runtime.world.mesh import data_group, data_world_size
 
 
 def all_sum(values: dict[str, float]) -> dict[str, float]:
-    """Sum a dict of floats over the trainer world (identity with one trainer rank)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    """Sum a dict of floats over the data (the data-parallel trainer ranks: a tensor-parallel group's ranks hold the
+    same data; identity with one)."""
+    if data_world_size() == 1:
         return dict(values)
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=data_group())
     return dict(zip(keys, t.tolist()))
 
 
@@ -35,9 +37,9 @@ def logged_means(logged: dict[str, tuple[float, int]]) -> dict[str, float]:
     call on every trainer rank, as TRL does. Every trainer rank calls it (a name only some ranks logged counts
     theirs)."""
     parts = [logged]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, logged)
+    if data_world_size() > 1:
+        parts = [None] * data_world_size()
+        dist.all_gather_object(parts, logged, group=data_group())
     totals: dict[str, list[float]] = {}
     for part in parts:
         for name, (total, count) in part.items():

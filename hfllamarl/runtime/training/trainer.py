@@ -37,6 +37,8 @@ from hfllamarl.runtime.loop.rollout import ROLLOUTS, Rollout, RolloutGroup
 from hfllamarl.runtime.loop.sampling import Sampling, within_support
 from hfllamarl.runtime.loop.schedule import Schedule
 from hfllamarl.runtime.world import startup
+from hfllamarl.runtime.weights.tensor_parallel import reduce_partial_gradients
+from hfllamarl.runtime.world.mesh import data_group, data_world_size
 from hfllamarl.runtime.world.topology import Topology
 from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS, WeightSyncBackend
 
@@ -323,6 +325,7 @@ class TrainerExecutor(Executor):
     def _checked_grad_norm(self) -> float:
         """The gradients' norm (clipped to max_grad_norm); a NaN/inf one stops the step before the optimizer."""
         model = self.spec.model
+        reduce_partial_gradients(model)  # (trainer tensor parallelism: whole parameters used on sharded heads)
         grad_norm = total_grad_norm(model, self.spec.max_grad_norm)
         if not math.isfinite(grad_norm):  # no optimizer step with a NaN/inf gradient: the weights stay finite
             bad = first_bad_gradient(model)
@@ -350,7 +353,7 @@ class TrainerExecutor(Executor):
         steps = math.ceil(len(rollouts) / mb)
         masked = [spec.mask_truncated_completions and r.finish_reason == "length" for r in rollouts]
         tokens = _all_sum({"tokens": sum(r.num_sampled for r, m in zip(rollouts, masked) if not m)})["tokens"]
-        shape = StepShape(tokens=tokens, trainer_ranks=dist.get_world_size() if dist.is_initialized() else 1,
+        shape = StepShape(tokens=tokens, trainer_ranks=data_world_size(),
                           micro_batches=steps, max_completion_length=spec.max_completion_length)
         extra = {"shape": shape} if takes_shape(spec.algorithm) else {}
         takes = loss_keywords(spec.algorithm)
@@ -522,9 +525,9 @@ def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Te
              **{name: [math.nan if v is None else v for v in scores] for name, scores in per_func.items()},
              "advantage": advantages.tolist()}
     parts = [(local, extra or {})]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (local, extra or {}))
+    if data_world_size() > 1:  # (a tensor-parallel group's ranks hold the same samples: one of each)
+        parts = [None] * data_world_size()
+        dist.all_gather_object(parts, (local, extra or {}), group=data_group())
     if not first:
         return None
     out = {key: [v for part, _ in parts for v in part[key]] for key in local}
@@ -569,9 +572,9 @@ def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
     maximum for names ending in `/max`, the minimum for `/min`, else the mean of the ranks' means. A name only
     some ranks report is reduced over those."""
     local = {k: _combine(k, v) for k, v in values.items() if v}
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, local)
+    if data_world_size() > 1:
+        everyone: list = [None] * data_world_size()
+        dist.all_gather_object(everyone, local, group=data_group())
     else:
         everyone = [local]
     keys = sorted({k for part in everyone for k in part})

@@ -2,8 +2,10 @@
 
 Accelerate 1.15 does not do FSDP on the CPU (it falls back to one unsharded process per rank,
 silently), so the trainer shards the model itself with torch's `fully_shard`: one FSDP unit per
-decoder layer, then the root. The weight sync relies on this layout: every parameter is a
-DTensor sharded on dim 0 across the trainer ranks.
+decoder layer, then the root, over the data-parallel ranks of the trainer mesh (`hfllamarl.runtime.world.mesh`);
+with trainer tensor parallelism the decoder layers are split inside each tensor-parallel group first
+(`tensor_parallel`). Every parameter is then a DTensor; `local_box` says which box of the full tensor a rank holds
+(what the weight sync sends and sharded loading reads).
 """
 
 from __future__ import annotations
@@ -26,25 +28,31 @@ def decoder_layer_classes(model: torch.nn.Module) -> set[type]:
     return classes
 
 
-def shard_model(model: torch.nn.Module, device_type: str, mixed_precision: str | None = None) -> torch.nn.Module:
-    """Shard `model` in place with FSDP2 over the default process group (the trainer world)."""
+def shard_model(model: torch.nn.Module, device_type: str, mixed_precision: str | None = None,
+                tp: int | None = None) -> torch.nn.Module:
+    """Shard `model` in place over the trainer world: tensor parallel inside each group of `tp` ranks (default: the
+    job's `trainer_tensor_parallel_size`; `tensor_parallel.parallelize`), then FSDP2 over the data-parallel ranks."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from hfllamarl.runtime.weights.tensor_parallel import TensorParallelError, parallelize
+    from hfllamarl.runtime.world.mesh import trainer_mesh
 
     if not dist.is_initialized():
         raise ShardingError("FSDP2 needs the trainer world (torch.distributed) initialized first.")
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    mesh = trainer_mesh(device_type, tp)
     mp = None
     if mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kwargs = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    kwargs = {"mesh": mesh["dp"]} if mp is None else {"mesh": mesh["dp"], "mp_policy": mp}
     try:
-        for cls in decoder_layer_classes(model):
-            for module in [m for m in model.modules() if isinstance(m, cls)]:
-                fully_shard(module, **kwargs)
+        layers = [m for cls in decoder_layer_classes(model) for m in model.modules() if isinstance(m, cls)]
+        if mesh.ndim == 2:
+            parallelize(model, layers, mesh["tp"])
+        for module in layers:
+            fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
-    except ShardingError:
+    except (ShardingError, TensorParallelError):
         raise
     except Exception as exc:
         raise ShardingError(f"FSDP2 sharding of {type(model).__name__} failed: {type(exc).__name__}: {exc}") from exc
@@ -83,21 +91,36 @@ def broadcast_from_rank0(model: torch.nn.Module, device: torch.device) -> None:
             dist.broadcast(t.data, src=0)
 
 
-def local_shard(t: torch.Tensor, trainer_rank: int) -> tuple[torch.Tensor, int]:
-    """(this rank's rows of `t`, their offset on dim 0). A plain tensor belongs to trainer rank 0."""
+def local_box(t: torch.Tensor, trainer_rank: int) -> tuple[torch.Tensor, tuple[tuple[int, int], ...], bool]:
+    """(this rank's part of `t`, the box of the full tensor it holds (one [start, end) per dimension), whether this
+    rank is the one that sends it). A DTensor part held by several ranks (replicated over a mesh dimension, or a
+    parameter that only the data-parallel ranks shard while tensor parallelism keeps it whole) is sent by the first
+    of them; a plain tensor by trainer rank 0."""
     if hasattr(t, "to_local"):
-        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor import Replicate
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        placements = tuple(t.placements)
+        from hfllamarl.runtime.world.mesh import tp_coordinate
+
+        mesh, placements = t.device_mesh, tuple(t.placements)
         local = t.to_local()
-        if all(isinstance(p, Replicate) for p in placements):
-            return (local if trainer_rank == 0 else local[:0]), 0
-        if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
-            raise ValueError(f"expected an FSDP2 Shard(0) placement, got {placements}")
-        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
-        return local, int(offset[0]) if len(offset) else 0
+        shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+        box = tuple((int(o), int(o) + int(n)) for o, n in zip(offset, shape)) or ((0, 1),)
+        owner = all(mesh.get_local_rank(i) == 0 for i, p in enumerate(placements) if isinstance(p, Replicate))
+        if "tp" not in (mesh.mesh_dim_names or ()) and tp_coordinate() != 0:
+            owner = False  # a part tensor parallelism keeps whole: the group's first rank sends it
+        return (local if local.dim() else local.reshape(1)), box, owner
     t = t.detach()
     if t.dim() == 0:
         t = t.reshape(1)
-    return (t if trainer_rank == 0 else t[:0]), 0
+    return t, tuple((0, n) for n in t.shape), trainer_rank == 0
+
+
+def local_shard(t: torch.Tensor, trainer_rank: int) -> tuple[torch.Tensor, int]:
+    """(this rank's rows of `t`, their offset on dim 0): `local_box` of a tensor sharded by rows only (FSDP2 alone);
+    a rank that does not send its part gets no rows."""
+    local, box, owner = local_box(t, trainer_rank)
+    if any(b != (0, n) for b, n in zip(box[1:], tuple(t.shape)[1:])):
+        raise ValueError(f"expected a parameter sharded by rows (FSDP2's Shard(0)), got box {box} of {tuple(t.shape)}; "
+                         "use local_box for a tensor-parallel layout")
+    return (local if owner else local[:0]), box[0][0]

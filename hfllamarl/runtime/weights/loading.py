@@ -167,19 +167,23 @@ def load_shards(model: torch.nn.Module, directory: str) -> None:
             key = checkpoint_name(name)
             if key not in rows:
                 raise ValueError(f"{directory!r} holds no weight {key!r} for parameter {name}")
-            local, offset = _local_rows(p)
-            rows.read_rows_into(key, offset, local)
+            local, box = _local_part(p)
+            if all(b == (0, n) for b, n in zip(box[1:], p.shape[1:])):
+                rows.read_rows_into(key, box[0][0], local)
+            else:  # a block of a tensor-parallel weight: its rows, then its columns
+                part = rows.read_rows(key, box[0][0], box[0][1])
+                local.copy_(part[(slice(None),) + tuple(slice(s, e) for s, e in box[1:])])
 
 
-def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(this rank's part of `p`, the offset of its first row): a Shard(0) DTensor's rows, or all of a plain or
-    replicated one."""
+def _local_part(p: torch.Tensor) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
+    """(this rank's part of `p`, the box of the full tensor it holds): a DTensor's part (FSDP2 rows, or a block of
+    rows and columns with tensor parallelism), or all of a plain one."""
     if not hasattr(p, "to_local"):
-        return p.detach(), 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        return p.detach(), tuple((0, n) for n in p.shape)
+    from hfllamarl.runtime.weights.fsdp import local_box
 
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, tuple(p.placements))
-    return p.to_local(), int(offset[0]) if len(offset) else 0
+    local, box, _ = local_box(p, 0)
+    return p.to_local(), box[:p.dim()]
 
 
 def init_lora(model: torch.nn.Module, seed: int = 0) -> None:
@@ -191,8 +195,8 @@ def init_lora(model: torch.nn.Module, seed: int = 0) -> None:
     def fill(p: torch.Tensor, draw) -> None:
         full = torch.empty(tuple(p.shape))
         draw(full)
-        local, offset = _local_rows(p)
-        local.copy_(full[offset:offset + local.shape[0]].to(local.dtype))
+        local, box = _local_part(p)
+        local.copy_(full[tuple(slice(s, e) for s, e in box)].to(local.dtype))
 
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):

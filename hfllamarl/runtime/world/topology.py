@@ -124,6 +124,7 @@ class Topology:
     job_id: int = 0  # a single process may run train() several times (a notebook): one job each
     tensor_parallel_size: int | None = None  # ranks per vLLM replica (None: one replica over every generator rank)
     failure: str = "stop"  # generator_failure: "continue" survives the loss of a replica
+    trainer_tp: int = 1  # trainer ranks per tensor-parallel group (consecutive ranks; they train the same data)
     _store: object = field(default=None, repr=False)
     _bridge: dict = field(default_factory=dict, repr=False)  # (kind, replica) or (kind, "relay", a, b) -> group
     _members: dict = field(default_factory=dict, repr=False)  # id(group) -> its bridge ranks, in group-rank order
@@ -149,6 +150,15 @@ class Topology:
     @property
     def generator_ranks(self) -> list[int]:
         return list(range(self.num_trainers, self.world_size))
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Trainer ranks that train different data: the trainer ranks over their tensor-parallel size."""
+        return self.num_trainers // self.trainer_tp
+
+    def data_rank_of(self, rank: int) -> int:
+        """Which share of a batch trainer rank `rank` trains (its tensor-parallel group's index)."""
+        return rank // self.trainer_tp
 
     @property
     def role(self) -> str:
@@ -465,12 +475,13 @@ _TOPOLOGY: Topology | None = None
 
 
 def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool,
-                  tensor_parallel_size: int | None = None, failure: str = "stop") -> Topology:
+                  tensor_parallel_size: int | None = None, failure: str = "stop", trainer_tp: int = 1) -> Topology:
     """Work out this process's place in the job and, under a launcher, split the worlds.
 
     Called by `AsyncAIPOConfig.__post_init__`, before transformers sets up its distributed state,
     so that Accelerate sees the trainer world only. Idempotent within a process.
-    `tensor_parallel_size`: ranks per vLLM replica (None: one replica over all generator ranks).
+    `tensor_parallel_size`: ranks per vLLM replica (None: one replica over all generator ranks); `trainer_tp`: trainer
+    ranks per tensor-parallel group.
     """
     global _TOPOLOGY
     tp = tensor_parallel_size or num_generator_processes
@@ -484,7 +495,7 @@ def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool,
         _TOPOLOGY.num_generators, _TOPOLOGY.tensor_parallel_size = num_generator_processes, tp
         if _TOPOLOGY.mode == "single":
             _TOPOLOGY.world_size = 1 + num_generator_processes
-        _TOPOLOGY.timeout_s, _TOPOLOGY.failure = timeout_s, failure
+        _TOPOLOGY.timeout_s, _TOPOLOGY.failure, _TOPOLOGY.trainer_tp = timeout_s, failure, trainer_tp
         return _TOPOLOGY
 
     from hfllamarl.runtime.world.spawn import become_child, child_settings
@@ -510,6 +521,7 @@ def init_topology(num_generator_processes: int, timeout_s: float, use_cpu: bool,
             tensor_parallel_size=tp,
             failure=failure,
         )
+    topo.trainer_tp = trainer_tp
     _TOPOLOGY = topo
     if topo.mode != "single":
         topo.init_local_world()

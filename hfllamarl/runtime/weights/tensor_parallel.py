@@ -1,0 +1,182 @@
+"""Tensor parallelism of the policy inside each trainer tensor-parallel group (torch's DTensor plans).
+
+Megatron's layout, as torch's `parallelize_module` applies it to a decoder layer: the q/k/v and gate/up projections
+are split by output rows (`ColwiseParallel`: whole attention heads, whole MLP columns), o and down by input columns
+(`RowwiseParallel`: their partial outputs summed by one all-reduce). Attention then runs on this rank's heads only
+(transformers reshapes by head size, not head count). A Qwen3 q/k norm acts per head and stays whole; biases follow
+their rows. An untied output layer is split by vocabulary rows and its logits stay sharded (`DTensor`, `Shard(-1)`):
+the log-probs are computed on the shards (`hfllamarl.runtime.training.vocab_parallel`), never gathered whole. A tied
+one stays whole on every rank of the group (the input embedding reads the same matrix by token). Norms, embeddings
+and everything else stay whole inside the group; FSDP2 shards every parameter over the data-parallel ranks after.
+
+With fewer KV heads than ranks (Llama-3 70B's 8 under TP 16, a tiny model's 1 under TP 2) k and v stay whole on
+every rank and each rank keeps the KV head its query heads read (`replicate_kv`), as vLLM replicates KV heads. A
+parameter kept whole but used on this rank's heads only (q/k norms; k/v then) gets from each rank the gradient of
+its heads: the parts are summed over the group after backward (`reduce_partial_gradients`).
+
+Refused, with the reason: mixtures of experts (no expert-parallel plan), a head count or MLP width the group does
+not divide, and a layer whose parameters are not the q/k/v/o and gate/up/down projections and norms the plan
+knows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+COLUMNWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE = ("o_proj", "down_proj")
+
+
+class TensorParallelError(ValueError):
+    """The model cannot be split over the trainer tensor-parallel group as asked; the message says why."""
+
+
+def check_model(config, tp: int) -> None:
+    """Refuse, before anything is built, a model the plan cannot split over `tp` ranks (`config`: its HF config)."""
+    if tp <= 1:
+        return
+    text = getattr(config, "get_text_config", lambda: config)()
+    name = type(config).__name__
+    experts = [a for a in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(text, a, None)]
+    if experts:
+        raise TensorParallelError(
+            f"trainer_tensor_parallel_size={tp}: {name} is a mixture of experts ({experts[0]}="
+            f"{getattr(text, experts[0])}); the trainer has no expert-parallel plan. Train it with FSDP2 alone "
+            "(trainer_tensor_parallel_size=1).")
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    width = getattr(text, "intermediate_size", None)
+    for what, value in (("attention heads", heads), ("KV heads", kv), ("MLP width (intermediate_size)", width)):
+        if value is None:
+            raise TensorParallelError(f"trainer_tensor_parallel_size={tp}: {name} does not say its {what}; the "
+                                      "tensor-parallel plan needs it.")
+        if what == "KV heads" and value < tp:
+            if tp % value:
+                raise TensorParallelError(
+                    f"trainer_tensor_parallel_size={tp}: {name} has {value} KV heads; with fewer KV heads than ranks "
+                    f"each rank keeps one whole, which needs the tensor-parallel size to be a multiple of them. "
+                    f"Use a multiple of {value}, or a divisor of it.")
+            continue
+        if value % tp:
+            raise TensorParallelError(
+                f"trainer_tensor_parallel_size={tp}: {name}'s {value} {what} do not split evenly over {tp} ranks; use "
+                "a tensor-parallel size that divides the attention heads, KV heads and MLP width.")
+
+
+def check_trainer_tp(config, tp: int, peft_config=None, model=None) -> None:
+    """`check_model`, and LoRA refused: its adapters have no tensor-parallel plan (every rank alike, at start)."""
+    if tp <= 1:
+        return
+    check_model(config, tp)
+    from hfllamarl.runtime.weights.lora import is_peft
+
+    if peft_config is not None or (model is not None and is_peft(model)):
+        raise TensorParallelError(
+            f"trainer_tensor_parallel_size={tp} with LoRA: the adapters have no tensor-parallel plan. Train LoRA with "
+            "FSDP2 alone (trainer_tensor_parallel_size=1); the base model is frozen, so sharding it over every "
+            "trainer rank already costs each rank 1/N of it.")
+
+
+def layer_plan(layer: torch.nn.Module, tp: int) -> tuple[dict, list[str]]:
+    """The `parallelize_module` plan of one decoder layer (names relative to it), and the linear layers left whole
+    because the model has fewer KV heads than `tp` (`replicate_kv`)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    kv_whole = _kv_heads(layer) is not None and _kv_heads(layer) < tp
+    plan, whole, unknown = {}, [], []
+    for name, module in layer.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("k_proj", "v_proj") and kv_whole:
+            whole.append(name)
+        elif leaf in COLUMNWISE:
+            plan[name] = ColwiseParallel()
+        elif leaf in ROWWISE:
+            plan[name] = RowwiseParallel()
+        else:
+            unknown.append(name)
+    for name, module in layer.named_modules():  # every other parameter: a norm (whole) or one the plan cannot place
+        leaf = name.rsplit(".", 1)[-1]
+        if not isinstance(module, torch.nn.Linear) and any(True for _ in module.parameters(recurse=False)) \
+                and "norm" not in leaf:
+            unknown.append(name)
+    if unknown or not plan:
+        raise TensorParallelError(
+            f"the trainer's tensor-parallel plan knows the q/k/v/o and gate/up/down projections and the norms of a "
+            f"decoder layer; {type(layer).__name__} has {unknown or 'none of them'}. Train this model with "
+            "trainer_tensor_parallel_size=1.")
+    return plan, whole
+
+
+def _attention(layer: torch.nn.Module):
+    return next((m for m in layer.modules() if hasattr(m, "num_key_value_groups")), None)
+
+
+def _kv_heads(layer: torch.nn.Module) -> int | None:
+    attn = _attention(layer)
+    cfg = getattr(attn, "config", None)
+    return getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", None)
+
+
+def replicate_kv(layer: torch.nn.Module, names: list[str], tp_rank: int, tp: int) -> None:
+    """Fewer KV heads than ranks (tp a multiple of them): every rank keeps k/v whole and uses the one KV head its
+    query heads read (the output columns of that head); attention repeats it over the rank's query heads."""
+    attn = _attention(layer)
+    heads, kv = attn.config.num_attention_heads, _kv_heads(layer)
+    head_dim = getattr(attn, "head_dim", None) or attn.config.hidden_size // heads
+    mine = (tp_rank * heads // tp) // (heads // kv)  # the KV head of this rank's first query head
+    for name in names:
+        layer.get_submodule(name).register_forward_hook(
+            lambda module, args, out, s=mine * head_dim: out[..., s:s + head_dim])
+    attn.num_key_value_groups = heads // tp  # this rank's query heads, all reading its one KV head
+
+
+def partial_gradients(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Parameters kept whole on every rank of a group but used on this rank's heads only (q/k norms, and k/v with
+    fewer KV heads than ranks): each rank's gradient is its heads' part, and the parts are summed
+    (`reduce_partial_gradients`)."""
+    return getattr(model, "_hfllamarl_partial_grads", [])
+
+
+def reduce_partial_gradients(model: torch.nn.Module) -> None:
+    """Sum the `partial_gradients` over the tensor-parallel group (after backward, before the gradient norm)."""
+    import torch.distributed as dist
+
+    params = partial_gradients(model)
+    if not params:
+        return
+    group = model._hfllamarl_tp_group
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+
+
+def tied_output(model: torch.nn.Module) -> bool:
+    """Whether the output layer shares its matrix with the input embedding."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+def parallelize(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh) -> None:
+    """Split `model`'s decoder `layers` and (untied) output layer over `tp_mesh`, in place (before FSDP2)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    check_model(model.config, tp)
+    partial = []
+    for layer in layers:
+        plan, whole = layer_plan(layer, tp)
+        parallelize_module(layer, tp_mesh, plan)
+        if whole:
+            replicate_kv(layer, whole, tp_mesh.get_local_rank(), tp)
+        for name, module in layer.named_modules():
+            if name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") or name in whole:
+                partial += list(module.parameters(recurse=False))
+    model._hfllamarl_partial_grads, model._hfllamarl_tp_group = partial, tp_mesh.get_group()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and not tied_output(model):
+        # the logits stay vocabulary-sharded: `vocab_parallel` computes log-probs on the shards
+        parallelize_module(head, tp_mesh, ColwiseParallel(use_local_output=False))
