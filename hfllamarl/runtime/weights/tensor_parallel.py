@@ -119,16 +119,35 @@ def _kv_heads(layer: torch.nn.Module) -> int | None:
     return getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", None)
 
 
-def replicate_kv(layer: torch.nn.Module, names: list[str], tp_rank: int, tp: int) -> None:
+class _SummedBackward(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (each rank's is the part of its own heads)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def replicate_kv(layer: torch.nn.Module, names: list[str], tp_rank: int, tp: int, group) -> None:
     """Fewer KV heads than ranks (tp a multiple of them): every rank keeps k/v whole and uses the one KV head its
-    query heads read (the output columns of that head); attention repeats it over the rank's query heads."""
+    query heads read (the output columns of that head); attention repeats it over the rank's query heads. The
+    input's gradient through them is summed over the group (as a column-split layer's is)."""
     attn = _attention(layer)
     heads, kv = attn.config.num_attention_heads, _kv_heads(layer)
     head_dim = getattr(attn, "head_dim", None) or attn.config.hidden_size // heads
     mine = (tp_rank * heads // tp) // (heads // kv)  # the KV head of this rank's first query head
     for name in names:
-        layer.get_submodule(name).register_forward_hook(
-            lambda module, args, out, s=mine * head_dim: out[..., s:s + head_dim])
+        module = layer.get_submodule(name)
+        module.register_forward_pre_hook(lambda module, args: (_SummedBackward.apply(args[0], group), *args[1:]))
+        module.register_forward_hook(lambda module, args, out, s=mine * head_dim: out[..., s:s + head_dim])
     attn.num_key_value_groups = heads // tp  # this rank's query heads, all reading its one KV head
 
 
@@ -136,7 +155,8 @@ def partial_gradients(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Parameters kept whole on every rank of a group but used on this rank's heads only (q/k norms, and k/v with
     fewer KV heads than ranks): each rank's gradient is its heads' part, and the parts are summed
     (`reduce_partial_gradients`)."""
-    return getattr(model, "_hfllamarl_partial_grads", [])
+    names = getattr(model, "_hfllamarl_partial_grads", ())  # (names: FSDP2 replaces the parameter objects)
+    return [p for name, p in model.named_parameters() if name in names]
 
 
 def reduce_partial_gradients(model: torch.nn.Module) -> None:
@@ -166,15 +186,18 @@ def parallelize(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh) 
 
     tp = tp_mesh.size()
     check_model(model.config, tp)
-    partial = []
+    partial, ids = set(), {id(layer) for layer in layers}
     for layer in layers:
         plan, whole = layer_plan(layer, tp)
         parallelize_module(layer, tp_mesh, plan)
         if whole:
-            replicate_kv(layer, whole, tp_mesh.get_local_rank(), tp)
-        for name, module in layer.named_modules():
-            if name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") or name in whole:
-                partial += list(module.parameters(recurse=False))
+            replicate_kv(layer, whole, tp_mesh.get_local_rank(), tp, tp_mesh.get_group())
+    for name, layer in model.named_modules():
+        if id(layer) in ids:
+            _, whole = layer_plan(layer, tp)
+            partial |= {f"{name}.{sub}.{leaf}" for sub, module in layer.named_modules()
+                        if sub.rsplit(".", 1)[-1] in ("q_norm", "k_norm") or sub in whole
+                        for leaf, _ in module.named_parameters(recurse=False)}
     model._hfllamarl_partial_grads, model._hfllamarl_tp_group = partial, tp_mesh.get_group()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and not tied_output(model):

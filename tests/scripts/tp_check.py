@@ -1,0 +1,111 @@
+"""Run under torchrun with T trainer ranks (TRAINER_TP ranks per tensor-parallel group): for each model directory
+given, the policy sharded as the trainer shards it (tensor parallel x FSDP2) against the same model whole in this
+process (transformers alone, the independent reference):
+
+- the log-probs and entropies of completion tokens (`completion_logprobs`, on vocabulary-sharded logits when the
+  output layer is split) and a loss over them: equal to the whole model's on the same sequences;
+- after backward (and `reduce_partial_gradients`), every parameter's gradient, gathered whole: equal to the whole
+  model's gradient of the same loss summed over every data-parallel rank's sequences, divided as FSDP2 averages;
+- the boxes `local_box` names: each rank's part is that box of the full tensor, and the sending ranks' boxes tile it;
+- the parameter bytes each rank holds, against the whole model's.
+
+    TRAINER_TP=2 torchrun --nproc_per_node 4 tests/scripts/tp_check.py MODEL_DIR [MODEL_DIR ...]
+
+Prints `RESULT {json}` on rank 0, one entry per model.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def check(path: str, tp: int) -> dict:
+    import transformers
+
+    from hfllamarl.runtime.loop.rollout import Rollout
+    from hfllamarl.runtime.loop.sampling import Sampling
+    from hfllamarl.runtime.training.batching import completion_logprobs, pad_batch
+    from hfllamarl.runtime.weights.fsdp import local_box, shard_model
+    from hfllamarl.runtime.weights.tensor_parallel import reduce_partial_gradients
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp, d = world // tp, dist.get_rank() // tp
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    whole = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    shard_model(model, "cpu")
+    held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+
+    vocab = whole.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for i in range(4 * dp):  # 4 sequences per data-parallel rank, prompts and completions of different lengths
+        p, c = 3 + i % 4, 2 + (i * 3) % 5
+        ids = torch.randint(0, vocab, (p + c,), generator=g).tolist()
+        rows.append(Rollout(prompt="", prompt_ids=ids[:p], completion_ids=ids[p:], behavior_logprobs=[0.0] * c,
+                            versions=[0] * c, finish_reason="stop", completion_text=""))
+    sampling = Sampling(temperature=0.7)
+    mine = rows[4 * d:4 * d + 4]
+    batch = pad_batch(mine, 0, torch.device("cpu"))
+    logprobs, entropy = completion_logprobs(model, batch, sampling, entropy=True)
+    loss = -(logprobs * torch.linspace(0.5, 1.5, logprobs.numel()).reshape(logprobs.shape)).sum()
+    loss.backward()
+    reduce_partial_gradients(model)
+
+    ref_lp, ref_ent, ref_loss = [], [], 0.0
+    for k in range(dp):
+        b = pad_batch(rows[4 * k:4 * k + 4], 0, torch.device("cpu"))
+        lp, ent = completion_logprobs(whole, b, sampling, entropy=True)
+        part = -(lp * torch.linspace(0.5, 1.5, lp.numel()).reshape(lp.shape)).sum()
+        (part / dp).backward()  # FSDP2 averages the data-parallel ranks' gradients
+        ref_lp.append(lp.detach())
+        ref_ent.append(ent)
+    out = {"logprob_error": float((logprobs.detach() - ref_lp[d]).abs().max()),
+           "entropy_error": float((entropy - ref_ent[d]).abs().max()),
+           "held_share": held / full_bytes}
+    errors, scale, tiled = {}, {}, []
+    state = dict(whole.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        errors[name] = float((grad - state[name].grad).abs().max())
+        scale[name] = float(state[name].grad.abs().max())
+        local, box, owner = local_box(p, rank)
+        full = p.full_tensor()
+        part = full[tuple(slice(s, e) for s, e in box)]
+        if not torch.equal(local.reshape(part.shape), part):
+            tiled.append(f"{name}: rank {rank}'s part is not box {box}")
+        volume = 1
+        for s, e in box:
+            volume *= e - s
+        sent = torch.tensor([volume if owner else 0])
+        dist.all_reduce(sent)
+        if int(sent) != full.numel():
+            tiled.append(f"{name}: the sending ranks' boxes cover {int(sent)} of {full.numel()} elements")
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {**out, "grad_errors": errors, "box_errors": tiled})
+    if rank == 0:
+        return {"ranks": everyone, "grad_scale": scale}
+    return {}
+
+
+def main():
+    tp = int(os.environ.get("TRAINER_TP", "2"))
+    from hfllamarl.runtime.world import topology
+
+    dist.init_process_group("gloo")
+
+    class TrainerSide:  # what the trainer mesh reads of the job's topology
+        trainer_tp, role, device_type = tp, "trainer", "cpu"
+
+    topology._TOPOLOGY = TrainerSide()
+    results = {path: check(path, tp) for path in sys.argv[1:]}
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(results), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

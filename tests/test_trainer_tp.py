@@ -1,0 +1,78 @@
+"""Trainer tensor parallelism (`trainer_tensor_parallel_size`): trainer ranks in a (data parallel, tensor parallel)
+mesh compute what one whole model computes, train as one rank trains, and hand the generator exactly their weights.
+
+The references are independent of the sharded code: the same model whole in transformers (log-probs, gradients),
+and a one-trainer run of the same job (losses, gradient norms, the trained weights); every weight sync is checked
+against vLLM's own loader reading the trainer's weights from disk (`--verify-weight-sync`).
+"""
+
+import json
+import os
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import SCRIPTS, assert_on_policy, run_script, step_logs, tail
+
+pytestmark = pytest.mark.slow
+
+# kv < tp (k/v kept whole, one KV head per rank) + q/k norms + an untied, vocabulary-sharded output layer; biases +
+# tied embeddings (output layer whole); the plain Llama shape (2 KV heads split); a sliding window
+FAMILIES = ["qwen3", "qwen2", "llama", "mistral"]
+
+
+def test_the_sharded_policy_computes_what_the_whole_model_does(family_model):
+    """4 trainer ranks as TP 2 x FSDP 2: completion log-probs and entropies (vocabulary-sharded where the output layer
+    is untied), and every parameter's gradient gathered whole, equal the whole model's in transformers on the same
+    sequences (each data-parallel rank its own 4); each rank holds one box of every parameter, the sending ranks'
+    boxes tile it, and each rank holds about a quarter of the parameter bytes."""
+    paths = [family_model(f) for f in FAMILIES]
+    proc = run_script([str(SCRIPTS / "tp_check.py"), *paths], nproc=4, timeout=300, env={"TRAINER_TP": "2"})
+    assert proc.returncode == 0, tail(proc)
+    results = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
+    for family, path in zip(FAMILIES, paths):
+        scale = results[path]["grad_scale"]
+        for rank in results[path]["ranks"]:
+            assert rank["logprob_error"] < 1e-5 and rank["entropy_error"] < 1e-5, (family, rank)
+            bad = {n: e for n, e in rank["grad_errors"].items() if e > 1e-5 * max(scale[n], 1.0)}
+            assert not bad, (family, bad)
+            assert not rank["box_errors"], (family, rank["box_errors"])
+            # the layers' weights are split 4 ways; embeddings and norms 2 ways (tensor parallelism keeps them whole)
+            assert 0.24 < rank["held_share"] < 0.30, (family, rank["held_share"])
+
+
+def _run(model: str, out: str, nproc: int | None, generators: int, extra: dict, steps: int = 3):
+    args = [str(SCRIPTS / "train_tiny.py"), model, out, "--steps", str(steps), "--max-staleness", "0",
+            "--num-generators", str(generators), "--reward", "digits", "--verify-weight-sync", "--report-to", "none",
+            "--save-model", os.path.join(out, "final"), "--extra", json.dumps(extra)]
+    proc = run_script(args + (["--no-bootstrap"] if nproc is None else []), nproc=nproc, timeout=500)
+    assert proc.returncode == 0, tail(proc)
+    return step_logs(proc.stdout), load_file(os.path.join(out, "final", "model.safetensors"))
+
+
+CASES = [("qwen3", 2)] + ([(f, g) for f in FAMILIES for g in (1, 2) if (f, g) != ("qwen3", 2)]
+                          if os.environ.get("HFLLAMARL_ALL_LAYOUTS") else [])
+
+
+@pytest.mark.parametrize("family,generators", CASES)
+def test_tp2_x_fsdp2_trains_as_one_rank_does(family_model, tmp_path, family, generators):
+    """3 on-policy steps of the same job, 4 trainer ranks as TP 2 x FSDP 2 (8 completions each data-parallel rank)
+    against one trainer rank (16): the same samples, losses and gradient norms at every step, pi/mu == 1 on every
+    token (the generator holds exactly the trainer's weights, also checked against vLLM's loader after every sync),
+    and the same trained weights. (Adam divides each gradient by its own running size, so a weight whose gradient
+    is rounding noise moves by up to the learning rate either way: the weights compare at 2e-4, lr 1e-3.)"""
+    model = family_model(family)
+    one, one_weights = _run(model, str(tmp_path / "one"), None, generators, {})
+    tp, tp_weights = _run(model, str(tmp_path / "tp"), 4 + generators, generators,
+                          {"trainer_tensor_parallel_size": 2, "per_device_train_batch_size": 8})
+    assert len(one) == len(tp) == 3
+    for a, b in zip(one, tp):
+        assert_on_policy(a)
+        assert_on_policy(b)
+        assert a["reward"] == pytest.approx(b["reward"], abs=1e-9), "the runs sampled different completions"
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert b["entropy"] == pytest.approx(a["entropy"], abs=1e-5)
+    assert set(one_weights) == set(tp_weights)
+    moved = max(float((tp_weights[k] - one_weights[k]).abs().max()) for k in one_weights)
+    assert moved < 2e-4, moved
