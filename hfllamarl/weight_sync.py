@@ -12,9 +12,10 @@ moves, so a timeout or a lost peer reports it, and waits at most `collective_tim
 
 Shards and boxes:
 
-- `local_box(tensor, trainer_rank)`: this trainer rank's part of a parameter, the box of the full tensor it is, and
-  whether this rank sends it (a part several ranks hold is sent by the first; a plain tensor by trainer rank 0): FSDP2
-  rows, or with trainer tensor parallelism a block of rows and columns.
+- `local_box(tensor, trainer_rank)`: the part of a parameter this trainer rank sends, the box of the full tensor it
+  is, and whether it sends anything: FSDP2 rows, or with trainer tensor parallelism a block of rows and columns; a
+  part several ranks hold (tensor parallelism keeps norms and embeddings whole) is split by rows between them; a plain
+  tensor is trainer rank 0's.
 - `local_shard(tensor, trainer_rank)`: the same for a parameter sharded by rows only (FSDP2 alone): its rows and
   their offset on dim 0.
 - `whole(shape)`: the box of a whole tensor; `crop(tensor, box)`: the part of a tensor a box names.

@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from safetensors.torch import load_file
+
 from conftest import SCRIPTS, run_script, tail
 
 pytestmark = pytest.mark.slow
@@ -35,7 +37,23 @@ def test_sync_matches_vllms_own_loader(family_model, backend, trainers, generato
     greedy output equals transformers' with the same weights."""
     result = check_sync(family_model(family), backend, trainers, generators, options)
     assert result["independent_check"] == [[]] * generators, result
-    assert {**result, "independent_check": None} == {**GOOD, "trainer_ranks": trainers}
+    assert {**result, "independent_check": None, "sent_bytes": None} == {**GOOD, "trainer_ranks": trainers,
+                                                                          "sent_bytes": None}
+
+
+def test_tensor_parallel_trainer_shards_reach_a_tensor_parallel_generator(family_model):
+    """4 trainer ranks as FSDP2 2 x tensor parallel 2 (blocks of rows and columns; one KV head kept whole on every
+    rank) -> a vLLM engine tensor parallel over 2 (the KV head replicated): every generator rank holds exactly what
+    vLLM's own loader reads from disk, and no trainer rank sends more than its share: the bytes each sends are within
+    10% of each other, and together what the generator ranks read (nothing twice)."""
+    result = check_sync(family_model("qwen3"), "nccl_ddma", 4, 2, ["8192"], env={"TRAINER_TP": "2"})
+    assert result["independent_check"] == [[]] * 2, result
+    assert result["greedy_matches_hf"] and result["same_output_on_every_generator_rank"], result
+    sent = result["sent_bytes"]
+    assert max(sent) < 1.1 * min(sent), sent
+    model_bytes = sum(t.numel() * 4 for t in load_file(family_model("qwen3") + "/model.safetensors").values())
+    # each generator rank reads half of every split weight and all of the rest (norms, embeddings, the KV head)
+    assert model_bytes < sum(sent) < 2 * model_bytes, (sent, model_bytes)
 
 
 def test_independent_check_catches_a_wrong_sync(family_model):

@@ -159,7 +159,8 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     if opts.get("link_gbps"):
         emulate_links(opts["link_gbps"])
-    topo = init_topology(opts["generators"], timeout_s=600, use_cpu=True, tensor_parallel_size=opts.get("tp"))
+    topo = init_topology(opts["generators"], timeout_s=600, use_cpu=True, tensor_parallel_size=opts.get("tp"),
+                         trainer_tp=opts.get("trainer_tp", 1))
     topo.join_bridges()
     results: dict = {"rank": topo.rank, "role": topo.role}
 
@@ -237,7 +238,8 @@ def main(argv: list[str]) -> int:
                     digest = tensor_digest((n, crop(t, backend.region(n, topo.rank))) for n, t in got)
                 del got
         results[name] = {"seconds": sorted(times)[len(times) // 2], "peak_rss_mb": mem.peak / 2**20,
-                         "growth_mb": (mem.peak - mem.start) / 2**20, "digest": digest}
+                         "growth_mb": (mem.peak - mem.start) / 2**20, "digest": digest,
+                         "sent_bytes": getattr(backend, "sent_bytes", None) if topo.role == "trainer" else None}
 
     gathered = Channel("results", ChannelKind.GATHER, list(range(topo.world_size)), [0], topo).communicate(results)
     topo.liveness.mark_done()

@@ -31,6 +31,8 @@ def add_weight_sync_arguments(parser) -> None:
     parser.add_argument("--params", type=float, default=1.1e8, help="model size in parameters (default 1.1e8)")
     parser.add_argument("--trainers", type=int, default=2)
     parser.add_argument("--generators", type=int, default=1)
+    parser.add_argument("--trainer-tp", type=int, default=1, help="trainer tensor-parallel size: the trainer ranks as "
+                        "a (trainers / this) x this mesh, FSDP2 x tensor parallelism, as trainer_tensor_parallel_size")
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs per backend (the median is kept)")
     parser.add_argument("--bucket-mb", type=int, default=32, help="nccl_ddma bucket size in MiB")
     parser.add_argument("--timeout", type=float, default=1200)
@@ -87,6 +89,8 @@ def summarize(ranks: list[dict], opts: dict) -> dict:
         "disk_s": round(seconds["disk"], 4),
         "bound_s": round(max(g["bound_s"] for g in gens), 4),
         "bitwise_equal": bitwise,
+        "trainer_tp": opts.get("trainer_tp", 1),
+        "ddma_sent_bytes": [r["nccl_ddma"]["sent_bytes"] for r in ranks if r["role"] == "trainer"],
     }
     for b, key in (("nccl_ddma", "ddma"), ("broadcast", "broadcast"), ("disk", "disk")):
         summary[f"{key}_peak_rss_mb"] = round(trainer0[b]["peak_rss_mb"], 1)
@@ -147,15 +151,20 @@ def run_replicas(args) -> int:
 
 def run_weight_sync(args) -> int:
     opts = {"params": args.params, "trainers": args.trainers, "generators": args.generators,
-            "repeats": args.repeats, "bucket_mb": args.bucket_mb, "backends": list(BACKENDS)}
+            "repeats": args.repeats, "bucket_mb": args.bucket_mb, "backends": list(BACKENDS),
+            "trainer_tp": args.trainer_tp}
     if args.trainers < 1 or args.generators < 1:
         raise SystemExit("--trainers and --generators must be >= 1")
+    if args.trainer_tp < 1 or args.trainers % args.trainer_tp:
+        raise SystemExit(f"--trainer-tp {args.trainer_tp} must divide --trainers {args.trainers}")
     if args.replicas:
         return run_replicas(args)
     summary = summarize(launch(opts, args.trainers + args.generators, args.timeout), opts)
     model_mb = summary["bytes"] / 2**20
+    layout = (f" (FSDP2 {args.trainers // args.trainer_tp} x tensor parallel {args.trainer_tp})"
+              if args.trainer_tp > 1 else "")
     print(f"weight sync of {summary['params'] / 1e6:.1f}M parameters ({model_mb:.0f} MiB fp32), "
-          f"{args.trainers} trainer rank(s) -> {args.generators} generator rank(s), median of {args.repeats}")
+          f"{args.trainers} trainer rank(s){layout} -> {args.generators} generator rank(s), median of {args.repeats}")
     print(f"{'backend':<12}{'seconds':>10}{'GiB/s':>8}{'x bound':>9}{'rank-0 peak MiB':>17}{'rank-0 growth MiB':>19}")
     for key in ("ddma", "broadcast", "disk", "bound"):
         s = summary[f"{key}_s"]
@@ -165,5 +174,8 @@ def run_weight_sync(args) -> int:
               f"{peak:>17.0f}{growth:>19.0f}")
     print(f"broadcast / ddma = {summary['broadcast_over_ddma']:.2f}x; ddma / bound = {summary['ddma_over_bound']:.2f}x;"
           f" bitwise equal: {summary['bitwise_equal']}")
+    sent = summary["ddma_sent_bytes"]
+    print(f"nccl_ddma bytes sent per trainer rank: {', '.join(f'{b / 2**20:.1f}' for b in sent)} MiB (the model: "
+          f"{model_mb:.1f} MiB to each of {args.generators} generator rank(s) that reads all of it)")
     print(json.dumps(summary))
     return 0

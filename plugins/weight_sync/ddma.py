@@ -147,6 +147,7 @@ class DDMAWeightSync(WeightSyncBackend):
         self.max_inflight = max(1, int(max_inflight))
         self.fan_out = int(fan_out) if fan_out else max(1, topology.num_trainers // topology.replica_size)
         self.incomplete = False  # the last receive() lost its relay source part-way (see the module docstring)
+        self.sent_bytes = 0  # what this trainer rank sent in the last sync (every link counted)
 
     def layout(self) -> dict[int, int | None]:
         """replica -> where it receives the next sync from (None: the trainer ranks), over `targets`."""
@@ -250,6 +251,7 @@ class DDMAWeightSync(WeightSyncBackend):
         for name in self.names:
             local, box, _ = local_box(state[name], topo.rank)
             locals_[name] = (local.detach().to(self.device, self.info[name].dtype), box)
+        self.sent_bytes = 0
         entries = [r for r, src in self.layout().items() if src is None]
         ranks = [g for r in entries for g in topo.replica_ranks(r)]
         waits = []
@@ -268,6 +270,7 @@ class DDMAWeightSync(WeightSyncBackend):
                         payloads[key] = (parts[0].contiguous() if len(parts) == 1
                                          else torch.cat([x.reshape(-1) for x in parts]))
                     waits.append(send_tensor(topo, payloads[key], g, f"nccl_ddma bucket {bucket[0]}"))
+                    self.sent_bytes += payloads[key].numel() * payloads[key].element_size()
             # Bound the bytes in flight: wait for the oldest buckets once the window is full.
             while len(waits) > self.max_inflight * max(len(ranks), 1) * 4:
                 settle([waits.pop(0)])

@@ -4,7 +4,7 @@ trainer's weights written to disk (the independent check), and vLLM's greedy out
 
     GENERATORS=G torchrun --nproc_per_node T+G tests/scripts/weight_sync_check.py MODEL_DIR [BACKEND [BUCKET_BYTES]]
 
-Environment: TRAINER_DTYPE / TRANSFER_DTYPE (a bf16 trainer feeding an fp32 generator), DIE=<rank> (that
+Environment: TRAINER_TP (the trainer ranks as FSDP2 x tensor parallelism), TRAINER_DTYPE / TRANSFER_DTYPE (a bf16 trainer feeding an fp32 generator), DIE=<rank> (that
 rank exits in the middle of the transfer), SABOTAGE=kv_split (the generator asks for k/v rows as if KV
 heads were split over its ranks: the independent check must catch it).
 """
@@ -82,7 +82,8 @@ def main():
     model_dir = sys.argv[1]
     backend_name = sys.argv[2] if len(sys.argv) > 2 else "broadcast"
     generators = int(os.environ.get("GENERATORS", "1"))
-    topo = JOB["topology"] = init_topology(num_generator_processes=generators, timeout_s=120, use_cpu=True)
+    topo = JOB["topology"] = init_topology(num_generator_processes=generators, timeout_s=120, use_cpu=True,
+                                           trainer_tp=int(os.environ.get("TRAINER_TP", "1")))
     topo.bridge("object"), topo.bridge("tensor")
     options = {"bucket_bytes": int(sys.argv[3])} if len(sys.argv) > 3 else {}
     if int(os.environ.get("DIE", "-1")) == topo.rank:
@@ -109,6 +110,8 @@ def main():
         # What the generator's engine must end up with, written for vLLM's own loader to read.
         export_weights(model, export_dir, write=topo.rank == 0, cast=backend.wire_dtype)
         channel.communicate_with(Offer(model))
+        sent = [None] * topo.num_trainers  # what each trainer rank sent (nccl_ddma counts it)
+        torch.distributed.all_gather_object(sent, getattr(backend, "sent_bytes", None))
         full = full_state_dict(model)
         got = report.communicate(None)
         if topo.rank == 0:
@@ -124,6 +127,7 @@ def main():
                 "greedy_matches_hf": gen["after"] == hf_greedy,
                 "version": gen["version"],
                 "trainer_ranks": topo.num_trainers,
+                "sent_bytes": sent,
             }
             print("RESULT " + json.dumps(result), flush=True)
             import shutil

@@ -432,22 +432,21 @@ def load_model_weights(model: torch.nn.Module, directory: str) -> None:
 
 def load_adapter_shards(model: torch.nn.Module, directory: str) -> None:
     """A sharded LoRA policy's adapters from the checkpoint in `directory` (each rank keeps its rows)."""
-    from hfllamarl.runtime.weights.fsdp import local_shard
+    from hfllamarl.runtime.weights.fsdp import held_box
 
     path = os.path.join(directory, "hfllamarl", ADAPTERS)
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {directory!r} holds no LoRA adapters ({path}); it was not written by a "
                          "run with this peft_config.")
     saved = torch.load(path, weights_only=True)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     mine = {n: p for n, p in model.named_parameters() if ".lora_" in n}
     if set(saved) != set(mine):
         raise ValueError(f"the adapters in {path!r} do not match peft_config: missing {sorted(set(mine) - set(saved))}, "
                          f"unexpected {sorted(set(saved) - set(mine))}")
     with torch.no_grad():
         for name, p in mine.items():
-            local, offset = local_shard(p, rank)
-            local.copy_(saved[name][offset:offset + local.shape[0]])
+            local, box = held_box(p)
+            local.copy_(saved[name][tuple(slice(s, e) for s, e in box)])
 
 
 def load_trainer_side(trainer, executor, directory: str, unsampled: list[int] = ()) -> None:

@@ -91,29 +91,51 @@ def broadcast_from_rank0(model: torch.nn.Module, device: torch.device) -> None:
             dist.broadcast(t.data, src=0)
 
 
+def held_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
+    """(what this rank holds of `t`, the box of the full tensor it is: one [start, end) per dimension): a DTensor's
+    local part (FSDP2 rows, or with tensor parallelism a block of rows and columns), or all of a plain tensor."""
+    if not hasattr(t, "to_local"):
+        t = t.detach()
+        return t, tuple((0, n) for n in t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, tuple(t.placements))
+    return t.to_local(), tuple((int(o), int(o) + int(n)) for o, n in zip(offset, shape))
+
+
+def _holders(t: torch.Tensor, trainer_rank: int) -> tuple[int, int]:
+    """(how many trainer ranks hold the same part of `t`, this rank's index among them)."""
+    if not hasattr(t, "to_local"):
+        return 1, 0  # a plain tensor: trainer rank 0's to send
+    from torch.distributed.tensor import Replicate
+
+    from hfllamarl.runtime.world.mesh import tp_coordinate, trainer_tp
+
+    mesh, count, index = t.device_mesh, 1, 0
+    for i, p in enumerate(t.placements):
+        if isinstance(p, Replicate):
+            count, index = count * mesh.size(i), index * mesh.size(i) + mesh.get_local_rank(i)
+    if "tp" not in (mesh.mesh_dim_names or ()) and trainer_tp() > 1:  # tensor parallelism keeps this part whole
+        count, index = count * trainer_tp(), index * trainer_tp() + tp_coordinate()
+    return count, index
+
+
 def local_box(t: torch.Tensor, trainer_rank: int) -> tuple[torch.Tensor, tuple[tuple[int, int], ...], bool]:
-    """(this rank's part of `t`, the box of the full tensor it holds (one [start, end) per dimension), whether this
-    rank is the one that sends it). A DTensor part held by several ranks (replicated over a mesh dimension, or a
-    parameter that only the data-parallel ranks shard while tensor parallelism keeps it whole) is sent by the first
-    of them; a plain tensor by trainer rank 0."""
-    if hasattr(t, "to_local"):
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        from hfllamarl.runtime.world.mesh import tp_coordinate
-
-        mesh, placements = t.device_mesh, tuple(t.placements)
-        local = t.to_local()
-        shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-        box = tuple((int(o), int(o) + int(n)) for o, n in zip(offset, shape)) or ((0, 1),)
-        owner = all(mesh.get_local_rank(i) == 0 for i, p in enumerate(placements) if isinstance(p, Replicate))
-        if "tp" not in (mesh.mesh_dim_names or ()) and tp_coordinate() != 0:
-            owner = False  # a part tensor parallelism keeps whole: the group's first rank sends it
-        return (local if local.dim() else local.reshape(1)), box, owner
-    t = t.detach()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return t, tuple((0, n) for n in t.shape), trainer_rank == 0
+    """(the part of `t` this rank sends, the box of the full tensor it is, whether it sends anything): what it holds
+    (`held_box`), or when several ranks hold the same part (replicated over a mesh dimension, or kept whole by
+    tensor parallelism) its share of the rows, so that the holders send a part each. A plain tensor is trainer
+    rank 0's."""
+    local, box = held_box(t)
+    if local.dim() == 0:
+        local, box = local.reshape(1), ((0, 1),)
+    if not hasattr(t, "to_local"):
+        return local, box, trainer_rank == 0
+    count, index = _holders(t, trainer_rank)
+    if count > 1:
+        base, extra = divmod(box[0][1] - box[0][0], count)
+        start, rows = index * base + min(index, extra), base + (1 if index < extra else 0)
+        local, box = local[start:start + rows], ((box[0][0] + start, box[0][0] + start + rows),) + box[1:]
+    return local, box, box[0][1] > box[0][0]
 
 
 def local_shard(t: torch.Tensor, trainer_rank: int) -> tuple[torch.Tensor, int]:

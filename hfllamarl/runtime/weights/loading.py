@@ -178,12 +178,9 @@ def load_shards(model: torch.nn.Module, directory: str) -> None:
 def _local_part(p: torch.Tensor) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
     """(this rank's part of `p`, the box of the full tensor it holds): a DTensor's part (FSDP2 rows, or a block of
     rows and columns with tensor parallelism), or all of a plain one."""
-    if not hasattr(p, "to_local"):
-        return p.detach(), tuple((0, n) for n in p.shape)
-    from hfllamarl.runtime.weights.fsdp import local_box
+    from hfllamarl.runtime.weights.fsdp import held_box
 
-    local, box, _ = local_box(p, 0)
-    return p.to_local(), box[:p.dim()]
+    return held_box(p)
 
 
 def init_lora(model: torch.nn.Module, seed: int = 0) -> None:

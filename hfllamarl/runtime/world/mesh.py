@@ -56,6 +56,11 @@ def data_world_size() -> int:
     return dist.get_world_size() // _tp_size()
 
 
+def trainer_tp() -> int:
+    """The job's trainer tensor-parallel size (1 on a generator rank or without a job)."""
+    return _tp_size()
+
+
 def tp_coordinate() -> int:
     """This trainer rank's place in its tensor-parallel group (0 without tensor parallelism)."""
     import torch.distributed as dist
