@@ -213,7 +213,7 @@ def plan(model: Model, wl: Workload, hw: Hardware, n: int, prof: Profile | None 
                                                              out["sync_decode_concurrency"], 2)
     out["speedup"] = out["sync_step_s"] / out["async_step_s"] if out["sync_step_s"] else None
     out["launch"] = launch_settings(out, n, hw, train_time(model, wl, hw, prof, out["trainer_gpus"],
-                                                            out["trainer_gpus"], 1))
+                                                            out["trainer_gpus"], out["trainer_mp"]))
     return out
 
 
@@ -221,8 +221,9 @@ def launch_settings(o: dict, n: int, hw: Hardware, runtime_train) -> dict:
     """What to launch for the recommended split, as the runtime runs it: the launcher's processes per node (ranks
     fill node 0 first; the last `num_generator_processes` generate), `num_generator_processes` and
     `generator_tensor_parallel_size` (their ratio is the number of vLLM replicas), where each replica lands, and the
-    trainer the runtime runs: FSDP2 over every trainer rank, without tensor parallelism (`runtime_train`: that
-    layout's (seconds, micro-batch, accumulation), or None if it does not fit)."""
+    trainer the runtime runs: `trainer_tensor_parallel_size` = the planned trainer tensor parallelism, FSDP2 over the
+    data-parallel ranks (`runtime_train`: that layout's (seconds, micro-batch, accumulation), or None if it does not
+    fit; it differs from the plan only where the plan shards over smaller groups than all data-parallel ranks)."""
     nt, ng, m, per = o["trainer_gpus"], o["generator_gpus"], o["generator_mp"], min(n, hw.gpus_per_node)
     nodes = -(-n // per)
     per_node = []
@@ -231,12 +232,15 @@ def launch_settings(o: dict, n: int, hw: Hardware, runtime_train) -> dict:
         gens = [r for r in ranks if r >= nt]
         per_node.append({"node": node, "trainer_processes": len(ranks) - len(gens), "generator_processes": len(gens),
                          "replicas": sorted({(r - nt) // m for r in gens})})
-    runs_plan = o["trainer_mp"] == 1 and o["trainer_fsdp"] == nt
+    tp = o["trainer_mp"]
+    runs_plan = tp * o["trainer_fsdp"] == nt
+    trainer = (f"tensor parallel {tp} x FSDP2 {nt // tp} (trainer_tensor_parallel_size={tp})" if tp > 1 else
+               f"FSDP2 over the {nt} trainer rank{'s' if nt > 1 else ''}")
     return {"nodes": nodes, "nproc_per_node": per, "num_processes": n, "uneven_nodes": n % per != 0,
             "num_generator_processes": ng, "generator_tensor_parallel_size": m, "replicas": ng // m,
             "replicas_across_nodes": [r for r in range(ng // m) if len({(nt + r * m + i) // per for i in range(m)}) > 1],
             "per_node": per_node,
-            "trainer": f"FSDP2 over the {nt} trainer rank{'s' if nt > 1 else ''}, no tensor parallelism",
+            "trainer_tensor_parallel_size": tp, "trainer": trainer,
             "trainer_layout_as_planned": runs_plan,
             "runtime_train_s": None if runtime_train is None else round(runtime_train[0], 3),
             "runtime_micro_batch": None if runtime_train is None else runtime_train[1]}
@@ -262,7 +266,9 @@ def render_launch(launch: dict, o: dict) -> list[str]:
     nodes = f"--nnodes {l['nodes']} --node_rank $NODE " if l["nodes"] > 1 else ""
     lines.append(f"  torchrun {nodes}--nproc_per_node {l['nproc_per_node']} examples/train_math.py --config RECIPE "
                  f"--num_generator_processes {l['num_generator_processes']} --generator_tensor_parallel_size "
-                 f"{l['generator_tensor_parallel_size']}")
+                 f"{l['generator_tensor_parallel_size']}" + (f" --trainer_tensor_parallel_size "
+                                                              f"{l['trainer_tensor_parallel_size']}"
+                                                              if l["trainer_tensor_parallel_size"] > 1 else ""))
     if l["uneven_nodes"]:
         lines.append(f"  note: {l['num_processes']} processes do not fill nodes of {l['nproc_per_node']} evenly, and "
                      "torchrun and accelerate start the same number on every node")
@@ -272,8 +278,9 @@ def render_launch(launch: dict, o: dict) -> list[str]:
     if not l["trainer_layout_as_planned"]:
         runtime = (f"{l['runtime_train_s']:.1f} s a step (micro-batch {l['runtime_micro_batch']})"
                    if l["runtime_train_s"] is not None else "does not fit in memory")
-        lines.append(f"  note: the trainer layout above (tensor parallel {o['trainer_mp']} x FSDP {o['trainer_fsdp']}) "
-                     f"is the model's; the runtime trains with FSDP2 over all {o['trainer_gpus']} ranks: {runtime}")
+        dp = o["trainer_gpus"] // o["trainer_mp"]
+        lines.append(f"  note: the trainer layout above shards over groups of {o['trainer_fsdp']} (hybrid sharding, "
+                     f"the model's); the runtime shards over all {dp} data-parallel ranks: {runtime}")
     return lines
 
 

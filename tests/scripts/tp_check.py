@@ -55,7 +55,7 @@ def check(path: str, tp: int) -> dict:
     loss.backward()
     reduce_partial_gradients(model)
 
-    ref_lp, ref_ent, ref_loss = [], [], 0.0
+    ref_lp, ref_ent = [], []
     for k in range(dp):
         b = pad_batch(rows[4 * k:4 * k + 4], 0, torch.device("cpu"))
         lp, ent = completion_logprobs(whole, b, sampling, entropy=True)
