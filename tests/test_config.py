@@ -88,6 +88,8 @@ def test_defaults_and_derived_sizes():
     ({"bf16_full_eval": True}, "in generator_dtype"),
     ({"accelerator_config": {"split_batches": True}}, "no Accelerate data loader"),
     ({"ddp_backend": "nccl"}, "ddp_backend='nccl' is not supported: the ranks talk over gloo"),
+    ({"trainer_tensor_parallel_size": 0}, "trainer_tensor_parallel_size=0; it must be a whole number >= 1"),
+    ({"trainer_tensor_parallel_size": 2}, "needs 2 trainer processes at least, and `python script.py` runs one"),
 ])
 def test_bad_settings_are_explained(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -169,3 +171,36 @@ def test_every_grpo_config_field_is_read_refused_or_explained():
 
 def test_empty_values_of_unset_fields_are_not_a_setting():
     make(debug=[], fsdp=[], vllm_structured_outputs_regex="")  # ("", [] and None all mean unset)
+
+
+@pytest.mark.parametrize("family,tp,match", [
+    ("qwen3_moe", 2, "mixture of experts"),
+    ("llama", 4, "2 attention heads do not split evenly over 4 ranks"),
+    ("mistral", 3, "4 attention heads do not split evenly over 3 ranks"),
+])
+def test_models_trainer_tensor_parallelism_cannot_split_are_refused(family, tp, match):
+    """Before anything is built, with what to do: the plan's checks on the real families' configs (kv < tp is split
+    by keeping k/v whole; MoE has no plan; heads and MLP width must divide)."""
+    import transformers
+
+    from hfllamarl.runtime.weights.tensor_parallel import TensorParallelError, check_trainer_tp
+    from hfllamarl.testing.tiny import FAMILIES, _CLASSES
+
+    config = getattr(transformers, f"{_CLASSES[family]}Config")(num_hidden_layers=2, vocab_size=64,
+                                                                 **{"hidden_size": 64, "intermediate_size": 128,
+                                                                    **FAMILIES[family]})
+    with pytest.raises(TensorParallelError, match=match):
+        check_trainer_tp(config, tp)
+    check_trainer_tp(config, 1)  # FSDP2 alone runs every one of them
+
+
+def test_lora_with_trainer_tensor_parallelism_is_refused():
+    import transformers
+    from peft import LoraConfig
+
+    from hfllamarl.runtime.weights.tensor_parallel import TensorParallelError, check_trainer_tp
+
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
+    with pytest.raises(TensorParallelError, match="LoRA: the adapters have no tensor-parallel plan"):
+        check_trainer_tp(config, 2, peft_config=LoraConfig(r=4, target_modules=["q_proj"]))

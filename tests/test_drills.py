@@ -25,7 +25,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.drill]
 
 TIMEOUT_S = 60  # collective_timeout_s of the drilled jobs (start-ups side by side on 2 cores are slow)
 BOUND_S = TIMEOUT_S + 30
-NAMES = {"trainer0": "rank 0 (trainer 0)", "trainer1": "rank 1 (trainer 1)", "generator": "generator 0)"}
+NAMES = {**{f"trainer{k}": f"rank {k} (trainer {k})" for k in range(4)}, "generator": "generator 0)"}
+# The torchrun drills' trainer ranks are one tensor-parallel group (trainer_tensor_parallel_size=2): a killed or frozen
+# rank stops its peer inside the layers' all-reduces as well as FSDP2's collectives. HFLLAMARL_ALL_LAYOUTS=1 adds the
+# full 2-D mesh (4 trainer ranks as TP 2 x FSDP 2, every rank drilled).
+TP = ["--extra", json.dumps({"trainer_tensor_parallel_size": 2, "per_device_train_batch_size": 8})]
 
 
 def start(model: str, out: str, launch: str, extra=(), nproc: int = 3) -> subprocess.Popen:
@@ -53,10 +57,11 @@ def ranks_of(proc: subprocess.Popen, launch: str, out: str) -> dict[str, psutil.
         kids = [p for p in job_processes(proc, out)
                 if "hfllamarl.runtime.generation.generator_child" in " ".join(cmdline(p))]
         return {"trainer0": psutil.Process(proc.pid), "generator": kids[0]}
-    out = {}
-    for p in psutil.Process(proc.pid).children():
-        if "train_tiny.py" in " ".join(cmdline(p)):
-            out[{"0": "trainer0", "1": "trainer1", "2": "generator"}[p.environ()["LOCAL_RANK"]]] = p
+    out, ranks = {}, psutil.Process(proc.pid).children()
+    ranks = [p for p in ranks if "train_tiny.py" in " ".join(cmdline(p))]
+    for p in ranks:
+        local = int(p.environ()["LOCAL_RANK"])
+        out["generator" if local == len(ranks) - 1 else f"trainer{local}"] = p
     return out
 
 
@@ -90,14 +95,15 @@ def alive(p: psutil.Process) -> bool:
         return False
 
 
-def drill(model: str, out: str, launch: str, victim: str, sig: str, results: dict) -> None:
+def drill(model: str, out: str, launch: str, victim: str, sig: str, results: dict, extra=(), nproc: int = 3) -> None:
     """Start a job, signal `victim` after the first step; record how the survivors ended."""
-    proc = start(model, out, launch)
+    proc = start(model, out, launch, extra, nproc)
     try:
         wait_first_step(out, proc)
         time.sleep(1.0)  # somewhere inside a later step
         ranks = ranks_of(proc, launch, out)
         survivors = [p for role, p in ranks.items() if role != victim]
+        where = int(ranks[victim].environ().get("LOCAL_RANK", "0")) if launch == "torchrun" else 0
         signalled = time.monotonic()
         ranks[victim].send_signal(getattr(signal, sig))
         if launch.startswith("python") and victim == "trainer0":  # (the parent is the victim; its children survive)
@@ -110,7 +116,7 @@ def drill(model: str, out: str, launch: str, victim: str, sig: str, results: dic
         else:
             _, err = proc.communicate(timeout=BOUND_S + 60)
             ended, code = time.monotonic() - signalled, proc.returncode
-        results[(launch, victim, sig)] = {"seconds": ended, "code": code, "err": err,
+        results[(launch, victim, sig)] = {"seconds": ended, "code": code, "err": err, "rank": where,
                                           "left": [p.pid for p in survivors if alive(p)]}
     finally:
         end_job(proc, out)
@@ -126,9 +132,10 @@ def end_job(proc: subprocess.Popen, out) -> None:
         proc.communicate()
 
 
-def run_side_by_side(model, tmp_path, cases) -> dict:
+def run_side_by_side(model, tmp_path, cases, extra=(), nproc: int = 3) -> dict:
     results: dict = {}
-    threads = [threading.Thread(target=drill, args=(model, str(tmp_path / "-".join(c)), *c, results)) for c in cases]
+    threads = [threading.Thread(target=drill, args=(model, str(tmp_path / "-".join(c)), *c, results, extra, nproc))
+               for c in cases]
     for t in threads:
         t.start()
     for t in threads:
@@ -144,8 +151,7 @@ def check(results: dict, case: tuple) -> None:
     assert r["seconds"] < BOUND_S, (case, r["seconds"], tail)
     assert r["code"] != 0 and not r["left"], (case, r, tail)
     if launch == "torchrun" and sig == "SIGKILL":  # torchrun itself sees the death and names the rank
-        rank = {"trainer0": 0, "trainer1": 1, "generator": 2}[victim]
-        assert f"rank      : {rank}" in tail and "Signal 9" in tail, (case, tail)
+        assert f"rank      : {r['rank']}" in tail and "Signal 9" in tail, (case, tail)
     elif launch == "python" and victim == "trainer0":  # the generator child tells why it left
         assert ("rank 0 (trainer 0)" in tail and ("stopped answering" in tail or "is gone" in tail)), (case, tail)
     else:  # the last lines name the lost rank
@@ -155,7 +161,19 @@ def check(results: dict, case: tuple) -> None:
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 def test_every_rank_under_torchrun(family_model, tmp_path, sig):
     cases = [("torchrun", victim, sig) for victim in ("trainer0", "trainer1", "generator")]
-    results = run_side_by_side(family_model("llama"), tmp_path, cases)
+    results = run_side_by_side(family_model("llama"), tmp_path, cases, TP)
+    for case in cases:
+        check(results, case)
+        assert not orphans(str(tmp_path / "-".join(case)))
+
+
+@pytest.mark.skipif(not os.environ.get("HFLLAMARL_ALL_LAYOUTS"), reason="HFLLAMARL_ALL_LAYOUTS=1: 5 jobs of 5 ranks")
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_every_rank_of_a_2d_trainer_mesh(family_model, tmp_path, sig):
+    """4 trainer ranks as TP 2 x FSDP 2 + a generator: each trainer rank (tensor-parallel peers and data-parallel
+    peers) and the generator killed or frozen after the first step."""
+    cases = [("torchrun", victim, sig) for victim in ("trainer0", "trainer1", "trainer2", "trainer3", "generator")]
+    results = run_side_by_side(family_model("llama"), tmp_path, cases, TP, nproc=5)
     for case in cases:
         check(results, case)
         assert not orphans(str(tmp_path / "-".join(case)))
