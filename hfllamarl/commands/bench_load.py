@@ -3,7 +3,8 @@
     hfllamarl bench load [--params 3e8] [--trainers 2] [--modes sharded,whole]
 
 Writes a random Llama of about `--params` parameters to a temporary directory (safetensors, fp32),
-then, for each mode, starts `--trainers` trainer ranks (gloo) that load it and shard it with FSDP2:
+then, for each mode, starts `--trainers` trainer ranks (gloo) that load it and shard it with FSDP2 (with
+`--trainer-tp t`: tensor parallel t x FSDP2, as `trainer_tensor_parallel_size`):
 
 - `sharded`: hfllamarl's loader (`hfllamarl.runtime.weights.loading`): built on the meta device, sharded, each rank
   reading only its rows from the files;
@@ -27,6 +28,8 @@ import time
 def add_arguments(parser) -> None:
     parser.add_argument("--params", type=float, default=3e8, help="model size in parameters (default 3e8)")
     parser.add_argument("--trainers", type=int, default=2)
+    parser.add_argument("--trainer-tp", type=int, default=1, help="trainer tensor-parallel size (the trainer ranks as "
+                        "FSDP2 x tensor parallelism, as trainer_tensor_parallel_size)")
     parser.add_argument("--modes", default="sharded,whole", help="comma-separated: sharded, whole")
     parser.add_argument("--timeout", type=float, default=1800)
 
@@ -55,17 +58,21 @@ def _worker(opts: dict) -> None:
             from hfllamarl.runtime.weights.loading import build_empty, load_shards, materialize
 
             model = build_empty(config, torch.float32)
-            shard_model(model, "cpu")
+            shard_model(model, "cpu", tp=opts.get("tp", 1))
             materialize(model, torch.device("cpu"))
             load_shards(model, path)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            shard_model(model, "cpu")
+            shard_model(model, "cpu", tp=opts.get("tp", 1))
         gc.collect()
     seconds = time.perf_counter() - start
     local = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
-    # A check that the rows are the right ones: every rank sums its shard; rank 0 compares with the file.
-    checksum = torch.tensor([sum(float(p.to_local().detach().double().sum()) for p in model.parameters())], dtype=torch.float64)
+    # A check that the rows are the right ones: every rank sums its share (a part several ranks hold, once);
+    # rank 0 compares with the file.
+    from hfllamarl.runtime.weights.fsdp import local_box
+
+    checksum = torch.tensor([sum(float(local_box(p, dist.get_rank())[0].detach().double().sum())
+                                 for p in model.parameters())], dtype=torch.float64)
     dist.all_reduce(checksum)
     result = {"rank": dist.get_rank(), "mode": mode, "peak_growth": mem.peak - mem.start,
               "final_growth": _rss() - mem.start, "local_bytes": local, "seconds": seconds,
@@ -126,15 +133,20 @@ def run(args) -> int:
     bad = [m for m in modes if m not in ("sharded", "whole")]
     if bad or args.trainers < 1:
         raise SystemExit(f"--modes takes sharded and/or whole (got {bad}); --trainers must be >= 1")
+    if args.trainer_tp < 1 or args.trainers % args.trainer_tp:
+        raise SystemExit(f"--trainer-tp {args.trainer_tp} must divide --trainers {args.trainers}")
     directory = tempfile.mkdtemp(prefix="hfllamarl-bench-load-")
     try:
         params, model_bytes, total = _write_model(args.params, directory)
-        summary = {"params": params, "model_bytes": model_bytes, "trainer_ranks": args.trainers}
+        summary = {"params": params, "model_bytes": model_bytes, "trainer_ranks": args.trainers,
+                   "trainer_tp": args.trainer_tp}
+        layout = (f"tensor parallel {args.trainer_tp} x FSDP2 {args.trainers // args.trainer_tp}"
+                  if args.trainer_tp > 1 else "FSDP2")
         print(f"loading a {params / 1e6:.0f}M-parameter Llama ({model_bytes / 2**20:.0f} MiB fp32) on "
-              f"{args.trainers} trainer rank(s), sharded with FSDP2")
+              f"{args.trainers} trainer rank(s), sharded with {layout}")
         print(f"{'mode':<10}{'rank':>5}{'peak growth MiB':>17}{'x model':>9}{'shard MiB':>11}{'seconds':>9}")
         for mode in modes:
-            ranks = _launch({"path": directory, "mode": mode}, args.trainers, args.timeout)
+            ranks = _launch({"path": directory, "mode": mode, "tp": args.trainer_tp}, args.trainers, args.timeout)
             for r in ranks:
                 print(f"{mode:<10}{r['rank']:>5}{r['peak_growth'] / 2**20:>17.0f}{r['peak_growth'] / model_bytes:>9.2f}"
                       f"{r['local_bytes'] / 2**20:>11.0f}{r['seconds']:>9.1f}")

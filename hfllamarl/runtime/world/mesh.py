@@ -10,13 +10,16 @@ default group), and every data reduction on the trainer side passes it.
 from __future__ import annotations
 
 _MESHES: dict[tuple, object] = {}
+_BUILT = {"tp": 1}  # the tensor-parallel size of the last mesh built (a process without a job: a bench, a test)
 
 
 def _tp_size() -> int:
     from hfllamarl.runtime.world import topology
 
     topo = topology._TOPOLOGY
-    return topo.trainer_tp if topo is not None and topo.role == "trainer" else 1
+    if topo is None:
+        return _BUILT["tp"]
+    return topo.trainer_tp if topo.role == "trainer" else 1
 
 
 def trainer_mesh(device_type: str, tp: int | None = None):
@@ -34,6 +37,7 @@ def trainer_mesh(device_type: str, tp: int | None = None):
         _MESHES.clear()  # (a new trainer world: the old meshes' groups are gone with it)
         shape, names = ((world // tp, tp), ("dp", "tp")) if tp > 1 else ((world,), ("dp",))
         _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    _BUILT["tp"] = tp
     return _MESHES[key]
 
 
