@@ -6,13 +6,15 @@ are split by output rows (`ColwiseParallel`: whole attention heads, whole MLP co
 (transformers reshapes by head size, not head count). A Qwen3 q/k norm acts per head and stays whole; biases follow
 their rows. An untied output layer is split by vocabulary rows and its logits stay sharded (`DTensor`, `Shard(-1)`):
 the log-probs are computed on the shards (`hfllamarl.runtime.training.vocab_parallel`), never gathered whole. A tied
-one stays whole on every rank of the group (the input embedding reads the same matrix by token). Norms, embeddings
-and everything else stay whole inside the group; FSDP2 shards every parameter over the data-parallel ranks after.
+one stays whole on every rank of the group (the input embedding reads the same matrix by token). Norms and the
+rest stay whole inside the group; FSDP2 shards every parameter over the data-parallel ranks after.
 
 With fewer KV heads than ranks (Llama-3 70B's 8 under TP 16, a tiny model's 1 under TP 2) k and v stay whole on
 every rank and each rank keeps the KV head its query heads read (`replicate_kv`), as vLLM replicates KV heads. A
 parameter kept whole but used on this rank's heads only (q/k norms; k/v then) gets from each rank the gradient of
-its heads: the parts are summed over the group after backward (`reduce_partial_gradients`).
+its heads: the parts are summed over the group after backward (`reduce_partial_gradients`). With an untied output
+layer the input embedding is split by vocabulary rows too (`RowwiseParallel`: each rank looks up the tokens of its
+rows, one all-reduce).
 
 Refused, with the reason: mixtures of experts (no expert-parallel plan), a head count or MLP width the group does
 not divide, and a layer whose parameters are not the q/k/v/o and gate/up/down projections and norms the plan
@@ -182,7 +184,8 @@ def tied_output(model: torch.nn.Module) -> bool:
 
 def parallelize(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh) -> None:
     """Split `model`'s decoder `layers` and (untied) output layer over `tp_mesh`, in place (before FSDP2)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = tp_mesh.size()
     check_model(model.config, tp)
@@ -203,3 +206,5 @@ def parallelize(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh) 
     if head is not None and not tied_output(model):
         # the logits stay vocabulary-sharded: `vocab_parallel` computes log-probs on the shards
         parallelize_module(head, tp_mesh, ColwiseParallel(use_local_output=False))
+        # and the input embedding is split by vocabulary too (each rank looks up its rows; one all-reduce)
+        parallelize_module(model.get_input_embeddings(), tp_mesh, RowwiseParallel(input_layouts=Replicate()))
