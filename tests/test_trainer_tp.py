@@ -25,7 +25,9 @@ def test_the_sharded_policy_computes_what_the_whole_model_does(family_model):
     """4 trainer ranks as TP 2 x FSDP 2: completion log-probs and entropies (vocabulary-sharded where the output layer
     is untied), and every parameter's gradient gathered whole, equal the whole model's in transformers on the same
     sequences (each data-parallel rank its own 4); each rank holds one box of every parameter, the sending ranks'
-    boxes tile it, and each rank holds about a quarter of the parameter bytes."""
+    boxes tile it, and each rank holds about a quarter of the parameter bytes. One AdamW step updates the weights as
+    the whole model's does, and its state, checkpointed (torch's distributed checkpoint) and read into the model sharded
+    with FSDP2 alone, holds the whole model's Adam moments: a checkpoint resumes on either layout."""
     paths = [family_model(f) for f in FAMILIES]
     proc = run_script([str(SCRIPTS / "tp_check.py"), *paths], nproc=4, timeout=300, env={"TRAINER_TP": "2"})
     assert proc.returncode == 0, tail(proc)
@@ -40,6 +42,11 @@ def test_the_sharded_policy_computes_what_the_whole_model_does(family_model):
             # the layers' and (untied) embeddings' weights are split 4 ways; norms and a tied embedding 2 ways (kept
             # whole in a tensor-parallel group)
             assert 0.24 < rank["held_share"] < 0.30, (family, rank["held_share"])
+            # one AdamW step (lr 1e-3): the same weights wherever the gradient is more than rounding noise (Adam
+            # divides each gradient by its own size: a weight whose gradient is noise moves by up to lr either way);
+            # its state, checkpointed and read on FSDP2 alone: the same moments
+            assert rank["updated_error"] < 1e-6 and rank["noise_moved"] <= 2.1e-3, (family, rank)
+            assert rank["moments_error"] < 1e-6, (family, rank)
 
 
 def _run(model: str, out: str, nproc: int | None, generators: int, extra: dict, steps: int = 3):
@@ -77,3 +84,46 @@ def test_tp2_x_fsdp2_trains_as_one_rank_does(family_model, tmp_path, family, gen
     assert set(one_weights) == set(tp_weights)
     moved = max(float((tp_weights[k] - one_weights[k]).abs().max()) for k in one_weights)
     assert moved < 2e-4, moved
+
+
+def test_a_tensor_parallel_run_checkpoints_and_resumes_on_another_layout(family_model, tmp_path):
+    """2 trainer ranks as one TP-2 group + a generator, with a reference model (beta > 0) and evaluations: 4
+    on-policy steps, checkpointed at 2. Resumed from checkpoint 2 as FSDP2 over the same 2 ranks (no tensor
+    parallelism: the optimizer's distributed checkpoint reshards, the weights are whole safetensors): steps 3 and 4
+    train on-policy (the generator holds exactly the resumed weights) against the restored reference, and the trained
+    weights stay near the uninterrupted run's. (vLLM's random stream
+    restarts with the engine, so the resumed run samples other completions: the optimizer state's resharding is
+    checked exactly in tp_check.py.)"""
+    import shutil
+
+    model = family_model("qwen3")
+    common = ["--steps", "4", "--save-steps", "2", "--max-staleness", "0", "--beta", "0.04", "--reward", "digits",
+              "--report-to", "none", "--eval-rows", "2"]
+    tp = {"trainer_tensor_parallel_size": 2, "per_device_train_batch_size": 16, "eval_strategy": "steps",
+          "eval_steps": 2, "num_generations_eval": 2}
+    first = str(tmp_path / "tp")
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), model, first, *common, "--extra", json.dumps(tp)], nproc=3,
+                      timeout=400)
+    assert proc.returncode == 0, tail(proc)
+    straight = step_logs(proc.stdout)
+    assert [h["step"] for h in straight] == [1, 2, 3, 4]
+    history = json.loads([l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY ")][-1][12:])
+    assert sum("eval_reward" in h for h in history) == 2  # steps 2 and 4, reduced over one rank of the group
+    second = str(tmp_path / "fsdp")
+    shutil.copytree(first, second, ignore=lambda where, names: [n for n in names if where == first and (
+        n in ("checkpoint-4", "trainer_state.json") or n.endswith(".jsonl"))])
+    fsdp = dict(tp, trainer_tensor_parallel_size=1, per_device_train_batch_size=8)
+    proc = run_script([str(SCRIPTS / "train_tiny.py"), model, second, *common, "--resume", "--extra",
+                       json.dumps(fsdp)], nproc=3, timeout=400)
+    assert proc.returncode == 0, tail(proc)
+    resumed = step_logs(proc.stdout)
+    assert [h["step"] for h in resumed] == [1, 2, 3, 4]
+    for h in resumed[2:]:
+        assert_on_policy(h)
+    assert all(0 < h["kl"] < 1 for h in resumed[2:]), resumed  # the reference is the starting policy, restored
+    a = load_file(os.path.join(first, "checkpoint-4", "model.safetensors"))
+    b = load_file(os.path.join(second, "checkpoint-4", "model.safetensors"))
+    start = load_file(os.path.join(first, "checkpoint-2", "model.safetensors"))
+    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
+    apart = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert apart <= 2 * moved + 1e-6, (apart, moved)  # two steps of lr 1e-3 Adam either way, from the same point

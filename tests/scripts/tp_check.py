@@ -7,7 +7,9 @@ process (transformers alone, the independent reference):
 - after backward (and `reduce_partial_gradients`), every parameter's gradient, gathered whole: equal to the whole
   model's gradient of the same loss summed over every data-parallel rank's sequences, divided as FSDP2 averages;
 - the boxes `local_box` names: each rank's part is that box of the full tensor, and the sending ranks' boxes tile it;
-- the parameter bytes each rank holds, against the whole model's.
+- the parameter bytes each rank holds, against the whole model's;
+- after one AdamW step, the updated weights; the optimizer state written with torch's distributed checkpoint and
+  read into the model sharded with FSDP2 alone: its Adam moments, against the whole model's.
 
     TRAINER_TP=2 torchrun --nproc_per_node 4 tests/scripts/tp_check.py MODEL_DIR [MODEL_DIR ...]
 
@@ -84,11 +86,58 @@ def check(path: str, tp: int) -> dict:
         dist.all_reduce(sent)
         if int(sent) != full.numel():
             tiled.append(f"{name}: the sending ranks' boxes cover {int(sent)} of {full.numel()} elements")
+    out.update(optimizer_round_trip(path, model, whole))
     everyone = [None] * world
     dist.all_gather_object(everyone, {**out, "grad_errors": errors, "box_errors": tiled})
     if rank == 0:
         return {"ranks": everyone, "grad_scale": scale}
     return {}
+
+
+def optimizer_round_trip(path: str, model, whole) -> dict:
+    """One AdamW step on the sharded policy and on the whole model (the updated weights compared), then the sharded
+    optimizer's state written with torch's distributed checkpoint, as a checkpoint does, and read into the same model
+    sharded with FSDP2 alone (tensor parallelism off): its Adam moments compared with the whole model's."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from hfllamarl.runtime.weights.fsdp import shard_model
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(whole.parameters(), lr=1e-3)
+    opt.step()
+    ref_opt.step()
+    state = dict(whole.named_parameters())
+    updated = noise = 0.0  # Adam divides each gradient by its own size: where a gradient is rounding noise (below
+    for n, p in model.named_parameters():  # 1e-5 of its tensor's largest), its weight may move by up to lr either way
+        diff = (p.full_tensor() - state[n]).abs()
+        clear = state[n].grad.abs() > 1e-5 * state[n].grad.abs().max()
+        updated = max(updated, float(diff[clear].max()) if clear.any() else 0.0)
+        noise = max(noise, float(diff[~clear].max()) if (~clear).any() else 0.0)
+    where = [tempfile.mkdtemp(prefix="hfllamarl-tp-check-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=where[0])
+    other = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    shard_model(other, "cpu", tp=1)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    loaded = {"optimizer": get_optimizer_state_dict(other, other_opt)}
+    dcp.load(loaded, checkpoint_id=where[0])
+    set_optimizer_state_dict(other, other_opt, optim_state_dict=loaded["optimizer"])
+    moments = 0.0
+    for n, p in other.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine = other_opt.state[p][key]
+            mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
+            moments = max(moments, float((mine - ref_opt.state[state[n]][key]).abs().max()))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(where[0], ignore_errors=True)
+    return {"updated_error": updated, "noise_moved": noise, "moments_error": moments}
 
 
 def main():
