@@ -23,7 +23,7 @@ FAMILIES = ["qwen3", "qwen2", "llama", "mistral"]
 
 def test_the_sharded_policy_computes_what_the_whole_model_does(family_model):
     """4 trainer ranks as TP 2 x FSDP 2: completion log-probs and entropies (vocabulary-sharded where the output layer
-    is untied), and every parameter's gradient gathered whole, equal the whole model's in transformers on the same
+    is untied; gathered under top-k/top-p/min-p and penalties), and every parameter's gradient gathered whole, equal the whole model's in transformers on the same
     sequences (each data-parallel rank its own 4); each rank holds one box of every parameter, the sending ranks'
     boxes tile it, and each rank holds about a quarter of the parameter bytes. One AdamW step updates the weights as
     the whole model's does, and its state, checkpointed (torch's distributed checkpoint) and read into the model sharded
@@ -36,6 +36,7 @@ def test_the_sharded_policy_computes_what_the_whole_model_does(family_model):
         scale = results[path]["grad_scale"]
         for rank in results[path]["ranks"]:
             assert rank["logprob_error"] < 1e-5 and rank["entropy_error"] < 1e-5, (family, rank)
+            assert rank["transforms_error"] < 1e-5, (family, rank)
             bad = {n: e for n, e in rank["grad_errors"].items() if e > 1e-5 * max(scale[n], 1.0)}
             assert not bad, (family, bad)
             assert not rank["box_errors"], (family, rank["box_errors"])

@@ -3,7 +3,8 @@ given, the policy sharded as the trainer shards it (tensor parallel x FSDP2) aga
 process (transformers alone, the independent reference):
 
 - the log-probs and entropies of completion tokens (`completion_logprobs`, on vocabulary-sharded logits when the
-  output layer is split) and a loss over them: equal to the whole model's on the same sequences;
+  output layer is split) and a loss over them: equal to the whole model's on the same sequences; the same under
+  vLLM's transforms (top-k, top-p, min-p, a repetition penalty);
 - after backward (and `reduce_partial_gradients`), every parameter's gradient, gathered whole: equal to the whole
   model's gradient of the same loss summed over every data-parallel rank's sequences, divided as FSDP2 averages;
 - the boxes `local_box` names: each rank's part is that box of the full tensor, and the sending ranks' boxes tile it;
@@ -52,6 +53,16 @@ def check(path: str, tp: int) -> dict:
     sampling = Sampling(temperature=0.7)
     mine = rows[4 * d:4 * d + 4]
     batch = pad_batch(mine, 0, torch.device("cpu"))
+    # vLLM's transforms (top-k, top-p, min-p, a repetition penalty) need the whole distribution: gathered, then as
+    # without tensor parallelism
+    transforms = Sampling(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.3)
+    with torch.no_grad():
+        got = completion_logprobs(model, batch, transforms)
+        want = completion_logprobs(whole, pad_batch(mine, 0, torch.device("cpu")), transforms)
+    real = (batch["mask"] > 0) & torch.isfinite(want)  # (a token outside top-k/top-p: -inf on both sides)
+    transforms_error = float((got[real] - want[real]).abs().max())
+    if not torch.equal(torch.isneginf(got), torch.isneginf(want)):
+        transforms_error = float("inf")
     logprobs, entropy = completion_logprobs(model, batch, sampling, entropy=True)
     loss = -(logprobs * torch.linspace(0.5, 1.5, logprobs.numel()).reshape(logprobs.shape)).sum()
     loss.backward()
@@ -65,7 +76,8 @@ def check(path: str, tp: int) -> dict:
         (part / dp).backward()  # FSDP2 averages the data-parallel ranks' gradients
         ref_lp.append(lp.detach())
         ref_ent.append(ent)
-    out = {"logprob_error": float((logprobs.detach() - ref_lp[d]).abs().max()),
+    out = {"transforms_error": transforms_error,
+           "logprob_error": float((logprobs.detach() - ref_lp[d]).abs().max()),
            "entropy_error": float((entropy - ref_ent[d]).abs().max()),
            "held_share": held / full_bytes}
     errors, scale, tiled = {}, {}, []
