@@ -126,14 +126,16 @@ def test_a_finite_step_still_trains(model):
 
 
 @pytest.mark.slow
-def test_a_nan_on_one_trainer_rank_stops_every_rank_before_the_backward_pass(tmp_path):
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_a_nan_on_one_trainer_rank_stops_every_rank_before_the_backward_pass(tmp_path, tp):
     """Rank 1 alone sees the NaN; both ranks raise the same error naming it (no rank is left waiting in a
-    collective), and no shard changes."""
+    collective), and no shard changes; the same when the two ranks are one tensor-parallel group."""
     import json
 
     from conftest import SCRIPTS, run_script, tail
 
-    proc = run_script([str(SCRIPTS / "finite_check.py")], nproc=2, timeout=300, env={"RESULT_DIR": str(tmp_path)})
+    proc = run_script([str(SCRIPTS / "finite_check.py")], nproc=2, timeout=300,
+                      env={"RESULT_DIR": str(tmp_path), "TRAINER_TP": tp})
     assert proc.returncode == 0, tail(proc)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert results[0]["message"] == results[1]["message"], results

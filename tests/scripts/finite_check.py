@@ -1,4 +1,4 @@
-"""Two FSDP2 trainer ranks (no generator): rank 1's micro-batch holds a NaN mu. Both ranks stop before the
+"""Two FSDP2 trainer ranks (no generator; TRAINER_TP=2: one tensor-parallel group): rank 1's micro-batch holds a NaN mu. Both ranks stop before the
 backward pass with the same error, naming rank 1, and neither weight shard changes. Each rank writes its
 result to RESULT_DIR/rank<N>.json (the ranks share one stdout, where their lines could interleave).
 
@@ -29,7 +29,7 @@ def main():
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
-    shard_model(model, "cpu")
+    shard_model(model, "cpu", tp=int(os.environ.get("TRAINER_TP", "1")))  # (2: one tensor-parallel group)
     before = {n: p.to_local().clone() for n, p in model.named_parameters()}
     ex = executor(model)
     ex.topology = Topology(mode="launcher", rank=rank, world_size=3, num_generators=1, timeout_s=30, use_cpu=True)
