@@ -89,7 +89,6 @@ def test_defaults_and_derived_sizes():
     ({"accelerator_config": {"split_batches": True}}, "no Accelerate data loader"),
     ({"ddp_backend": "nccl"}, "ddp_backend='nccl' is not supported: the ranks talk over gloo"),
     ({"trainer_tensor_parallel_size": 0}, "trainer_tensor_parallel_size=0; it must be a whole number >= 1"),
-    ({"trainer_tensor_parallel_size": 2}, "needs 2 trainer processes at least, and `python script.py` runs one"),
 ])
 def test_bad_settings_are_explained(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -171,6 +170,15 @@ def test_every_grpo_config_field_is_read_refused_or_explained():
 
 def test_empty_values_of_unset_fields_are_not_a_setting():
     make(debug=[], fsdp=[], vllm_structured_outputs_regex="")  # ("", [] and None all mean unset)
+
+
+def test_trainer_tensor_parallelism_needs_a_launcher():
+    """A single process keeps the setting (a recipe meant for torchrun checks anywhere) with one data-parallel rank;
+    a trainer built there refuses it, saying how to launch."""
+    config = make(trainer_tensor_parallel_size=2)
+    assert config.num_data_parallel_trainers == 1
+    with pytest.raises(ValueError, match="needs 2 trainer processes at least, and `python script.py` runs one"):
+        config.check_trainer_processes()
 
 
 @pytest.mark.parametrize("family,tp,match", [

@@ -163,6 +163,7 @@ class AsyncAIPOTrainer:
         self._model_obj = model_obj
         check_generator(model_config, use_cpu=args.use_cpu, dtype=self._generator_dtype(),
                         tensor_parallel_size=args.generator_tensor_parallel_size, model_impl=args.vllm_model_impl)
+        args.check_trainer_processes()
         check_trainer_tp(model_config, args.trainer_tensor_parallel_size, peft_config, model_obj)
         if processing_class is None:
             from transformers import AutoTokenizer

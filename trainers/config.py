@@ -379,21 +379,30 @@ class AsyncAIPOConfig(GRPOConfig):
         return tp
 
     def _check_trainer_layout(self) -> None:
-        """Trainer tensor parallelism needs trainer processes to split: several of them, in whole groups."""
+        """Trainer tensor parallelism needs trainer processes to split: several of them, in whole groups. A single
+        process (a notebook, `hfllamarl train --check` of a recipe meant for torchrun) keeps the setting; a trainer
+        built there refuses it (`check_trainer_processes`)."""
         tp, topo = self.trainer_tensor_parallel_size, self._topology
         if tp == 1:
             return
         if topo.mode == "single":
-            raise ValueError(
-                f"AsyncAIPOConfig: trainer_tensor_parallel_size={tp} needs {tp} trainer processes at least, and "
-                "`python script.py` runs one. Launch the script with torchrun or accelerate launch, e.g. "
-                f"`torchrun --nproc_per_node {tp + self.num_generator_processes} script.py` ({tp} trainer, "
-                f"{self.num_generator_processes} generator processes).")
+            topo.trainer_tp = 1  # (the one trainer process: nothing to split)
+            return
         if topo.num_trainers % tp:
             raise ValueError(
                 f"AsyncAIPOConfig: trainer_tensor_parallel_size={tp} does not divide the {topo.num_trainers} trainer "
                 f"processes; launch a multiple of {tp} trainer processes (plus {self.num_generator_processes} "
                 "generator processes), or change trainer_tensor_parallel_size.")
+
+    def check_trainer_processes(self) -> None:
+        """Refuse trainer tensor parallelism where there is one trainer process (`python script.py`)."""
+        tp = self.trainer_tensor_parallel_size
+        if tp > 1 and self._topology.mode == "single":
+            raise ValueError(
+                f"AsyncAIPOConfig: trainer_tensor_parallel_size={tp} needs {tp} trainer processes at least, and "
+                "`python script.py` runs one. Launch the script with torchrun or accelerate launch, e.g. "
+                f"`torchrun --nproc_per_node {tp + self.num_generator_processes} script.py` ({tp} trainer, "
+                f"{self.num_generator_processes} generator processes).")
 
     @property
     def num_generator_replicas(self) -> int:

@@ -102,6 +102,10 @@ def check_layout(recipe, launched: bool) -> None:
     n, g = recipe.script.num_processes, recipe.config.num_generator_processes
     if n and n <= g:
         raise RecipeError(f"num_processes={n} leaves no trainer rank beside num_generator_processes={g}.")
+    tp = recipe.config.trainer_tensor_parallel_size
+    if n and (n - g) % tp:
+        raise RecipeError(f"num_processes={n} leaves {n - g} trainer ranks beside num_generator_processes={g}, which "
+                          f"trainer_tensor_parallel_size={tp} does not divide into groups.")
 
 
 def summary(job: dict) -> str:
@@ -109,10 +113,11 @@ def summary(job: dict) -> str:
     recipe = job["recipe"]
     script, config = recipe.script, recipe.config
     n, g = script.num_processes, config.num_generator_processes
-    trainers = (n - g) if n else None
-    per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * trainers if n else None
+    trainers, tp = ((n - g) if n else None), config.trainer_tensor_parallel_size
+    per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * trainers // tp if n else None
+    layout = f" (tensor parallel {tp} x FSDP2 {trainers // tp if n else '?'})" if tp > 1 else ""
     lines = [
-        f"recipe OK: {n or '?'} processes = {trainers or '?'} trainer + {g} generator ranks "
+        f"recipe OK: {n or '?'} processes = {trainers or '?'} trainer{layout} + {g} generator ranks "
         f"({config.num_generator_replicas} vLLM replica(s) of tensor-parallel {config.generator_tensor_parallel_size}, "
         f"quantization {config.generator_quantization or 'none'}); {per_step or '?'} completions per step, "
         f"{config.num_generations} per prompt; staleness <= {config.max_staleness}; algorithm {config.algorithm}",

@@ -5,16 +5,15 @@ are split by output rows (`ColwiseParallel`: whole attention heads, whole MLP co
 (`RowwiseParallel`: their partial outputs summed by one all-reduce). Attention then runs on this rank's heads only
 (transformers reshapes by head size, not head count). A Qwen3 q/k norm acts per head and stays whole; biases follow
 their rows. An untied output layer is split by vocabulary rows and its logits stay sharded (`DTensor`, `Shard(-1)`):
-the log-probs are computed on the shards (`hfllamarl.runtime.training.vocab_parallel`), never gathered whole. A tied
-one stays whole on every rank of the group (the input embedding reads the same matrix by token). Norms and the
-rest stay whole inside the group; FSDP2 shards every parameter over the data-parallel ranks after.
+the log-probs are computed on the shards (`hfllamarl.runtime.training.vocab_parallel`), never gathered whole, and
+the input embedding is split by vocabulary rows too (`RowwiseParallel`: each rank looks up the tokens of its rows,
+one all-reduce). Tied ones stay whole on every rank of the group. Norms and the rest stay whole inside the group;
+FSDP2 shards every parameter over the data-parallel ranks after.
 
 With fewer KV heads than ranks (Llama-3 70B's 8 under TP 16, a tiny model's 1 under TP 2) k and v stay whole on
 every rank and each rank keeps the KV head its query heads read (`replicate_kv`), as vLLM replicates KV heads. A
 parameter kept whole but used on this rank's heads only (q/k norms; k/v then) gets from each rank the gradient of
-its heads: the parts are summed over the group after backward (`reduce_partial_gradients`). With an untied output
-layer the input embedding is split by vocabulary rows too (`RowwiseParallel`: each rank looks up the tokens of its
-rows, one all-reduce).
+its heads: the parts are summed over the group after backward (`reduce_partial_gradients`).
 
 Refused, with the reason: mixtures of experts (no expert-parallel plan), a head count or MLP width the group does
 not divide, and a layer whose parameters are not the q/k/v/o and gate/up/down projections and norms the plan
