@@ -86,7 +86,25 @@ def family_model(tmp_path_factory):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, chosen below the kernel's ephemeral range: a port the kernel hands out (bind to 0) can be
+    taken by any outgoing connection (gloo's, a store client's) before the launcher that was given it binds it
+    (EADDRINUSE in a drill, seen in CI); ports below that range are only ever taken by an explicit bind."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low = int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (no free port below the range: fall back to the kernel's choice)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

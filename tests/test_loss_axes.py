@@ -4,7 +4,6 @@ against TRL 1.16's own `GRPOTrainer._compute_loss`; and the advantages: scale_re
 ranks, unscored completions (NaN) as TRL's nanmean/nanstd, multi_objective_aggregation="normalize_then_sum"."""
 
 import math
-import socket
 from datetime import timedelta
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from hfllamarl import load_plugin
 from hfllamarl.losses import StepShape, group_advantages, normalize_then_sum_advantages
+from conftest import free_port
 from trl_loss_reference import trl_loss
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -223,12 +223,6 @@ def test_normalize_then_sum_by_hand():
     assert adv.tolist() == pytest.approx(expected, abs=1e-5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _batch_rank(rank: int, port: int, rewards: list, out) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                          timeout=timedelta(seconds=60))
@@ -242,7 +236,7 @@ def test_batch_scaling_uses_the_std_over_every_trainer_rank():
     """Two trainer ranks (gloo), each with its own groups: each divides by the std of the concatenated batch."""
     ctx = torch.multiprocessing.get_context("spawn")
     parts = [[1.0, 3.0, 0.0, math.nan], [10.0, 2.0, 4.0, 4.0]]
-    out, port = ctx.Queue(), _free_port()
+    out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_batch_rank, args=(r, port, parts[r], out)) for r in range(2)]
     for p in procs:
         p.start()
