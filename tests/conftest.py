@@ -89,6 +89,7 @@ def free_port() -> int:
     """A port free now, chosen below the kernel's ephemeral range: a port the kernel hands out (bind to 0) can be
     taken by any outgoing connection (gloo's, a store client's) before the launcher that was given it binds it
     (EADDRINUSE in a drill, seen in CI); ports below that range are only ever taken by an explicit bind."""
+    import glob
     import random
 
     try:
@@ -98,6 +99,8 @@ def free_port() -> int:
         low = 32768
     for _ in range(200):
         port = random.randrange(10000, max(low, 10001))
+        if glob.glob(f"/dev/shm/*cpushm-{port}*"):  # a killed tensor-parallel CPU engine's segment names this port
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

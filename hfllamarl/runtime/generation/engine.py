@@ -91,6 +91,11 @@ def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int,
         kwargs["distributed_executor_backend"] = "external_launcher"
         if use_cpu:
             _cpu_shm_names(engine_id)
+            import atexit
+
+            from hfllamarl.runtime.world.processes import release_cpu_shm
+
+            atexit.register(release_cpu_shm, f"{engine_id}_")  # (a generator child calls it itself: `os._exit`)
     if use_cpu:
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes or (256 << 20)
         if enforce_eager:
@@ -110,7 +115,7 @@ def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int,
             raise RuntimeError(
                 f"{exc}: vLLM's CPU backend joins a tensor-parallel engine's ranks through shared memory named after "
                 f"the engine (/dev/shm/*-cpushm*, here ending in '-{engine_id}': the job's port, its number and the "
-                "replica), and a segment of that name exists already: a job killed while its engine started left it "
+                "replica), and a segment of that name exists already: a job killed while its engine ran left it "
                 "behind. Remove those files once no vLLM process uses them.") from exc
         raise
 

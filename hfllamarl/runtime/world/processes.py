@@ -70,3 +70,20 @@ def stopped(pid: int) -> bool:
         return proc_stat(pid)[0] in ("T", "t")
     except (OSError, ValueError, IndexError):
         return False
+
+
+def release_cpu_shm(engine_id: str) -> None:
+    """Remove the shared-memory segments of the tensor-parallel CPU engines named `engine_id` (a prefix: every
+    replica of a job; with a trailing "_": one engine), once their ranks are done. vLLM's CPU backend does not unlink
+    them when its process ends without tearing the engine down (a generator ends with `os._exit`), so every
+    tensor-parallel job would leave megabytes in /dev/shm, and a later engine with the same name would fail to start
+    (errno 17). Unlinking a segment leaves it mapped in any process still using it."""
+    import glob
+
+    if not engine_id:
+        return
+    for path in glob.glob(f"/dev/shm/*-cpushm-{glob.escape(engine_id)}*"):
+        try:
+            os.unlink(path)
+        except OSError:  # (already gone: another rank of the engine released it)
+            pass

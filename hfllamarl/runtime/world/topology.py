@@ -410,6 +410,10 @@ class Topology:
                         "%s reached the end of the job but its process (pid %d) did not exit within %.0f s: killed "
                         "(the run is complete)", self.describe(rank), proc.pid, grace_s)
         self._children.clear()
+        if self.use_cpu and self.store_addr is not None:  # what a killed child's tensor-parallel engine left behind
+            from hfllamarl.runtime.world.processes import release_cpu_shm
+
+            release_cpu_shm(f"{self.store_addr[1]}-{self.job_id}-")
         if self.cores_before is not None:  # the process goes on (a notebook) on the cores and threads it had before
             import torch
 
