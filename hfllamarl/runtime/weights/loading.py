@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from hfllamarl.runtime.weights.fsdp import held_box
+
 logger = logging.getLogger(__name__)
 
 # What a Hub snapshot of a model fetches: config, weights (safetensors), tokenizer files, the chat template
@@ -167,20 +169,12 @@ def load_shards(model: torch.nn.Module, directory: str) -> None:
             key = checkpoint_name(name)
             if key not in rows:
                 raise ValueError(f"{directory!r} holds no weight {key!r} for parameter {name}")
-            local, box = _local_part(p)
+            local, box = held_box(p)
             if all(b == (0, n) for b, n in zip(box[1:], p.shape[1:])):
                 rows.read_rows_into(key, box[0][0], local)
             else:  # a block of a tensor-parallel weight: its rows, then its columns
                 part = rows.read_rows(key, box[0][0], box[0][1])
                 local.copy_(part[(slice(None),) + tuple(slice(s, e) for s, e in box[1:])])
-
-
-def _local_part(p: torch.Tensor) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
-    """(this rank's part of `p`, the box of the full tensor it holds): a DTensor's part (FSDP2 rows, or a block of
-    rows and columns with tensor parallelism), or all of a plain one."""
-    from hfllamarl.runtime.weights.fsdp import held_box
-
-    return held_box(p)
 
 
 def init_lora(model: torch.nn.Module, seed: int = 0) -> None:
@@ -192,7 +186,7 @@ def init_lora(model: torch.nn.Module, seed: int = 0) -> None:
     def fill(p: torch.Tensor, draw) -> None:
         full = torch.empty(tuple(p.shape))
         draw(full)
-        local, box = _local_part(p)
+        local, box = held_box(p)
         local.copy_(full[tuple(slice(s, e) for s, e in box)].to(local.dtype))
 
     with torch.no_grad():

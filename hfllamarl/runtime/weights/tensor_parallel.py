@@ -189,17 +189,14 @@ def parallelize(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh) 
     tp = tp_mesh.size()
     check_model(model.config, tp)
     partial, ids = set(), {id(layer) for layer in layers}
-    for layer in layers:
+    for name, layer in [(n, m) for n, m in model.named_modules() if id(m) in ids]:
         plan, whole = layer_plan(layer, tp)
         parallelize_module(layer, tp_mesh, plan)
         if whole:
             replicate_kv(layer, whole, tp_mesh.get_local_rank(), tp, tp_mesh.get_group())
-    for name, layer in model.named_modules():
-        if id(layer) in ids:
-            _, whole = layer_plan(layer, tp)
-            partial |= {f"{name}.{sub}.{leaf}" for sub, module in layer.named_modules()
-                        if sub.rsplit(".", 1)[-1] in ("q_norm", "k_norm") or sub in whole
-                        for leaf, _ in module.named_parameters(recurse=False)}
+        partial |= {f"{name}.{sub}.{leaf}" for sub, module in layer.named_modules()
+                    if sub.rsplit(".", 1)[-1] in ("q_norm", "k_norm") or sub in whole
+                    for leaf, _ in module.named_parameters(recurse=False)}
     model._hfllamarl_partial_grads, model._hfllamarl_tp_group = partial, tp_mesh.get_group()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and not tied_output(model):
