@@ -88,7 +88,10 @@ def family_model(tmp_path_factory):
 def free_port() -> int:
     """A port free now, chosen below the kernel's ephemeral range: a port the kernel hands out (bind to 0) can be
     taken by any outgoing connection (gloo's, a store client's) before the launcher that was given it binds it
-    (EADDRINUSE in a drill, seen in CI); ports below that range are only ever taken by an explicit bind."""
+    (EADDRINUSE in a drill, seen in CI); ports below that range are only ever taken by an explicit bind. Drawn from
+    the OS's entropy, not the `random` module: the trainers the tests run in-process seed it (`set_seed(42)`), so
+    both xdist workers drew the same ports in the same order (EADDRINUSE again, CI on 2a9db14: port 29349 is the
+    12th draw after `random.seed(42)`)."""
     import glob
     import random
 
@@ -98,7 +101,7 @@ def free_port() -> int:
     except (OSError, ValueError, IndexError):
         low = 32768
     for _ in range(200):
-        port = random.randrange(10000, max(low, 10001))
+        port = random.SystemRandom().randrange(10000, max(low, 10001))
         if glob.glob(f"/dev/shm/*cpushm-{port}*"):  # a killed tensor-parallel CPU engine's segment names this port
             continue
         with socket.socket() as s:
