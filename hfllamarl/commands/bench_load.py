@@ -11,7 +11,16 @@ then, for each mode, starts `--trainers` trainer ranks (gloo) that load it and s
 - `whole`: `from_pretrained` on every rank, then sharding (what most trainers do).
 
 Each rank samples its resident memory (every 2 ms) from just before loading to the end of sharding and
-reports the peak growth over the model's fp32 bytes. Prints a table; the last line is one JSON object.
+reports the peak growth over the model's fp32 bytes.
+
+With `--train-step`, each rank then trains one step on `--sequences` sequences of `--length` tokens per
+data-parallel rank (the completion log-probs the loss uses, backward, AdamW), and reports its peak growth from
+before loading to the end of that step: what training holds per rank (weights, gradients, Adam's two moments,
+activations). The same step runs first on one rank holding the whole model, for the ratio in the same run. Its
+ranks run with `MALLOC_MMAP_THRESHOLD_=65536` (unless `--glibc-default`): glibc then returns every freed block of
+64 KiB or more at once, so the resident size is what is live; by default glibc raises that threshold as blocks are
+freed and keeps FSDP2's freed layer buffers in its heap (the resident peak then reads up to ~2x what is live).
+Prints a table; the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -31,6 +40,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trainer-tp", type=int, default=1, help="trainer tensor-parallel size (the trainer ranks as "
                         "FSDP2 x tensor parallelism, as trainer_tensor_parallel_size)")
     parser.add_argument("--modes", default="sharded,whole", help="comma-separated: sharded, whole")
+    parser.add_argument("--train-step", action="store_true", help="also train one step after loading (sharded "
+                        "mode) and report each rank's peak while training, against one rank holding the whole model")
+    parser.add_argument("--sequences", type=int, default=2, help="with --train-step: sequences per data-parallel rank")
+    parser.add_argument("--length", type=int, default=256, help="with --train-step: tokens per sequence")
+    parser.add_argument("--glibc-default", action="store_true", help="with --train-step: leave glibc's malloc "
+                        "as it is (its resident peak then includes freed blocks it kept)")
     parser.add_argument("--timeout", type=float, default=1800)
 
 
@@ -74,11 +89,48 @@ def _worker(opts: dict) -> None:
     checksum = torch.tensor([sum(float(local_box(p, dist.get_rank())[0].detach().double().sum())
                                  for p in model.parameters())], dtype=torch.float64)
     dist.all_reduce(checksum)
+    final = _rss() - mem.start
+    trained = {}  # (after the checksum: the step changes the weights)
+    if opts.get("train"):
+        with RssPeak() as step_mem:
+            trained = _train_step(model, config, opts["train"], opts.get("tp", 1))
+        trained["train_peak_growth"] = max(step_mem.peak, mem.peak) - mem.start
     result = {"rank": dist.get_rank(), "mode": mode, "peak_growth": mem.peak - mem.start,
-              "final_growth": _rss() - mem.start, "local_bytes": local, "seconds": seconds,
-              "checksum": float(checksum.item())}
+              "final_growth": final, "local_bytes": local, "seconds": seconds,
+              "checksum": float(checksum.item()), **trained}
     print("LOAD_RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
+
+
+def _train_step(model, config, shape: dict, tp: int) -> dict:
+    """One training step as the trainer takes it: completion log-probs (on vocabulary-sharded logits when the output
+    layer is split), a loss over them, backward, the partial gradients summed, AdamW. Every rank of a
+    tensor-parallel group trains the same sequences; data-parallel ranks, their own."""
+    import torch
+    import torch.distributed as dist
+
+    from hfllamarl.runtime.loop.rollout import Rollout
+    from hfllamarl.runtime.loop.sampling import Sampling
+    from hfllamarl.runtime.training.batching import completion_logprobs, pad_batch
+    from hfllamarl.runtime.weights.tensor_parallel import reduce_partial_gradients
+
+    g = torch.Generator().manual_seed(dist.get_rank() // tp)
+    length, prompt = shape["length"], shape["length"] // 4
+    rows = []
+    for _ in range(shape["sequences"]):
+        ids = torch.randint(0, config.vocab_size, (length,), generator=g).tolist()
+        rows.append(Rollout(prompt="", prompt_ids=ids[:prompt], completion_ids=ids[prompt:],
+                            behavior_logprobs=[0.0] * (length - prompt), versions=[0] * (length - prompt),
+                            finish_reason="length", completion_text=""))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    start = time.perf_counter()
+    batch = pad_batch(rows, 0, torch.device("cpu"))
+    logprobs = completion_logprobs(model, batch, Sampling(temperature=1.0))
+    loss = -(logprobs * batch["mask"]).sum() / batch["mask"].sum()
+    loss.backward()
+    reduce_partial_gradients(model)
+    opt.step()
+    return {"train_seconds": time.perf_counter() - start, "loss": float(loss.detach())}
 
 
 def _rss() -> int:
@@ -102,6 +154,7 @@ def _write_model(params: float, directory: str) -> tuple[int, int, float]:
 
 
 def _launch(opts: dict, world: int, timeout: float) -> list[dict]:
+    extra = {"MALLOC_MMAP_THRESHOLD_": "65536"} if opts.get("live") else {}
     import socket
 
     with socket.socket() as s:
@@ -110,7 +163,7 @@ def _launch(opts: dict, world: int, timeout: float) -> list[dict]:
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra)
         procs.append(subprocess.Popen([sys.executable, "-m", "hfllamarl.commands.bench_load", "--worker", json.dumps(opts)],
                                       env=env, stdout=subprocess.PIPE, text=True))
     results = []
@@ -128,6 +181,32 @@ def _launch(opts: dict, world: int, timeout: float) -> list[dict]:
     return sorted(results, key=lambda r: r["rank"])
 
 
+def _train_baseline(directory: str, train: dict, model_bytes: int, timeout: float, live: bool) -> dict:
+    """The same training step on one rank holding the whole model (FSDP2 over one rank)."""
+    (one,) = _launch({"path": directory, "mode": "sharded", "tp": 1, "train": train, "live": live}, 1, timeout)
+    print(f"training one step ({train['sequences']} x {train['length']} tokens per data-parallel rank) on one rank "
+          f"holding the whole model: peak growth {one['train_peak_growth'] / 2**20:.0f} MiB "
+          f"({one['train_peak_growth'] / model_bytes:.2f}x the model), {one['train_seconds']:.1f} s")
+    return {"one_rank_train_peak_over_model": round(one["train_peak_growth"] / model_bytes, 3),
+            "one_rank_loss": one["loss"]}
+
+
+def _print_training(ranks: list[dict], model_bytes: int, summary: dict) -> None:
+    one = summary["one_rank_train_peak_over_model"]
+    print(f"{'training':<10}{'rank':>5}{'peak growth MiB':>17}{'x model':>9}{'x one rank':>12}{'seconds':>9}{'loss':>10}")
+    for r in ranks:
+        share = r["train_peak_growth"] / model_bytes
+        print(f"{'':<10}{r['rank']:>5}{r['train_peak_growth'] / 2**20:>17.0f}{share:>9.2f}{share / one:>12.2f}"
+              f"{r['train_seconds']:>9.1f}{r['loss']:>10.4f}")
+    worst = max(r["train_peak_growth"] for r in ranks) / model_bytes
+    summary["train_peak_over_model"] = round(worst, 3)
+    summary["train_peak_over_one_rank"] = round(worst / one, 3)
+    # (data-parallel rank 0 trains the one rank's sequences on the same weights: the same loss, to fp32 rounding)
+    summary["train_loss_matches"] = abs(ranks[0]["loss"] - summary["one_rank_loss"]) <= 1e-4
+    print(f"training peak per rank: {worst:.2f}x the model's bytes, {worst / one:.2f}x one rank's "
+          f"({one:.2f}x the model)")
+
+
 def run(args) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("sharded", "whole")]
@@ -135,24 +214,36 @@ def run(args) -> int:
         raise SystemExit(f"--modes takes sharded and/or whole (got {bad}); --trainers must be >= 1")
     if args.trainer_tp < 1 or args.trainers % args.trainer_tp:
         raise SystemExit(f"--trainer-tp {args.trainer_tp} must divide --trainers {args.trainers}")
+    if args.train_step and "sharded" not in modes:
+        raise SystemExit("--train-step trains after the sharded load: include sharded in --modes")
+    train = {"sequences": args.sequences, "length": args.length} if args.train_step else None
+    live = bool(train) and not args.glibc_default
     directory = tempfile.mkdtemp(prefix="hfllamarl-bench-load-")
     try:
         params, model_bytes, total = _write_model(args.params, directory)
-        summary = {"params": params, "model_bytes": model_bytes, "trainer_ranks": args.trainers,
+        summary = {"params": params, "model_bytes": model_bytes, "trainer_ranks": args.trainers, "live_malloc": live,
                    "trainer_tp": args.trainer_tp}
         layout = (f"tensor parallel {args.trainer_tp} x FSDP2 {args.trainers // args.trainer_tp}"
                   if args.trainer_tp > 1 else "FSDP2")
         print(f"loading a {params / 1e6:.0f}M-parameter Llama ({model_bytes / 2**20:.0f} MiB fp32) on "
               f"{args.trainers} trainer rank(s), sharded with {layout}")
         print(f"{'mode':<10}{'rank':>5}{'peak growth MiB':>17}{'x model':>9}{'shard MiB':>11}{'seconds':>9}")
+        if train:
+            print("glibc's malloc: " + ("its default (freed blocks it keeps count)" if not live else
+                                        "MALLOC_MMAP_THRESHOLD_=65536 (the resident size is what is live)"))
+            summary.update(_train_baseline(directory, train, model_bytes, args.timeout, live))
         for mode in modes:
-            ranks = _launch({"path": directory, "mode": mode, "tp": args.trainer_tp}, args.trainers, args.timeout)
+            opts = {"path": directory, "mode": mode, "tp": args.trainer_tp, "train": train if mode == "sharded" else None,
+                    "live": live}
+            ranks = _launch(opts, args.trainers, args.timeout)
             for r in ranks:
                 print(f"{mode:<10}{r['rank']:>5}{r['peak_growth'] / 2**20:>17.0f}{r['peak_growth'] / model_bytes:>9.2f}"
                       f"{r['local_bytes'] / 2**20:>11.0f}{r['seconds']:>9.1f}")
             summary[f"{mode}_peak_over_model"] = round(max(r["peak_growth"] for r in ranks) / model_bytes, 3)
             summary[f"{mode}_seconds"] = round(max(r["seconds"] for r in ranks), 2)
             summary[f"{mode}_weights_match"] = abs(ranks[0]["checksum"] - total) <= 1e-6 * max(1.0, abs(total))
+            if opts["train"]:
+                _print_training(ranks, model_bytes, summary)
         if "sharded" in modes and "whole" in modes:
             summary["whole_over_sharded"] = round(summary["whole_peak_over_model"] / summary["sharded_peak_over_model"], 2)
             print(f"peak growth per rank: sharded {summary['sharded_peak_over_model']:.2f}x the model, whole "

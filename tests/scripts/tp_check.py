@@ -14,7 +14,9 @@ process (transformers alone, the independent reference):
 
     TRAINER_TP=2 torchrun --nproc_per_node 4 tests/scripts/tp_check.py MODEL_DIR [MODEL_DIR ...]
 
-Prints `RESULT {json}` on rank 0, one entry per model.
+Each model is checked twice: tensor parallelism alone, then with sequence parallelism (`trainer_sequence_parallel`:
+the residual stream and norms between the blocks split by sequence; the batches padded to a multiple of the group).
+Prints `RESULT {json}` on rank 0, one entry per model and variant ("<dir>" and "<dir> sequence").
 """
 
 import json
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 
-def check(path: str, tp: int) -> dict:
+def check(path: str, tp: int, sequence: bool = False) -> dict:
     import transformers
 
     from hfllamarl.runtime.loop.rollout import Rollout
@@ -39,7 +41,7 @@ def check(path: str, tp: int) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     whole = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    shard_model(model, "cpu")
+    shard_model(model, "cpu", sequence_parallel=sequence)
     held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
 
     vocab = whole.config.vocab_size
@@ -52,7 +54,7 @@ def check(path: str, tp: int) -> dict:
                             versions=[0] * c, finish_reason="stop", completion_text=""))
     sampling = Sampling(temperature=0.7)
     mine = rows[4 * d:4 * d + 4]
-    batch = pad_batch(mine, 0, torch.device("cpu"))
+    batch = pad_batch(mine, 0, torch.device("cpu"), multiple_of=tp if sequence else None)  # (sequence: split evenly)
     # vLLM's transforms (top-k, top-p, min-p, a repetition penalty) need the whole distribution: gathered, then as
     # without tensor parallelism
     transforms = Sampling(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.3)
@@ -63,7 +65,13 @@ def check(path: str, tp: int) -> dict:
     transforms_error = float((got[real] - want[real]).abs().max())
     if not torch.equal(torch.isneginf(got), torch.isneginf(want)):
         transforms_error = float("inf")
+    widths = []  # the sequence length each decoder layer's output holds on this rank (1/tp of it: sequence parallel)
+    hooks = [layer.register_forward_hook(lambda m, a, out: widths.append((out[0] if isinstance(out, tuple) else out)
+                                                                          .shape[1]))
+             for layer in model.model.layers]
     logprobs, entropy = completion_logprobs(model, batch, sampling, entropy=True)
+    for h in hooks:
+        h.remove()
     loss = -(logprobs * torch.linspace(0.5, 1.5, logprobs.numel()).reshape(logprobs.shape)).sum()
     loss.backward()
     reduce_partial_gradients(model)
@@ -79,7 +87,7 @@ def check(path: str, tp: int) -> dict:
     out = {"transforms_error": transforms_error,
            "logprob_error": float((logprobs.detach() - ref_lp[d]).abs().max()),
            "entropy_error": float((entropy - ref_ent[d]).abs().max()),
-           "held_share": held / full_bytes}
+           "held_share": held / full_bytes, "stream_share": max(widths) / batch["input_ids"].shape[1]}
     errors, scale, tiled = {}, {}, []
     state = dict(whole.named_parameters())
     for name, p in model.named_parameters():
@@ -163,6 +171,8 @@ def main():
 
     topology._TOPOLOGY = TrainerSide()
     results = {path: check(path, tp) for path in sys.argv[1:]}
+    # sequence parallelism (the stream between the blocks split by sequence inside each group): the same checks
+    results.update({f"{path} sequence": check(path, tp, sequence=True) for path in sys.argv[1:]})
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(results), flush=True)
     dist.destroy_process_group()

@@ -29,12 +29,14 @@ def decoder_layer_classes(model: torch.nn.Module) -> set[type]:
 
 
 def shard_model(model: torch.nn.Module, device_type: str, mixed_precision: str | None = None,
-                tp: int | None = None) -> torch.nn.Module:
+                tp: int | None = None, sequence_parallel: bool = False) -> torch.nn.Module:
     """Shard `model` in place over the trainer world: tensor parallel inside each group of `tp` ranks (default: the
-    job's `trainer_tensor_parallel_size`; `tensor_parallel.parallelize`), then FSDP2 over the data-parallel ranks."""
+    job's `trainer_tensor_parallel_size`; `tensor_parallel.parallelize`, with `sequence_parallel` the stream between
+    the blocks split by sequence too), then FSDP2 over the data-parallel ranks."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from hfllamarl.runtime.weights.sequence_parallel import SequenceParallelError
     from hfllamarl.runtime.weights.tensor_parallel import TensorParallelError, parallelize
     from hfllamarl.runtime.world.mesh import trainer_mesh
 
@@ -47,12 +49,15 @@ def shard_model(model: torch.nn.Module, device_type: str, mixed_precision: str |
     kwargs = {"mesh": mesh["dp"]} if mp is None else {"mesh": mesh["dp"], "mp_policy": mp}
     try:
         layers = [m for cls in decoder_layer_classes(model) for m in model.modules() if isinstance(m, cls)]
+        if sequence_parallel and mesh.ndim != 2:
+            raise SequenceParallelError("trainer_sequence_parallel splits the sequence inside a trainer tensor-parallel "
+                                        "group: set trainer_tensor_parallel_size > 1 too.")
         if mesh.ndim == 2:
-            parallelize(model, layers, mesh["tp"])
+            parallelize(model, layers, mesh["tp"], sequence_parallel)
         for module in layers:
             fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
-    except (ShardingError, TensorParallelError):
+    except (ShardingError, TensorParallelError, SequenceParallelError):
         raise
     except Exception as exc:
         raise ShardingError(f"FSDP2 sharding of {type(model).__name__} failed: {type(exc).__name__}: {exc}") from exc

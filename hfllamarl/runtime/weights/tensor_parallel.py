@@ -15,6 +15,15 @@ every rank and each rank keeps the KV head its query heads read (`replicate_kv`)
 parameter kept whole but used on this rank's heads only (q/k norms; k/v then) gets from each rank the gradient of
 its heads: the parts are summed over the group after backward (`reduce_partial_gradients`).
 
+Sequence parallelism (`sequence=True`, `trainer_sequence_parallel`): between the attention and MLP blocks the
+residual stream and the norms run on this rank's 1/t of the sequence (Megatron's sequence parallelism): the first
+decoder layer takes its chunk of the sequence, each block's input is gathered whole (an all-gather, as a
+`DTensor` the projections read, whose backward is one reduce-scatter), o and down end in a reduce-scatter instead
+of an all-reduce, and the final norm's output is gathered for the output layer. The same communication volume; the
+activations outside attention and the MLP (norms, residuals) are 1/t per rank. The norms' gradients are each
+rank's tokens' part, summed like the q/k norms'. The padded sequence length must be a multiple of t (the trainer
+pads to it).
+
 Refused, with the reason: mixtures of experts (no expert-parallel plan), a head count or MLP width the group does
 not divide, and a layer whose parameters are not the q/k/v/o and gate/up/down projections and norms the plan
 knows.
@@ -78,9 +87,11 @@ def check_trainer_tp(config, tp: int, peft_config=None, model=None) -> None:
             "trainer rank already costs each rank 1/N of it.")
 
 
-def layer_plan(layer: torch.nn.Module, tp: int) -> tuple[dict, list[str]]:
+def layer_plan(layer: torch.nn.Module, tp: int, sequence: bool = False) -> tuple[dict, list[str]]:
     """The `parallelize_module` plan of one decoder layer (names relative to it), and the linear layers left whole
-    because the model has fewer KV heads than `tp` (`replicate_kv`)."""
+    because the model has fewer KV heads than `tp` (`replicate_kv`). With `sequence`, o and down leave this rank's
+    chunk of the sequence (a reduce-scatter)."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     kv_whole = _kv_heads(layer) is not None and _kv_heads(layer) < tp
@@ -94,7 +105,7 @@ def layer_plan(layer: torch.nn.Module, tp: int) -> tuple[dict, list[str]]:
         elif leaf in COLUMNWISE:
             plan[name] = ColwiseParallel()
         elif leaf in ROWWISE:
-            plan[name] = RowwiseParallel()
+            plan[name] = RowwiseParallel(output_layouts=Shard(1)) if sequence else RowwiseParallel()
         else:
             unknown.append(name)
     for name, module in layer.named_modules():  # every other parameter: a norm (whole) or one the plan cannot place
@@ -137,17 +148,29 @@ class _SummedBackward(torch.autograd.Function):
         return grad, None
 
 
-def replicate_kv(layer: torch.nn.Module, names: list[str], tp_rank: int, tp: int, group) -> None:
+def _partial_local(x):
+    """A `DTensor` block input (sequence parallelism) as this rank's tensor, its gradient declared partial: the
+    whole k/v's input gradient is this rank's heads' part, summed in the block input's reduce-scatter."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    return x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+
+
+def replicate_kv(layer: torch.nn.Module, names: list[str], tp_rank: int, tp: int, group, sequence: bool = False) -> None:
     """Fewer KV heads than ranks (tp a multiple of them): every rank keeps k/v whole and uses the one KV head its
     query heads read (the output columns of that head); attention repeats it over the rank's query heads. The
-    input's gradient through them is summed over the group (as a column-split layer's is)."""
+    input's gradient through them is summed over the group (as a column-split layer's is; with `sequence`, in the
+    block input's reduce-scatter)."""
     attn = _attention(layer)
     heads, kv = attn.config.num_attention_heads, _kv_heads(layer)
     head_dim = getattr(attn, "head_dim", None) or attn.config.hidden_size // heads
     mine = (tp_rank * heads // tp) // (heads // kv)  # the KV head of this rank's first query head
     for name in names:
         module = layer.get_submodule(name)
-        module.register_forward_pre_hook(lambda module, args: (_SummedBackward.apply(args[0], group), *args[1:]))
+        if sequence:
+            module.register_forward_pre_hook(lambda module, args: (_partial_local(args[0]), *args[1:]))
+        else:
+            module.register_forward_pre_hook(lambda module, args: (_SummedBackward.apply(args[0], group), *args[1:]))
         module.register_forward_hook(lambda module, args, out, s=mine * head_dim: out[..., s:s + head_dim])
     attn.num_key_value_groups = heads // tp  # this rank's query heads, all reading its one KV head
 
@@ -181,8 +204,9 @@ def tied_output(model: torch.nn.Module) -> bool:
     return head is not None and embed is not None and head.weight is embed.weight
 
 
-def parallelize(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh) -> None:
-    """Split `model`'s decoder `layers` and (untied) output layer over `tp_mesh`, in place (before FSDP2)."""
+def parallelize(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh, sequence: bool = False) -> None:
+    """Split `model`'s decoder `layers` and (untied) output layer over `tp_mesh`, in place (before FSDP2); with
+    `sequence`, the residual stream and norms between the blocks too (`sequence_parallel`)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -190,13 +214,17 @@ def parallelize(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh) 
     check_model(model.config, tp)
     partial, ids = set(), {id(layer) for layer in layers}
     for name, layer in [(n, m) for n, m in model.named_modules() if id(m) in ids]:
-        plan, whole = layer_plan(layer, tp)
+        plan, whole = layer_plan(layer, tp, sequence)
         parallelize_module(layer, tp_mesh, plan)
         if whole:
-            replicate_kv(layer, whole, tp_mesh.get_local_rank(), tp, tp_mesh.get_group())
+            replicate_kv(layer, whole, tp_mesh.get_local_rank(), tp, tp_mesh.get_group(), sequence)
         partial |= {f"{name}.{sub}.{leaf}" for sub, module in layer.named_modules()
                     if sub.rsplit(".", 1)[-1] in ("q_norm", "k_norm") or sub in whole
                     for leaf, _ in module.named_parameters(recurse=False)}
+    if sequence:
+        from hfllamarl.runtime.weights import sequence_parallel
+
+        partial |= sequence_parallel.apply(model, layers, tp_mesh)
     model._hfllamarl_partial_grads, model._hfllamarl_tp_group = partial, tp_mesh.get_group()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and not tied_output(model):
