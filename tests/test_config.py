@@ -89,6 +89,8 @@ def test_defaults_and_derived_sizes():
     ({"accelerator_config": {"split_batches": True}}, "no Accelerate data loader"),
     ({"ddp_backend": "nccl"}, "ddp_backend='nccl' is not supported: the ranks talk over gloo"),
     ({"trainer_tensor_parallel_size": 0}, "trainer_tensor_parallel_size=0; it must be a whole number >= 1"),
+    ({"trainer_sequence_parallel": True}, "True needs trainer_tensor_parallel_size > 1"),
+    ({"trainer_sequence_parallel": "yes", "trainer_tensor_parallel_size": 2}, "it takes True or False"),
 ])
 def test_bad_settings_are_explained(kw, match):
     with pytest.raises(ValueError, match=match):

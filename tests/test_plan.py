@@ -246,7 +246,8 @@ def test_the_runtime_runs_the_planned_trainer_layout_faster_than_sync(capsys, si
     o = json.loads(out.strip().splitlines()[-1])
     launch = o["launch"]
     assert code == 0 and launch["trainer_layout_as_planned"] and "the runtime" not in out
-    assert f"--trainer_tensor_parallel_size {o['trainer_mp']}" in out and o["trainer_mp"] > 1
+    assert f"--trainer_tensor_parallel_size {o['trainer_mp']} --trainer_sequence_parallel true" in out
+    assert o["trainer_mp"] > 1
     assert launch["runtime_train_s"] == pytest.approx(o["train_s"], rel=1e-3)
     assert o["async_step_s"] < o["sync_step_s"]
 

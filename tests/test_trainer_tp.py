@@ -24,19 +24,26 @@ CHECKED = FAMILIES + ["llama32"]
 
 
 def test_the_sharded_policy_computes_what_the_whole_model_does(family_model):
-    """4 trainer ranks as TP 2 x FSDP 2: completion log-probs and entropies (vocabulary-sharded where the output layer
-    is untied; gathered under top-k/top-p/min-p and penalties), and every parameter's gradient gathered whole, equal the whole model's in transformers on the same
-    sequences (each data-parallel rank its own 4); each rank holds one box of every parameter, the sending ranks'
-    boxes tile it, and each rank holds about a quarter of the parameter bytes. One AdamW step updates the weights as
-    the whole model's does, and its state, checkpointed (torch's distributed checkpoint) and read into the model sharded
-    with FSDP2 alone, holds the whole model's Adam moments: a checkpoint resumes on either layout."""
+    """4 trainer ranks as TP 2 x FSDP 2: completion log-probs and entropies (vocabulary-sharded where the output
+    layer is untied; gathered under top-k/top-p/min-p and penalties), and every parameter's gradient gathered whole,
+    equal the whole model's in transformers on the same sequences (each data-parallel rank its own 4); each rank
+    holds one box of every parameter, the sending ranks' boxes tile it, and each rank holds about a quarter of the
+    parameter bytes. One AdamW step updates the weights as the whole model's does, and its state, checkpointed
+    (torch's distributed checkpoint) and read into the model sharded with FSDP2 alone, holds the whole model's Adam
+    moments: a checkpoint resumes on either layout. All of it again with sequence parallelism (the stream between
+    the blocks split by sequence: each layer outputs half of it) and activation checkpointing."""
     paths = [family_model(f) for f in CHECKED]
     proc = run_script([str(SCRIPTS / "tp_check.py"), *paths], nproc=4, timeout=300, env={"TRAINER_TP": "2"})
     assert proc.returncode == 0, tail(proc)
     results = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
-    for family, path in zip(CHECKED, paths):
-        scale = results[path]["grad_scale"]
-        for rank in results[path]["ranks"]:
+    for (family, path), sequence in [(fp, s) for fp in zip(CHECKED, paths) for s in (False, True)]:
+        key = f"{path} sequence" if sequence else path
+        scale = results[key]["grad_scale"]
+        for rank in results[key]["ranks"]:
+            # sequence parallelism: each rank's decoder layers output half the sequence (the padded width)
+            assert rank["stream_share"] == (0.5 if sequence else 1.0), (family, sequence, rank["stream_share"])
+            # (the sequence-parallel variant runs with activation checkpointing: the layers ran again in backward)
+            assert rank["layer_runs"] == (2 if sequence else 1), (family, rank["layer_runs"])
             assert rank["logprob_error"] < 1e-5 and rank["entropy_error"] < 1e-5, (family, rank)
             assert rank["transforms_error"] < 1e-5, (family, rank)
             bad = {n: e for n, e in rank["grad_errors"].items() if e > 1e-5 * max(scale[n], 1.0)}
@@ -61,12 +68,13 @@ def _run(model: str, out: str, nproc: int | None, generators: int, extra: dict, 
     return step_logs(proc.stdout), load_file(os.path.join(out, "final", "model.safetensors"))
 
 
-CASES = [("qwen3", 2)] + ([(f, g) for f in FAMILIES for g in (1, 2) if (f, g) != ("qwen3", 2)]
-                          if os.environ.get("HFLLAMARL_ALL_LAYOUTS") else [])
+# (sequence parallelism on every family: HFLLAMARL_ALL_LAYOUTS; in CI, the resume test's run and tp_check)
+CASES = [("qwen3", 2, False)] + ([(f, g, False) for f in FAMILIES for g in (1, 2) if (f, g) != ("qwen3", 2)]
+                                 + [(f, 1, True) for f in FAMILIES] if os.environ.get("HFLLAMARL_ALL_LAYOUTS") else [])
 
 
-@pytest.mark.parametrize("family,generators", CASES)
-def test_tp2_x_fsdp2_trains_as_one_rank_does(family_model, tmp_path, family, generators):
+@pytest.mark.parametrize("family,generators,sequence", CASES)
+def test_tp2_x_fsdp2_trains_as_one_rank_does(family_model, tmp_path, family, generators, sequence):
     """3 on-policy steps of the same job, 4 trainer ranks as TP 2 x FSDP 2 (8 completions each data-parallel rank)
     against one trainer rank (16): the same samples, losses and gradient norms at every step, pi/mu == 1 on every
     token (the generator holds exactly the trainer's weights, also checked against vLLM's loader after every sync),
@@ -75,7 +83,8 @@ def test_tp2_x_fsdp2_trains_as_one_rank_does(family_model, tmp_path, family, gen
     model = family_model(family)
     one, one_weights = _run(model, str(tmp_path / "one"), None, generators, {})
     tp, tp_weights = _run(model, str(tmp_path / "tp"), 4 + generators, generators,
-                          {"trainer_tensor_parallel_size": 2, "per_device_train_batch_size": 8})
+                          {"trainer_tensor_parallel_size": 2, "per_device_train_batch_size": 8,
+                           "trainer_sequence_parallel": sequence})
     assert len(one) == len(tp) == 3
     for a, b in zip(one, tp):
         assert_on_policy(a)
@@ -90,7 +99,8 @@ def test_tp2_x_fsdp2_trains_as_one_rank_does(family_model, tmp_path, family, gen
 
 
 def test_a_tensor_parallel_run_checkpoints_and_resumes_on_another_layout(family_model, tmp_path):
-    """2 trainer ranks as one TP-2 group + a generator, with a reference model (beta > 0) and evaluations: 4
+    """2 trainer ranks as one TP-2 group (with sequence parallelism) + a generator, with a reference model (beta > 0)
+    and evaluations: 4
     on-policy steps, checkpointed at 2. Resumed from checkpoint 2 as FSDP2 over the same 2 ranks (no tensor
     parallelism: the optimizer's distributed checkpoint reshards, the weights are whole safetensors): steps 3 and 4
     train on-policy (the generator holds exactly the resumed weights) against the restored reference, and the trained
@@ -102,7 +112,8 @@ def test_a_tensor_parallel_run_checkpoints_and_resumes_on_another_layout(family_
     model = family_model("qwen3")
     common = ["--steps", "4", "--save-steps", "2", "--max-staleness", "0", "--beta", "0.04", "--reward", "digits",
               "--report-to", "none", "--eval-rows", "2"]
-    tp = {"trainer_tensor_parallel_size": 2, "per_device_train_batch_size": 16, "eval_strategy": "steps",
+    tp = {"trainer_tensor_parallel_size": 2, "trainer_sequence_parallel": True, "per_device_train_batch_size": 16,
+          "eval_strategy": "steps",
           "eval_steps": 2, "num_generations_eval": 2}
     first = str(tmp_path / "tp")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), model, first, *common, "--extra", json.dumps(tp)], nproc=3,
@@ -115,7 +126,7 @@ def test_a_tensor_parallel_run_checkpoints_and_resumes_on_another_layout(family_
     second = str(tmp_path / "fsdp")
     shutil.copytree(first, second, ignore=lambda where, names: [n for n in names if where == first and (
         n in ("checkpoint-4", "trainer_state.json") or n.endswith(".jsonl"))])
-    fsdp = dict(tp, trainer_tensor_parallel_size=1, per_device_train_batch_size=8)
+    fsdp = dict(tp, trainer_tensor_parallel_size=1, trainer_sequence_parallel=False, per_device_train_batch_size=8)
     proc = run_script([str(SCRIPTS / "train_tiny.py"), model, second, *common, "--resume", "--extra",
                        json.dumps(fsdp)], nproc=3, timeout=400)
     assert proc.returncode == 0, tail(proc)

@@ -62,6 +62,13 @@ class AsyncAIPOConfig(GRPOConfig):
                   "least this many trainer processes; refused for mixtures of experts, LoRA, and models whose heads "
                   "or MLP width it does not divide."},
     )
+    trainer_sequence_parallel: bool = field(
+        default=False,
+        metadata={"help": "With trainer_tensor_parallel_size > 1: split the residual stream and the norms between "
+                  "the attention and MLP blocks by sequence position inside each tensor-parallel group (Megatron's "
+                  "sequence parallelism). The same communication volume; activation memory outside the blocks / the "
+                  "group size, which pays for long sequences. Batches are padded to a multiple of the group size."},
+    )
     vllm_data_parallel_size: int | None = field(
         default=None,
         metadata={"help": "The number of vLLM replicas (data parallel), as `trl vllm-serve --data_parallel_size`: "
@@ -376,6 +383,11 @@ class AsyncAIPOConfig(GRPOConfig):
         tp = self.trainer_tensor_parallel_size
         if not _is_whole(tp) or tp < 1:
             raise ValueError(f"AsyncAIPOConfig: trainer_tensor_parallel_size={tp!r}; it must be a whole number >= 1.")
+        sp = self.trainer_sequence_parallel
+        if not isinstance(sp, bool) or (sp and tp == 1):
+            raise ValueError(f"AsyncAIPOConfig: trainer_sequence_parallel={sp!r}: it splits the sequence inside a "
+                             "trainer tensor-parallel group, so it takes True or False, and True needs "
+                             "trainer_tensor_parallel_size > 1.")
         return tp
 
     def _check_trainer_layout(self) -> None:

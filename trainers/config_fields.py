@@ -59,8 +59,9 @@ UNSUPPORTED = {
                         "checkpoint's model",
     "enable_jit_checkpoint": "a checkpoint is written by every rank together at save_steps; one on SIGTERM is not "
                              "supported (a killed job resumes from its last checkpoint: lower save_steps to lose less)",
-    "parallelism_config": "the trainer ranks' layout is FSDP2 x trainer_tensor_parallel_size (no context or sequence "
-                          "parallelism); the generator's tensor parallelism is generator_tensor_parallel_size",
+    "parallelism_config": "the trainer ranks' layout is FSDP2 x trainer_tensor_parallel_size (sequence parallelism "
+                          "inside it: trainer_sequence_parallel; no context parallelism); the generator's tensor "
+                          "parallelism is generator_tensor_parallel_size",
     "accelerator_config": "the trainer ranks use no Accelerate data loader or gradient-accumulation context, so its "
                           "options do not apply",
     "debug": "transformers' underflow/overflow and TPU debugging hooks are not installed; NaN/inf in a step is "

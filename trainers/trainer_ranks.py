@@ -86,13 +86,27 @@ def eval_delay(args, batches_per_epoch: int | None = None) -> int:
     return math.ceil(args.eval_delay or 0)
 
 
+def _shard(model, trainer) -> None:
+    """FSDP2 (x the job's trainer tensor parallelism, with its sequence parallelism) over the trainer ranks."""
+    args, topo = trainer.args, trainer.topology
+    shard_model(model, topo.device_type, "bf16" if args.bf16 else None,
+                sequence_parallel=bool(getattr(args, "trainer_sequence_parallel", False)) and topo.trainer_tp > 1)
+
+
+def _pad_multiple(args, topo) -> int | None:
+    """The width a micro-batch is padded to a multiple of: pad_to_multiple_of, and with sequence parallelism the
+    tensor-parallel group (the sequence splits evenly between its ranks)."""
+    if getattr(args, "trainer_sequence_parallel", False) and topo.trainer_tp > 1:
+        return math.lcm(args.pad_to_multiple_of or 1, topo.trainer_tp)
+    return args.pad_to_multiple_of
+
+
 def prepare_policy(trainer, device: torch.device, resume_dir: str | None) -> None:
     """Shard the policy with FSDP2 and give each trainer rank its weights: read rank by rank from the model (or,
     on resume, the checkpoint) when it was built on the meta device; else from the object in memory."""
-    args, topo, model = trainer.args, trainer.topology, trainer.model
-    mixed = "bf16" if args.bf16 else None
+    args, model = trainer.args, trainer.model
     if is_meta(model):
-        shard_model(model, topo.device_type, mixed)
+        _shard(model, trainer)
         materialize(model, device)
         peft = is_peft(model)
         load_shards(model, resume_dir if resume_dir and not peft else trainer.model_path)
@@ -106,19 +120,19 @@ def prepare_policy(trainer, device: torch.device, resume_dir: str | None) -> Non
     if resume_dir:
         checkpoint.load_model_weights(model, resume_dir)  # a LoRA policy: its adapters
     model.to(device)
-    shard_model(model, topo.device_type, mixed)
+    _shard(model, trainer)
 
 
 def prepare_reference(trainer, device: torch.device) -> torch.nn.Module:
     """The frozen reference policy (`beta > 0`): the starting policy, also after a resume, sharded like it."""
-    args, topo = trainer.args, trainer.topology
+    args = trainer.args
     built = getattr(trainer, "_ref_model", None)
     if built is not None:  # a script read trainer.ref_model (built then), or an earlier train() sharded it
         from torch.distributed.fsdp import FSDPModule
 
         if not isinstance(built, FSDPModule):
             built.to(device).eval()
-            shard_model(built, topo.device_type, "bf16" if args.bf16 else None)
+            _shard(built, trainer)
         return built
     if is_meta(trainer.model):
         dtype = next(trainer.model.parameters()).dtype
@@ -126,7 +140,7 @@ def prepare_reference(trainer, device: torch.device) -> torch.nn.Module:
         ref = build_empty(trainer.model_config, dtype, init.get("attn_implementation"),
                           bool(init.get("trust_remote_code", args.trust_remote_code)))
         ref.requires_grad_(False)
-        shard_model(ref, topo.device_type, "bf16" if args.bf16 else None)
+        _shard(ref, trainer)
         materialize(ref, device)
         load_shards(ref, trainer.model_path)
         return ref.eval()
@@ -137,7 +151,7 @@ def prepare_reference(trainer, device: torch.device) -> torch.nn.Module:
     ref = copy.deepcopy(trainer.model)
     ref.requires_grad_(False)
     ref.to(device).eval()
-    shard_model(ref, topo.device_type, "bf16" if args.bf16 else None)
+    _shard(ref, trainer)
     return ref
 
 
@@ -227,7 +241,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
         on_eval=reporter.evaluate,
         should_stop=reporter.stop_requested,
         padding_free=args.padding_free,
-        pad_to_multiple_of=args.pad_to_multiple_of,
+        pad_to_multiple_of=_pad_multiple(args, trainer.topology),
         tools=trainer.agent.uses_tools,
         router_aux_loss_coef=trainer.router_aux_loss_coef,
         top_entropy_quantile=args.top_entropy_quantile,

@@ -39,6 +39,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trainers", type=int, default=2)
     parser.add_argument("--trainer-tp", type=int, default=1, help="trainer tensor-parallel size (the trainer ranks as "
                         "FSDP2 x tensor parallelism, as trainer_tensor_parallel_size)")
+    parser.add_argument("--sequence-parallel", action="store_true", help="with --trainer-tp: split the stream "
+                        "between the blocks by sequence too (as trainer_sequence_parallel)")
     parser.add_argument("--modes", default="sharded,whole", help="comma-separated: sharded, whole")
     parser.add_argument("--train-step", action="store_true", help="also train one step after loading (sharded "
                         "mode) and report each rank's peak while training, against one rank holding the whole model")
@@ -73,12 +75,12 @@ def _worker(opts: dict) -> None:
             from hfllamarl.runtime.weights.loading import build_empty, load_shards, materialize
 
             model = build_empty(config, torch.float32)
-            shard_model(model, "cpu", tp=opts.get("tp", 1))
+            shard_model(model, "cpu", tp=opts.get("tp", 1), sequence_parallel=opts.get("sp", False))
             materialize(model, torch.device("cpu"))
             load_shards(model, path)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            shard_model(model, "cpu", tp=opts.get("tp", 1))
+            shard_model(model, "cpu", tp=opts.get("tp", 1), sequence_parallel=opts.get("sp", False))
         gc.collect()
     seconds = time.perf_counter() - start
     local = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
@@ -124,7 +126,7 @@ def _train_step(model, config, shape: dict, tp: int) -> dict:
                             finish_reason="length", completion_text=""))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     start = time.perf_counter()
-    batch = pad_batch(rows, 0, torch.device("cpu"))
+    batch = pad_batch(rows, 0, torch.device("cpu"), multiple_of=tp)
     logprobs = completion_logprobs(model, batch, Sampling(temperature=1.0))
     loss = -(logprobs * batch["mask"]).sum() / batch["mask"].sum()
     loss.backward()
@@ -193,7 +195,8 @@ def _train_baseline(directory: str, train: dict, model_bytes: int, timeout: floa
 
 def _print_training(ranks: list[dict], model_bytes: int, summary: dict) -> None:
     one = summary["one_rank_train_peak_over_model"]
-    print(f"{'training':<10}{'rank':>5}{'peak growth MiB':>17}{'x model':>9}{'x one rank':>12}{'seconds':>9}{'loss':>10}")
+    print(f"{'training':<10}{'rank':>5}{'peak growth MiB':>17}{'x model':>9}{'x one rank':>12}{'seconds':>9}"
+          f"{'loss':>10}")
     for r in ranks:
         share = r["train_peak_growth"] / model_bytes
         print(f"{'':<10}{r['rank']:>5}{r['train_peak_growth'] / 2**20:>17.0f}{share:>9.2f}{share / one:>12.2f}"
@@ -214,6 +217,9 @@ def run(args) -> int:
         raise SystemExit(f"--modes takes sharded and/or whole (got {bad}); --trainers must be >= 1")
     if args.trainer_tp < 1 or args.trainers % args.trainer_tp:
         raise SystemExit(f"--trainer-tp {args.trainer_tp} must divide --trainers {args.trainers}")
+    if args.sequence_parallel and args.trainer_tp < 2:
+        raise SystemExit("--sequence-parallel splits the sequence inside a tensor-parallel group: give --trainer-tp "
+                         ">= 2")
     if args.train_step and "sharded" not in modes:
         raise SystemExit("--train-step trains after the sharded load: include sharded in --modes")
     train = {"sequences": args.sequences, "length": args.length} if args.train_step else None
@@ -222,8 +228,10 @@ def run(args) -> int:
     try:
         params, model_bytes, total = _write_model(args.params, directory)
         summary = {"params": params, "model_bytes": model_bytes, "trainer_ranks": args.trainers, "live_malloc": live,
-                   "trainer_tp": args.trainer_tp}
-        layout = (f"tensor parallel {args.trainer_tp} x FSDP2 {args.trainers // args.trainer_tp}"
+                   "trainer_tp": args.trainer_tp,
+                   "sequence_parallel": args.sequence_parallel}
+        layout = (f"tensor parallel {args.trainer_tp}{' (+ sequence)' if args.sequence_parallel else ''} x FSDP2 "
+                  f"{args.trainers // args.trainer_tp}"
                   if args.trainer_tp > 1 else "FSDP2")
         print(f"loading a {params / 1e6:.0f}M-parameter Llama ({model_bytes / 2**20:.0f} MiB fp32) on "
               f"{args.trainers} trainer rank(s), sharded with {layout}")
@@ -233,8 +241,8 @@ def run(args) -> int:
                                         "MALLOC_MMAP_THRESHOLD_=65536 (the resident size is what is live)"))
             summary.update(_train_baseline(directory, train, model_bytes, args.timeout, live))
         for mode in modes:
-            opts = {"path": directory, "mode": mode, "tp": args.trainer_tp, "train": train if mode == "sharded" else None,
-                    "live": live}
+            opts = {"path": directory, "mode": mode, "tp": args.trainer_tp, "live": live,
+                    "train": train if mode == "sharded" else None, "sp": args.sequence_parallel}
             ranks = _launch(opts, args.trainers, args.timeout)
             for r in ranks:
                 print(f"{mode:<10}{r['rank']:>5}{r['peak_growth'] / 2**20:>17.0f}{r['peak_growth'] / model_bytes:>9.2f}"

@@ -234,7 +234,8 @@ def launch_settings(o: dict, n: int, hw: Hardware, runtime_train) -> dict:
                          "replicas": sorted({(r - nt) // m for r in gens})})
     tp = o["trainer_mp"]
     runs_plan = tp * o["trainer_fsdp"] == nt
-    trainer = (f"tensor parallel {tp} x FSDP2 {nt // tp} (trainer_tensor_parallel_size={tp})" if tp > 1 else
+    trainer = (f"tensor parallel {tp} x FSDP2 {nt // tp} (trainer_tensor_parallel_size={tp}, "
+               "trainer_sequence_parallel=True)" if tp > 1 else
                f"FSDP2 over the {nt} trainer rank{'s' if nt > 1 else ''}")
     return {"nodes": nodes, "nproc_per_node": per, "num_processes": n, "uneven_nodes": n % per != 0,
             "num_generator_processes": ng, "generator_tensor_parallel_size": m, "replicas": ng // m,
@@ -266,9 +267,10 @@ def render_launch(launch: dict, o: dict) -> list[str]:
     nodes = f"--nnodes {l['nodes']} --node_rank $NODE " if l["nodes"] > 1 else ""
     lines.append(f"  torchrun {nodes}--nproc_per_node {l['nproc_per_node']} examples/train_math.py --config RECIPE "
                  f"--num_generator_processes {l['num_generator_processes']} --generator_tensor_parallel_size "
-                 f"{l['generator_tensor_parallel_size']}" + (f" --trainer_tensor_parallel_size "
-                                                              f"{l['trainer_tensor_parallel_size']}"
-                                                              if l["trainer_tensor_parallel_size"] > 1 else ""))
+                 f"{l['generator_tensor_parallel_size']}"
+                 # (the plan's activation memory divides by tp: sequence parallelism inside each group)
+                 + (f" --trainer_tensor_parallel_size {l['trainer_tensor_parallel_size']} --trainer_sequence_parallel "
+                    "true" if l["trainer_tensor_parallel_size"] > 1 else ""))
     if l["uneven_nodes"]:
         lines.append(f"  note: {l['num_processes']} processes do not fill nodes of {l['nproc_per_node']} evenly, and "
                      "torchrun and accelerate start the same number on every node")

@@ -115,7 +115,8 @@ def summary(job: dict) -> str:
     n, g = script.num_processes, config.num_generator_processes
     trainers, tp = ((n - g) if n else None), config.trainer_tensor_parallel_size
     per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * trainers // tp if n else None
-    layout = f" (tensor parallel {tp} x FSDP2 {trainers // tp if n else '?'})" if tp > 1 else ""
+    sp = " + sequence" if config.trainer_sequence_parallel else ""
+    layout = f" (tensor parallel {tp}{sp} x FSDP2 {trainers // tp if n else '?'})" if tp > 1 else ""
     lines = [
         f"recipe OK: {n or '?'} processes = {trainers or '?'} trainer{layout} + {g} generator ranks "
         f"({config.num_generator_replicas} vLLM replica(s) of tensor-parallel {config.generator_tensor_parallel_size}, "

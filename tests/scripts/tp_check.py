@@ -15,7 +15,8 @@ process (transformers alone, the independent reference):
     TRAINER_TP=2 torchrun --nproc_per_node 4 tests/scripts/tp_check.py MODEL_DIR [MODEL_DIR ...]
 
 Each model is checked twice: tensor parallelism alone, then with sequence parallelism (`trainer_sequence_parallel`:
-the residual stream and norms between the blocks split by sequence; the batches padded to a multiple of the group).
+the residual stream and norms between the blocks split by sequence; the batches padded to a multiple of the group)
+and activation checkpointing (the layers run again in backward, their collectives with them).
 Prints `RESULT {json}` on rank 0, one entry per model and variant ("<dir>" and "<dir> sequence").
 """
 
@@ -41,6 +42,9 @@ def check(path: str, tp: int, sequence: bool = False) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     whole = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if sequence:  # (and activation checkpointing, as `hfllamarl plan` assumes: the blocks' collectives run again)
+        model.gradient_checkpointing_enable()
+        model.train()  # (checkpointing acts in training mode only)
     shard_model(model, "cpu", sequence_parallel=sequence)
     held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
 
@@ -65,6 +69,14 @@ def check(path: str, tp: int, sequence: bool = False) -> dict:
     transforms_error = float((got[real] - want[real]).abs().max())
     if not torch.equal(torch.isneginf(got), torch.isneginf(want)):
         transforms_error = float("inf")
+    runs, mlp = [0], model.model.layers[0].mlp
+    forward = mlp.forward
+
+    def counted(*args, **kwargs):  # (a module's hooks do not fire when checkpointing recomputes it: its forward does)
+        runs[0] += 1
+        return forward(*args, **kwargs)
+
+    mlp.forward = counted
     widths = []  # the sequence length each decoder layer's output holds on this rank (1/tp of it: sequence parallel)
     hooks = [layer.register_forward_hook(lambda m, a, out: widths.append((out[0] if isinstance(out, tuple) else out)
                                                                           .shape[1]))
@@ -73,7 +85,7 @@ def check(path: str, tp: int, sequence: bool = False) -> dict:
     for h in hooks:
         h.remove()
     loss = -(logprobs * torch.linspace(0.5, 1.5, logprobs.numel()).reshape(logprobs.shape)).sum()
-    loss.backward()
+    loss.backward()  # (with activation checkpointing, the layers run again inside it: `runs` grows)
     reduce_partial_gradients(model)
 
     ref_lp, ref_ent = [], []
@@ -87,7 +99,8 @@ def check(path: str, tp: int, sequence: bool = False) -> dict:
     out = {"transforms_error": transforms_error,
            "logprob_error": float((logprobs.detach() - ref_lp[d]).abs().max()),
            "entropy_error": float((entropy - ref_ent[d]).abs().max()),
-           "held_share": held / full_bytes, "stream_share": max(widths) / batch["input_ids"].shape[1]}
+           "held_share": held / full_bytes, "stream_share": max(widths) / batch["input_ids"].shape[1],
+           "layer_runs": runs[0]}
     errors, scale, tiled = {}, {}, []
     state = dict(whole.named_parameters())
     for name, p in model.named_parameters():

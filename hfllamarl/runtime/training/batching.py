@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 
 import torch
 
@@ -238,25 +239,27 @@ def _entropy(x: torch.Tensor, rows: int = 4096) -> torch.Tensor:
     return torch.cat(out)
 
 
-def packing_agrees(model, vocab_size: int, device) -> bool:
+def packing_agrees(model, vocab_size: int, device, multiple_of: int | None = None) -> bool:
     """Whether `model` computes the same log-probs packed as padded: its attention keeps packed sequences apart
     when told only by the position ids. Decided against the difference that leaking across sequences makes (the
     same packed row with positions that do not restart), so that kernel noise in bf16 does not count as a leak.
-    Every trainer rank calls it at the same point (FSDP2 gathers weights in the forward)."""
+    Every trainer rank calls it at the same point (FSDP2 gathers weights in the forward). `multiple_of`: the widths
+    the model takes (sequence parallelism: a multiple of the tensor-parallel group)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (14,), generator=g).tolist()
     rollouts = [Rollout(prompt="", prompt_ids=ids[:4], completion_ids=ids[4:9], behavior_logprobs=[0.0] * 5,
                         versions=[0] * 5, finish_reason="stop", completion_text=""),
                 Rollout(prompt="", prompt_ids=ids[9:11], completion_ids=ids[11:], behavior_logprobs=[0.0] * 3,
                         versions=[0] * 3, finish_reason="stop", completion_text="")]
-    packed = pack_batch(rollouts, 0, device, multiple_of=14)  # one row: 9 tokens, then 5
-    leaky = dict(packed, position_ids=torch.arange(14, device=device).unsqueeze(0))  # the second sees the first
+    width = math.lcm(14, multiple_of or 1)
+    packed = pack_batch(rollouts, 0, device, multiple_of=width)  # one row: 9 tokens, then 5 (then padding)
+    leaky = dict(packed, position_ids=torch.arange(width, device=device).unsqueeze(0))  # the second sees the first
     sampling = Sampling()
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            reference = completion_logprobs(model, pad_batch(rollouts, 0, device), sampling)
+            reference = completion_logprobs(model, pad_batch(rollouts, 0, device, multiple_of), sampling)
             good = completion_logprobs(model, packed, sampling)
             leak = completion_logprobs(model, leaky, sampling)
     finally:

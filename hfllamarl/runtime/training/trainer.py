@@ -124,7 +124,8 @@ class TrainerExecutor(Executor):
         if self.topology.core_lender is not None:  # a single-process CPU job: borrow the generators' idle cores
             self.topology.core_lender.install(self.spec.model)
         if self.spec.padding_free:
-            self.packed = packing_agrees(self.spec.model, self.spec.model.config.vocab_size, self.spec.device)
+            self.packed = packing_agrees(self.spec.model, self.spec.model.config.vocab_size, self.spec.device,
+                                         self.spec.pad_to_multiple_of)
 
     def init(self) -> None:
         self.backend = self.backend or self.spec.backend

@@ -50,8 +50,8 @@ def shard_model(model: torch.nn.Module, device_type: str, mixed_precision: str |
     try:
         layers = [m for cls in decoder_layer_classes(model) for m in model.modules() if isinstance(m, cls)]
         if sequence_parallel and mesh.ndim != 2:
-            raise SequenceParallelError("trainer_sequence_parallel splits the sequence inside a trainer tensor-parallel "
-                                        "group: set trainer_tensor_parallel_size > 1 too.")
+            raise SequenceParallelError("trainer_sequence_parallel splits the sequence inside a trainer "
+                                        "tensor-parallel group: set trainer_tensor_parallel_size > 1 too.")
         if mesh.ndim == 2:
             parallelize(model, layers, mesh["tp"], sequence_parallel)
         for module in layers:

@@ -156,7 +156,8 @@ def _partial_local(x):
     return x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
 
 
-def replicate_kv(layer: torch.nn.Module, names: list[str], tp_rank: int, tp: int, group, sequence: bool = False) -> None:
+def replicate_kv(layer: torch.nn.Module, names: list[str], tp_rank: int, tp: int, group,
+                 sequence: bool = False) -> None:
     """Fewer KV heads than ranks (tp a multiple of them): every rank keeps k/v whole and uses the one KV head its
     query heads read (the output columns of that head); attention repeats it over the rank's query heads. The
     input's gradient through them is summed over the group (as a column-split layer's is; with `sequence`, in the
