@@ -136,7 +136,8 @@ def apply(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh) -> set
         x, rebuild = _hidden(args, kwargs)
         return rebuild(_Scatter.apply(x, group))
 
-    layers[0].register_forward_pre_hook(scatter, with_kwargs=True)
+    order = {id(m): i for i, m in enumerate(model.modules())}  # (the first layer the forward runs: the first built)
+    min(layers, key=lambda layer: order[id(layer)]).register_forward_pre_hook(scatter, with_kwargs=True)
     norm.register_forward_hook(lambda module, args, out: _Gather.apply(out, group))
     ids = {id(layer) for layer in layers} | {id(norm)}
     roots = tuple(n for n, m in model.named_modules() if id(m) in ids)
