@@ -90,6 +90,7 @@ def test_defaults_and_derived_sizes():
     ({"ddp_backend": "nccl"}, "ddp_backend='nccl' is not supported: the ranks talk over gloo"),
     ({"trainer_tensor_parallel_size": 0}, "trainer_tensor_parallel_size=0; it must be a whole number >= 1"),
     ({"trainer_sequence_parallel": True}, "True needs trainer_tensor_parallel_size > 1"),
+    ({"trainer_fsdp_shard_size": 0}, "trainer_fsdp_shard_size=0; it must be a whole number >= 1"),
     ({"trainer_sequence_parallel": "yes", "trainer_tensor_parallel_size": 2}, "it takes True or False"),
 ])
 def test_bad_settings_are_explained(kw, match):
@@ -172,6 +173,14 @@ def test_every_grpo_config_field_is_read_refused_or_explained():
 
 def test_empty_values_of_unset_fields_are_not_a_setting():
     make(debug=[], fsdp=[], vllm_structured_outputs_regex="")  # ("", [] and None all mean unset)
+
+
+def test_shard_groups_of_several_ranks_need_a_launcher():
+    """As trainer tensor parallelism: kept in one process (a recipe's check), refused by a trainer built there."""
+    config = make(trainer_fsdp_shard_size=4)
+    with pytest.raises(ValueError, match="trainer_fsdp_shard_size=4 shards over 4 trainer processes"):
+        config.check_trainer_processes()
+    make(trainer_fsdp_shard_size=1).check_trainer_processes()  # (one rank per group: what one process is)
 
 
 def test_trainer_tensor_parallelism_needs_a_launcher():

@@ -383,3 +383,21 @@ def test_bench_profile_feeds_plan(capsys, tmp_path):
     prof.calibrate(lambda m, c: pl.decode_step(cfg, wl, hw, m, c, 2), lambda tp: 1.0)
     point = data["generation"][-1]
     assert pl.decode_step(cfg, wl, hw, 1, 16, 2) * prof.gen_factor(1, 16) == pytest.approx(point["seconds_per_step"])
+
+
+def test_a_hybrid_sharded_plan_is_launched_as_planned(capsys):
+    """8B on 64 GPUs: the plan shards the 40 trainer ranks' FSDP over groups of 8 (one node each) and replicates
+    across the groups. The launch line names it (`--trainer_fsdp_shard_size 8`), the runtime's predicted step is the
+    plan's (no note of another layout), and the config takes the field."""
+    from hfllamarl import AsyncAIPOConfig
+
+    code, out, _ = run_plan(capsys, "--model-size", "8B", "--gpus", "64")
+    o = json.loads(out.strip().splitlines()[-1])
+    launch = o["launch"]
+    dp = o["trainer_gpus"] // o["trainer_mp"]
+    assert code == 0 and o["trainer_fsdp"] < dp and launch["trainer_fsdp_shard_size"] == o["trainer_fsdp"]
+    assert f"--trainer_fsdp_shard_size {o['trainer_fsdp']}" in out and "the runtime" not in out
+    assert launch["runtime_train_s"] == pytest.approx(o["train_s"], rel=1e-3)
+    config = AsyncAIPOConfig(output_dir="/tmp/hfllamarl-test-config", report_to="none",
+                             trainer_fsdp_shard_size=launch["trainer_fsdp_shard_size"])
+    assert config.trainer_fsdp_shard_size == o["trainer_fsdp"]

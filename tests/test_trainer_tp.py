@@ -31,13 +31,19 @@ def test_the_sharded_policy_computes_what_the_whole_model_does(family_model):
     parameter bytes. One AdamW step updates the weights as the whole model's does, and its state, checkpointed
     (torch's distributed checkpoint) and read into the model sharded with FSDP2 alone, holds the whole model's Adam
     moments: a checkpoint resumes on either layout. All of it again with sequence parallelism (the stream between
-    the blocks split by sequence: each layer outputs half of it) and activation checkpointing."""
+    the blocks split by sequence: each layer outputs half of it) and activation checkpointing, and with hybrid
+    sharding (trainer_fsdp_shard_size: FSDP2 over groups of 2 replicated across them; with tensor parallelism, a 3-D
+    mesh)."""
     paths = [family_model(f) for f in CHECKED]
     proc = run_script([str(SCRIPTS / "tp_check.py"), *paths], nproc=4, timeout=300, env={"TRAINER_TP": "2"})
     assert proc.returncode == 0, tail(proc)
     results = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
-    for (family, path), sequence in [(fp, s) for fp in zip(CHECKED, paths) for s in (False, True)]:
-        key = f"{path} sequence" if sequence else path
+    # the layers' and (untied) embeddings' weights are split 4 ways; norms and a tied embedding 2 ways (kept whole in
+    # a tensor-parallel group); hybrid sharding 2 x 2: everything 2 ways; replicas 2 x tensor parallel 2: the TP split
+    held = {"": (0.24, 0.30), "sequence": (0.24, 0.30), "hybrid": (0.49, 0.51), "hybrid tp": (0.5, 0.56)}
+    for (family, path), variant in [(fp, v) for fp in zip(CHECKED, paths) for v in held]:
+        sequence = variant == "sequence"
+        key = f"{path} {variant}".strip()
         scale = results[key]["grad_scale"]
         for rank in results[key]["ranks"]:
             # sequence parallelism: each rank's decoder layers output half the sequence (the padded width)
@@ -47,11 +53,9 @@ def test_the_sharded_policy_computes_what_the_whole_model_does(family_model):
             assert rank["logprob_error"] < 1e-5 and rank["entropy_error"] < 1e-5, (family, rank)
             assert rank["transforms_error"] < 1e-5, (family, rank)
             bad = {n: e for n, e in rank["grad_errors"].items() if e > 1e-5 * max(scale[n], 1.0)}
-            assert not bad, (family, bad)
+            assert not bad, (family, variant, bad)
             assert not rank["box_errors"], (family, rank["box_errors"])
-            # the layers' and (untied) embeddings' weights are split 4 ways; norms and a tied embedding 2 ways (kept
-            # whole in a tensor-parallel group)
-            assert 0.24 < rank["held_share"] < 0.30, (family, rank["held_share"])
+            assert held[variant][0] < rank["held_share"] < held[variant][1], (family, variant, rank["held_share"])
             # one AdamW step (lr 1e-3): the same weights wherever the gradient is more than rounding noise (Adam
             # divides each gradient by its own size: a weight whose gradient is noise moves by up to lr either way);
             # its state, checkpointed and read on FSDP2 alone: the same moments
@@ -68,23 +72,29 @@ def _run(model: str, out: str, nproc: int | None, generators: int, extra: dict, 
     return step_logs(proc.stdout), load_file(os.path.join(out, "final", "model.safetensors"))
 
 
-# (sequence parallelism on every family: HFLLAMARL_ALL_LAYOUTS; in CI, the resume test's run and tp_check)
-CASES = [("qwen3", 2, False)] + ([(f, g, False) for f in FAMILIES for g in (1, 2) if (f, g) != ("qwen3", 2)]
-                                 + [(f, 1, True) for f in FAMILIES] if os.environ.get("HFLLAMARL_ALL_LAYOUTS") else [])
+# The 4 trainer ranks' layouts: TP 2 x FSDP2 2, the same with sequence parallelism, hybrid sharding (FSDP2 over 2,
+# 2 replicas, no tensor parallelism). (Every family x layout: HFLLAMARL_ALL_LAYOUTS; in CI sequence parallelism
+# runs in the resume test and tp_check.)
+LAYOUTS = {"tp": {"trainer_tensor_parallel_size": 2, "per_device_train_batch_size": 8},
+           "tp+sequence": {"trainer_tensor_parallel_size": 2, "trainer_sequence_parallel": True,
+                           "per_device_train_batch_size": 8},
+           "hybrid": {"trainer_fsdp_shard_size": 2, "per_device_train_batch_size": 4}}
+CASES = [("qwen3", 2, "tp"), ("llama", 1, "hybrid")] + (
+    [(f, g, "tp") for f in FAMILIES for g in (1, 2) if (f, g) != ("qwen3", 2)]
+    + [(f, 1, layout) for f in FAMILIES for layout in ("tp+sequence", "hybrid") if (f, layout) != ("llama", "hybrid")]
+    if os.environ.get("HFLLAMARL_ALL_LAYOUTS") else [])
 
 
-@pytest.mark.parametrize("family,generators,sequence", CASES)
-def test_tp2_x_fsdp2_trains_as_one_rank_does(family_model, tmp_path, family, generators, sequence):
-    """3 on-policy steps of the same job, 4 trainer ranks as TP 2 x FSDP 2 (8 completions each data-parallel rank)
-    against one trainer rank (16): the same samples, losses and gradient norms at every step, pi/mu == 1 on every
+@pytest.mark.parametrize("family,generators,layout", CASES)
+def test_tp2_x_fsdp2_trains_as_one_rank_does(family_model, tmp_path, family, generators, layout):
+    """3 on-policy steps of the same job, 4 trainer ranks as TP 2 x FSDP 2 (8 completions each data-parallel rank),
+    or as FSDP2 2 x 2 replicas (hybrid sharding, 4 each), against one trainer rank (16): the same samples, losses and gradient norms at every step, pi/mu == 1 on every
     token (the generator holds exactly the trainer's weights, also checked against vLLM's loader after every sync),
     and the same trained weights. (Adam divides each gradient by its own running size, so a weight whose gradient
     is rounding noise moves by up to the learning rate either way: the weights compare at 2e-4, lr 1e-3.)"""
     model = family_model(family)
     one, one_weights = _run(model, str(tmp_path / "one"), None, generators, {})
-    tp, tp_weights = _run(model, str(tmp_path / "tp"), 4 + generators, generators,
-                          {"trainer_tensor_parallel_size": 2, "per_device_train_batch_size": 8,
-                           "trainer_sequence_parallel": sequence})
+    tp, tp_weights = _run(model, str(tmp_path / "tp"), 4 + generators, generators, LAYOUTS[layout])
     assert len(one) == len(tp) == 3
     for a, b in zip(one, tp):
         assert_on_policy(a)

@@ -14,6 +14,7 @@ from trl import GRPOConfig
 from hfllamarl.runtime.loop.sampling import NEUTRAL_KWARGS, TRANSFORM_KWARGS, Sampling
 
 from .config_fields import UNSUPPORTED as _UNSUPPORTED
+from . import trainer_layout
 from .tool_budget import check_tool_tick, default_tool_budget
 
 # generation_kwargs the trainer sets itself, with what to set instead.
@@ -61,6 +62,13 @@ class AsyncAIPOConfig(GRPOConfig):
                   "split over the groups, not the processes. Needs a launcher (torchrun / accelerate launch) with at "
                   "least this many trainer processes; refused for mixtures of experts, LoRA, and models whose heads "
                   "or MLP width it does not divide."},
+    )
+    trainer_fsdp_shard_size: int | None = field(
+        default=None,
+        metadata={"help": "FSDP2 shards each parameter over groups of this many consecutive data-parallel trainer "
+                  "ranks (the trainer processes / trainer_tensor_parallel_size), and the groups hold replicas (hybrid "
+                  "sharding, HSDP: gradients reduce-scattered inside a group, all-reduced across groups). Default: "
+                  "every data-parallel rank, one group. `hfllamarl plan` names the size it plans."},
     )
     trainer_sequence_parallel: bool = field(
         default=False,
@@ -380,41 +388,14 @@ class AsyncAIPOConfig(GRPOConfig):
                              f"{self.generator_failure!r}.")
 
     def _check_trainer_tp(self) -> int:
-        tp = self.trainer_tensor_parallel_size
-        if not _is_whole(tp) or tp < 1:
-            raise ValueError(f"AsyncAIPOConfig: trainer_tensor_parallel_size={tp!r}; it must be a whole number >= 1.")
-        sp = self.trainer_sequence_parallel
-        if not isinstance(sp, bool) or (sp and tp == 1):
-            raise ValueError(f"AsyncAIPOConfig: trainer_sequence_parallel={sp!r}: it splits the sequence inside a "
-                             "trainer tensor-parallel group, so it takes True or False, and True needs "
-                             "trainer_tensor_parallel_size > 1.")
-        return tp
+        return trainer_layout.check_fields(self)
 
     def _check_trainer_layout(self) -> None:
-        """Trainer tensor parallelism needs trainer processes to split: several of them, in whole groups. A single
-        process (a notebook, `hfllamarl train --check` of a recipe meant for torchrun) keeps the setting; a trainer
-        built there refuses it (`check_trainer_processes`)."""
-        tp, topo = self.trainer_tensor_parallel_size, self._topology
-        if tp == 1:
-            return
-        if topo.mode == "single":
-            topo.trainer_tp = 1  # (the one trainer process: nothing to split)
-            return
-        if topo.num_trainers % tp:
-            raise ValueError(
-                f"AsyncAIPOConfig: trainer_tensor_parallel_size={tp} does not divide the {topo.num_trainers} trainer "
-                f"processes; launch a multiple of {tp} trainer processes (plus {self.num_generator_processes} "
-                "generator processes), or change trainer_tensor_parallel_size.")
+        trainer_layout.check_layout(self)
 
     def check_trainer_processes(self) -> None:
-        """Refuse trainer tensor parallelism where there is one trainer process (`python script.py`)."""
-        tp = self.trainer_tensor_parallel_size
-        if tp > 1 and self._topology.mode == "single":
-            raise ValueError(
-                f"AsyncAIPOConfig: trainer_tensor_parallel_size={tp} needs {tp} trainer processes at least, and "
-                "`python script.py` runs one. Launch the script with torchrun or accelerate launch, e.g. "
-                f"`torchrun --nproc_per_node {tp + self.num_generator_processes} script.py` ({tp} trainer, "
-                f"{self.num_generator_processes} generator processes).")
+        """Refuse a trainer layout of several processes where there is one (`python script.py`)."""
+        trainer_layout.check_processes(self)
 
     @property
     def num_generator_replicas(self) -> int:

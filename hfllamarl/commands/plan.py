@@ -212,18 +212,17 @@ def plan(model: Model, wl: Workload, hw: Hardware, n: int, prof: Profile | None 
         out["sync_decode_tokens_per_gpu_s"] = tokens_per_gpu(model, wl, hw, prof, out["sync_mp"],
                                                              out["sync_decode_concurrency"], 2)
     out["speedup"] = out["sync_step_s"] / out["async_step_s"] if out["sync_step_s"] else None
-    out["launch"] = launch_settings(out, n, hw, train_time(model, wl, hw, prof, out["trainer_gpus"],
-                                                            out["trainer_gpus"], out["trainer_mp"]))
+    out["launch"] = launch_settings(out, n, hw)
     return out
 
 
-def launch_settings(o: dict, n: int, hw: Hardware, runtime_train) -> dict:
+def launch_settings(o: dict, n: int, hw: Hardware) -> dict:
     """What to launch for the recommended split, as the runtime runs it: the launcher's processes per node (ranks
     fill node 0 first; the last `num_generator_processes` generate), `num_generator_processes` and
     `generator_tensor_parallel_size` (their ratio is the number of vLLM replicas), where each replica lands, and the
-    trainer the runtime runs: `trainer_tensor_parallel_size` = the planned trainer tensor parallelism, FSDP2 over the
-    data-parallel ranks (`runtime_train`: that layout's (seconds, micro-batch, accumulation), or None if it does not
-    fit; it differs from the plan only where the plan shards over smaller groups than all data-parallel ranks)."""
+    trainer: `trainer_tensor_parallel_size` = the planned trainer tensor parallelism (with sequence parallelism),
+    FSDP2 over the planned shard groups (`trainer_fsdp_shard_size` when they are fewer than the data-parallel
+    ranks: hybrid sharding). The runtime runs the planned layout, so its predicted step is the plan's."""
     nt, ng, m, per = o["trainer_gpus"], o["generator_gpus"], o["generator_mp"], min(n, hw.gpus_per_node)
     nodes = -(-n // per)
     per_node = []
@@ -232,19 +231,21 @@ def launch_settings(o: dict, n: int, hw: Hardware, runtime_train) -> dict:
         gens = [r for r in ranks if r >= nt]
         per_node.append({"node": node, "trainer_processes": len(ranks) - len(gens), "generator_processes": len(gens),
                          "replicas": sorted({(r - nt) // m for r in gens})})
-    tp = o["trainer_mp"]
-    runs_plan = tp * o["trainer_fsdp"] == nt
-    trainer = (f"tensor parallel {tp} x FSDP2 {nt // tp} (trainer_tensor_parallel_size={tp}, "
-               "trainer_sequence_parallel=True)" if tp > 1 else
-               f"FSDP2 over the {nt} trainer rank{'s' if nt > 1 else ''}")
+    tp, fsdp = o["trainer_mp"], o["trainer_fsdp"]
+    dp = nt // tp
+    shard = fsdp if fsdp < dp else None
+    sharding = (f"FSDP2 {fsdp} x {dp // fsdp} replicas" if shard else
+                f"FSDP2 {dp}" if tp > 1 else f"FSDP2 over the {nt} trainer rank{'s' if nt > 1 else ''}")
+    fields = ([f"trainer_tensor_parallel_size={tp}", "trainer_sequence_parallel=True"] if tp > 1 else []) + (
+        [f"trainer_fsdp_shard_size={shard}"] if shard else [])
+    trainer = (f"tensor parallel {tp} x " if tp > 1 else "") + sharding + (f" ({', '.join(fields)})" if fields else "")
     return {"nodes": nodes, "nproc_per_node": per, "num_processes": n, "uneven_nodes": n % per != 0,
             "num_generator_processes": ng, "generator_tensor_parallel_size": m, "replicas": ng // m,
             "replicas_across_nodes": [r for r in range(ng // m) if len({(nt + r * m + i) // per for i in range(m)}) > 1],
             "per_node": per_node,
-            "trainer_tensor_parallel_size": tp, "trainer": trainer,
-            "trainer_layout_as_planned": runs_plan,
-            "runtime_train_s": None if runtime_train is None else round(runtime_train[0], 3),
-            "runtime_micro_batch": None if runtime_train is None else runtime_train[1]}
+            "trainer_tensor_parallel_size": tp, "trainer_fsdp_shard_size": shard, "trainer": trainer,
+            "trainer_layout_as_planned": True,
+            "runtime_train_s": round(o["train_s"], 3), "runtime_micro_batch": o["micro_batch"]}
 
 
 def render_launch(launch: dict, o: dict) -> list[str]:
@@ -270,19 +271,14 @@ def render_launch(launch: dict, o: dict) -> list[str]:
                  f"{l['generator_tensor_parallel_size']}"
                  # (the plan's activation memory divides by tp: sequence parallelism inside each group)
                  + (f" --trainer_tensor_parallel_size {l['trainer_tensor_parallel_size']} --trainer_sequence_parallel "
-                    "true" if l["trainer_tensor_parallel_size"] > 1 else ""))
+                    "true" if l["trainer_tensor_parallel_size"] > 1 else "")
+                 + (f" --trainer_fsdp_shard_size {l['trainer_fsdp_shard_size']}" if l["trainer_fsdp_shard_size"] else ""))
     if l["uneven_nodes"]:
         lines.append(f"  note: {l['num_processes']} processes do not fill nodes of {l['nproc_per_node']} evenly, and "
                      "torchrun and accelerate start the same number on every node")
     if l["replicas_across_nodes"]:
         lines.append(f"  note: replica(s) {l['replicas_across_nodes']} span two nodes (tensor parallelism across the "
                      "network); a split on node boundaries avoids it")
-    if not l["trainer_layout_as_planned"]:
-        runtime = (f"{l['runtime_train_s']:.1f} s a step (micro-batch {l['runtime_micro_batch']})"
-                   if l["runtime_train_s"] is not None else "does not fit in memory")
-        dp = o["trainer_gpus"] // o["trainer_mp"]
-        lines.append(f"  note: the trainer layout above shards over groups of {o['trainer_fsdp']} (hybrid sharding, "
-                     f"the model's); the runtime shards over all {dp} data-parallel ranks: {runtime}")
     return lines
 
 

@@ -102,10 +102,13 @@ def check_layout(recipe, launched: bool) -> None:
     n, g = recipe.script.num_processes, recipe.config.num_generator_processes
     if n and n <= g:
         raise RecipeError(f"num_processes={n} leaves no trainer rank beside num_generator_processes={g}.")
-    tp = recipe.config.trainer_tensor_parallel_size
+    tp, shard = recipe.config.trainer_tensor_parallel_size, recipe.config.trainer_fsdp_shard_size
     if n and (n - g) % tp:
         raise RecipeError(f"num_processes={n} leaves {n - g} trainer ranks beside num_generator_processes={g}, which "
                           f"trainer_tensor_parallel_size={tp} does not divide into groups.")
+    if n and shard and ((n - g) // tp) % shard:
+        raise RecipeError(f"num_processes={n} leaves {(n - g) // tp} data-parallel trainer ranks, which "
+                          f"trainer_fsdp_shard_size={shard} does not divide into FSDP shard groups.")
 
 
 def summary(job: dict) -> str:
@@ -116,7 +119,10 @@ def summary(job: dict) -> str:
     trainers, tp = ((n - g) if n else None), config.trainer_tensor_parallel_size
     per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * trainers // tp if n else None
     sp = " + sequence" if config.trainer_sequence_parallel else ""
-    layout = f" (tensor parallel {tp}{sp} x FSDP2 {trainers // tp if n else '?'})" if tp > 1 else ""
+    dp, shard = (trainers // tp if n else None), config.trainer_fsdp_shard_size
+    fsdp = (f"FSDP2 {shard} x {dp // shard if dp else '?'} replicas" if shard and (dp is None or shard < dp)
+            else f"FSDP2 {dp or '?'}")
+    layout = f" (tensor parallel {tp}{sp} x {fsdp})" if tp > 1 else (f" ({fsdp})" if shard else "")
     lines = [
         f"recipe OK: {n or '?'} processes = {trainers or '?'} trainer{layout} + {g} generator ranks "
         f"({config.num_generator_replicas} vLLM replica(s) of tensor-parallel {config.generator_tensor_parallel_size}, "

@@ -16,8 +16,10 @@ process (transformers alone, the independent reference):
 
 Each model is checked twice: tensor parallelism alone, then with sequence parallelism (`trainer_sequence_parallel`:
 the residual stream and norms between the blocks split by sequence; the batches padded to a multiple of the group)
-and activation checkpointing (the layers run again in backward, their collectives with them).
-Prints `RESULT {json}` on rank 0, one entry per model and variant ("<dir>" and "<dir> sequence").
+and activation checkpointing (the layers run again in backward, their collectives with them); then with hybrid
+sharding (FSDP2 over groups of data-parallel ranks, replicated across them), with and without tensor parallelism.
+Prints `RESULT {json}` on rank 0, one entry per model and variant ("<dir>", "<dir> sequence", "<dir> hybrid",
+"<dir> hybrid tp").
 """
 
 import json
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 
-def check(path: str, tp: int, sequence: bool = False) -> dict:
+def check(path: str, tp: int, sequence: bool = False, shard: int | None = None) -> dict:
     import transformers
 
     from hfllamarl.runtime.loop.rollout import Rollout
@@ -45,7 +47,7 @@ def check(path: str, tp: int, sequence: bool = False) -> dict:
     if sequence:  # (and activation checkpointing, as `hfllamarl plan` assumes: the blocks' collectives run again)
         model.gradient_checkpointing_enable()
         model.train()  # (checkpointing acts in training mode only)
-    shard_model(model, "cpu", sequence_parallel=sequence)
+    shard_model(model, "cpu", tp=tp, sequence_parallel=sequence, shard=shard)
     held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
 
     vocab = whole.config.vocab_size
@@ -154,7 +156,7 @@ def optimizer_round_trip(path: str, model, whole) -> dict:
     dist.broadcast_object_list(where, src=0)
     dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=where[0])
     other = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    shard_model(other, "cpu", tp=1)
+    shard_model(other, "cpu", tp=1, shard=dist.get_world_size())  # (FSDP2 alone, over every rank)
     other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
     loaded = {"optimizer": get_optimizer_state_dict(other, other_opt)}
     dcp.load(loaded, checkpoint_id=where[0])
@@ -180,12 +182,17 @@ def main():
     dist.init_process_group("gloo")
 
     class TrainerSide:  # what the trainer mesh reads of the job's topology
-        trainer_tp, role, device_type = tp, "trainer", "cpu"
+        trainer_tp, trainer_shard, role, device_type = tp, None, "trainer", "cpu"
 
     topology._TOPOLOGY = TrainerSide()
     results = {path: check(path, tp) for path in sys.argv[1:]}
     # sequence parallelism (the stream between the blocks split by sequence inside each group): the same checks
     results.update({f"{path} sequence": check(path, tp, sequence=True) for path in sys.argv[1:]})
+    # hybrid sharding (trainer_fsdp_shard_size): FSDP2 over groups of 2 data-parallel ranks, replicated across the
+    # groups, without tensor parallelism (a 2 x 2 mesh), and with it (replicas 2 x shard 1 x tensor parallel 2)
+    for variant, (t, shard) in {"hybrid": (1, 2), "hybrid tp": (tp, 1)}.items():
+        TrainerSide.trainer_tp, TrainerSide.trainer_shard = t, shard
+        results.update({f"{path} {variant}": check(path, t, shard=shard) for path in sys.argv[1:]})
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(results), flush=True)
     dist.destroy_process_group()

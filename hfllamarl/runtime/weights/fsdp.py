@@ -29,30 +29,33 @@ def decoder_layer_classes(model: torch.nn.Module) -> set[type]:
 
 
 def shard_model(model: torch.nn.Module, device_type: str, mixed_precision: str | None = None,
-                tp: int | None = None, sequence_parallel: bool = False) -> torch.nn.Module:
+                tp: int | None = None, sequence_parallel: bool = False, shard: int | None = None) -> torch.nn.Module:
     """Shard `model` in place over the trainer world: tensor parallel inside each group of `tp` ranks (default: the
     job's `trainer_tensor_parallel_size`; `tensor_parallel.parallelize`, with `sequence_parallel` the stream between
-    the blocks split by sequence too), then FSDP2 over the data-parallel ranks."""
+    the blocks split by sequence too), then FSDP2 over the data-parallel ranks (over groups of `shard` of them,
+    replicated across the groups, with `shard` (default: the job's `trainer_fsdp_shard_size`) smaller: hybrid
+    sharding)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from hfllamarl.runtime.weights.sequence_parallel import SequenceParallelError
     from hfllamarl.runtime.weights.tensor_parallel import TensorParallelError, parallelize
-    from hfllamarl.runtime.world.mesh import trainer_mesh
+    from hfllamarl.runtime.world.mesh import fsdp_mesh, trainer_mesh
 
     if not dist.is_initialized():
         raise ShardingError("FSDP2 needs the trainer world (torch.distributed) initialized first.")
-    mesh = trainer_mesh(device_type, tp)
+    mesh = trainer_mesh(device_type, tp, shard)
     mp = None
     if mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kwargs = {"mesh": mesh["dp"]} if mp is None else {"mesh": mesh["dp"], "mp_policy": mp}
+    kwargs = {"mesh": fsdp_mesh(mesh)} if mp is None else {"mesh": fsdp_mesh(mesh), "mp_policy": mp}
     try:
         layers = [m for cls in decoder_layer_classes(model) for m in model.modules() if isinstance(m, cls)]
-        if sequence_parallel and mesh.ndim != 2:
+        split = "tp" in mesh.mesh_dim_names
+        if sequence_parallel and not split:
             raise SequenceParallelError("trainer_sequence_parallel splits the sequence inside a trainer "
                                         "tensor-parallel group: set trainer_tensor_parallel_size > 1 too.")
-        if mesh.ndim == 2:
+        if split:
             parallelize(model, layers, mesh["tp"], sequence_parallel)
         for module in layers:
             fully_shard(module, **kwargs)

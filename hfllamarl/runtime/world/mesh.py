@@ -10,7 +10,7 @@ default group), and every data reduction on the trainer side passes it.
 from __future__ import annotations
 
 _MESHES: dict[tuple, object] = {}
-_BUILT = {"tp": 1}  # the tensor-parallel size of the last mesh built (a process without a job: a bench, a test)
+_BUILT = {"tp": 1, "shard": None}  # the last mesh built's sizes (a process without a job: a bench, a test)
 
 
 def _tp_size() -> int:
@@ -22,9 +22,21 @@ def _tp_size() -> int:
     return topo.trainer_tp if topo.role == "trainer" else 1
 
 
-def trainer_mesh(device_type: str, tp: int | None = None):
+def _shard_size() -> int | None:
+    from hfllamarl.runtime.world import topology
+
+    topo = topology._TOPOLOGY
+    if topo is None:
+        return _BUILT["shard"]
+    return topo.trainer_shard if topo.role == "trainer" else None
+
+
+def trainer_mesh(device_type: str, tp: int | None = None, shard: int | None = None):
     """The trainer world's mesh: `("dp", "tp")` when `tp` (default: the job's trainer tensor-parallel size) > 1,
-    else `("dp",)`. Built once per trainer world (a collective on every trainer rank the first time)."""
+    else `("dp",)`. With `shard` (default: the job's `trainer_fsdp_shard_size`) smaller than the data-parallel
+    ranks, `dp` is two dimensions, `("dp_replicate", "dp_shard")` (hybrid sharding: FSDP2 shards over consecutive
+    groups of `shard` data-parallel ranks, the groups replicate), flattened as `"dp"` for the data's reductions.
+    Built once per trainer world (a collective on every trainer rank the first time)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -32,13 +44,30 @@ def trainer_mesh(device_type: str, tp: int | None = None):
     world = dist.get_world_size()
     if world % tp:
         raise ValueError(f"{world} trainer ranks do not split into tensor-parallel groups of {tp}")
-    key = (id(dist.group.WORLD), device_type, world, tp)
+    dp = world // tp
+    shard = shard or _shard_size() or dp
+    if dp % shard:
+        raise ValueError(f"{dp} data-parallel trainer ranks do not split into FSDP shard groups of {shard}")
+    key = (id(dist.group.WORLD), device_type, world, tp, shard)
     if key not in _MESHES:
         _MESHES.clear()  # (a new trainer world: the old meshes' groups are gone with it)
-        shape, names = ((world // tp, tp), ("dp", "tp")) if tp > 1 else ((world,), ("dp",))
-        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    _BUILT["tp"] = tp
+        shape, names = ((dp // shard, shard), ("dp_replicate", "dp_shard")) if shard < dp else ((dp,), ("dp",))
+        if tp > 1:
+            shape, names = (*shape, tp), (*names, "tp")
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        if shard < dp:
+            mesh["dp_replicate", "dp_shard"]._flatten("dp")  # (then mesh["dp"] is every data-parallel rank)
+        _MESHES[key] = mesh
+    _BUILT["tp"], _BUILT["shard"] = tp, shard
     return _MESHES[key]
+
+
+def fsdp_mesh(mesh):
+    """What FSDP2 shards over: `dp`, or for hybrid sharding the 2-D `("dp_replicate", "dp_shard")` (FSDP2 then
+    replicates over the first dimension and shards over the second)."""
+    if "dp_shard" in (mesh.mesh_dim_names or ()):
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp"]
 
 
 def data_group():

@@ -72,6 +72,7 @@ class Topology:
     tensor_parallel_size: int | None = None  # ranks per vLLM replica (None: one replica over every generator rank)
     failure: str = "stop"  # generator_failure: "continue" survives the loss of a replica
     trainer_tp: int = 1  # trainer ranks per tensor-parallel group (consecutive ranks; they train the same data)
+    trainer_shard: int | None = None  # data-parallel ranks FSDP2 shards over (None: all; fewer: hybrid sharding)
     _store: object = field(default=None, repr=False)
     _bridge: dict = field(default_factory=dict, repr=False)  # (kind, replica) or (kind, "relay", a, b) -> group
     _members: dict = field(default_factory=dict, repr=False)  # id(group) -> its bridge ranks, in group-rank order
