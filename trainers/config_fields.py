@@ -34,9 +34,10 @@ UNSUPPORTED = {
     "torch_compile": "the trainer ranks run the policy uncompiled under FSDP2 (compiling it is not supported)",
     "torch_compile_backend": "the trainer ranks run the policy uncompiled under FSDP2 (compiling it is not supported)",
     "torch_compile_mode": "the trainer ranks run the policy uncompiled under FSDP2 (compiling it is not supported)",
-    "fsdp": "the trainer ranks always shard the policy with torch FSDP2 (full sharding), whatever this field says",
-    "fsdp_config": "the trainer ranks always shard the policy with torch FSDP2 (full sharding, no CPU offload); "
-                   "its options are not read",
+    "fsdp": "the trainer ranks always shard the policy with torch FSDP2 (full sharding; hybrid sharding: "
+            "trainer_fsdp_shard_size), whatever this field says",
+    "fsdp_config": "the trainer ranks always shard the policy with torch FSDP2 (full sharding, or hybrid with "
+                   "trainer_fsdp_shard_size; no CPU offload); its options are not read",
     "deepspeed": "trainer ranks shard the policy with torch FSDP2; DeepSpeed is not supported",
     "fp16": "use bf16 (GPU) or fp32 (CPU)",
     "vllm_structured_outputs_regex": "the trainer's pi would not follow vLLM's constrained distribution, so "
