@@ -161,6 +161,7 @@ def main(argv: list[str]) -> int:
         emulate_links(opts["link_gbps"])
     topo = init_topology(opts["generators"], timeout_s=600, use_cpu=True, tensor_parallel_size=opts.get("tp"),
                          trainer_tp=opts.get("trainer_tp", 1))
+    topo.trainer_shard = opts.get("trainer_shard")  # (hybrid sharding, as trainer_fsdp_shard_size sets it)
     topo.join_bridges()
     results: dict = {"rank": topo.rank, "role": topo.role}
 

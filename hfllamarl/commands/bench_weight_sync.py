@@ -33,6 +33,9 @@ def add_weight_sync_arguments(parser) -> None:
     parser.add_argument("--generators", type=int, default=1)
     parser.add_argument("--trainer-tp", type=int, default=1, help="trainer tensor-parallel size: the trainer ranks as "
                         "a (trainers / this) x this mesh, FSDP2 x tensor parallelism, as trainer_tensor_parallel_size")
+    parser.add_argument("--trainer-shard", type=int, default=None, help="FSDP2 shard groups of this many "
+                        "data-parallel trainer ranks, replicated across the groups (hybrid sharding, as "
+                        "trainer_fsdp_shard_size); default: every data-parallel rank")
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs per backend (the median is kept)")
     parser.add_argument("--bucket-mb", type=int, default=32, help="nccl_ddma bucket size in MiB")
     parser.add_argument("--timeout", type=float, default=1200)
@@ -90,6 +93,7 @@ def summarize(ranks: list[dict], opts: dict) -> dict:
         "bound_s": round(max(g["bound_s"] for g in gens), 4),
         "bitwise_equal": bitwise,
         "trainer_tp": opts.get("trainer_tp", 1),
+        "trainer_shard": opts.get("trainer_shard"),
         "ddma_sent_bytes": [r["nccl_ddma"]["sent_bytes"] for r in ranks if r["role"] == "trainer"],
     }
     for b, key in (("nccl_ddma", "ddma"), ("broadcast", "broadcast"), ("disk", "disk")):
@@ -152,17 +156,23 @@ def run_replicas(args) -> int:
 def run_weight_sync(args) -> int:
     opts = {"params": args.params, "trainers": args.trainers, "generators": args.generators,
             "repeats": args.repeats, "bucket_mb": args.bucket_mb, "backends": list(BACKENDS),
-            "trainer_tp": args.trainer_tp}
+            "trainer_tp": args.trainer_tp, "trainer_shard": args.trainer_shard}
     if args.trainers < 1 or args.generators < 1:
         raise SystemExit("--trainers and --generators must be >= 1")
     if args.trainer_tp < 1 or args.trainers % args.trainer_tp:
         raise SystemExit(f"--trainer-tp {args.trainer_tp} must divide --trainers {args.trainers}")
+    if args.trainer_shard and (args.trainers // args.trainer_tp) % args.trainer_shard:
+        raise SystemExit(f"--trainer-shard {args.trainer_shard} must divide the {args.trainers // args.trainer_tp} "
+                         "data-parallel trainer ranks")
     if args.replicas:
         return run_replicas(args)
     summary = summarize(launch(opts, args.trainers + args.generators, args.timeout), opts)
     model_mb = summary["bytes"] / 2**20
-    layout = (f" (FSDP2 {args.trainers // args.trainer_tp} x tensor parallel {args.trainer_tp})"
-              if args.trainer_tp > 1 else "")
+    dp = args.trainers // args.trainer_tp
+    fsdp = (f"FSDP2 {args.trainer_shard} x {dp // args.trainer_shard} replicas"
+            if args.trainer_shard and args.trainer_shard < dp else f"FSDP2 {dp}")
+    layout = f" ({fsdp} x tensor parallel {args.trainer_tp})" if args.trainer_tp > 1 else (
+        f" ({fsdp})" if args.trainer_shard and args.trainer_shard < dp else "")
     print(f"weight sync of {summary['params'] / 1e6:.1f}M parameters ({model_mb:.0f} MiB fp32), "
           f"{args.trainers} trainer rank(s){layout} -> {args.generators} generator rank(s), median of {args.repeats}")
     print(f"{'backend':<12}{'seconds':>10}{'GiB/s':>8}{'x bound':>9}{'rank-0 peak MiB':>17}{'rank-0 growth MiB':>19}")
