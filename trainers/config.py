@@ -13,8 +13,8 @@ from trl import GRPOConfig
 
 from hfllamarl.runtime.loop.sampling import NEUTRAL_KWARGS, TRANSFORM_KWARGS, Sampling
 
-from .config_fields import UNSUPPORTED as _UNSUPPORTED
 from . import trainer_layout
+from .config_fields import UNSUPPORTED as _UNSUPPORTED
 from .tool_budget import check_tool_tick, default_tool_budget
 
 # generation_kwargs the trainer sets itself, with what to set instead.
