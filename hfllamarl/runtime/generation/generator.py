@@ -153,7 +153,7 @@ class GeneratorExecutor(Executor):
         return build_engine(spec.model_path, spec.tokenizer_path, dtype=spec.dtype, seed=spec.seed + topo.replica,
                             max_model_len=spec.max_model_len, tensor_parallel_size=spec.tensor_parallel_size,
                             distributed=topo.replica_size > 1, use_cpu=topo.use_cpu,
-                            engine_id=(f"{topo.store_addr[1]}-{topo.job_id}-{topo.replica}"
+                            engine_id=(topo.engine_id(topo.replica)
                                        if topo.replica_size > 1 else ""),  # names its shared memory (engine.py)
                             enforce_eager=spec.enforce_eager, quantization=spec.quantization,
                             kv_cache_bytes=spec.kv_cache_bytes, gpu_memory_utilization=spec.gpu_memory_utilization,

@@ -47,7 +47,7 @@ def main(spec_path: str) -> int:
     run_job(executor, backend, topo, spec.schedule, start_tick=job.get("start_tick", 0))
     topo.liveness.finish()  # the parent is done with this child too (or it froze or died: named, exit non-zero)
     if topo.replica_size > 1 and topo.use_cpu:  # (its engine's shared memory: `os._exit` runs no exit handler)
-        release_cpu_shm(f"{topo.store_addr[1]}-{topo.job_id}-{topo.replica}_")
+        release_cpu_shm(f"{topo.engine_id(topo.replica)}_")
     # The engine stays as it is until the process ends (`os._exit`, below): dropped here, vLLM's teardown would
     # unfreeze the heap and collect it whole twice (1.4 s of a tiny model's job on this CPU), while the trainer
     # waits for this process to exit before its train() returns.

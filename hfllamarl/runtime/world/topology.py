@@ -189,6 +189,12 @@ class Topology:
             return f"rank {rank} (generator {rank - self.num_trainers}, replica {self.replica_of(rank)})"
         return f"rank {rank} (generator {rank - self.num_trainers})"
 
+    def engine_id(self, replica: int | None = None) -> str:
+        """The name of a tensor-parallel vLLM replica's engine (its CPU shared memory ends with it: `engine.py`): the
+        job's port, its number and the replica; without `replica`, the prefix every engine of the job shares."""
+        prefix = f"{self.store_addr[1]}-{self.job_id}-"
+        return prefix if replica is None else f"{prefix}{replica}"
+
     def describe_replica(self, replica: int) -> str:
         ranks = self.replica_ranks(replica)
         where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
@@ -414,7 +420,7 @@ class Topology:
         if self.use_cpu and self.store_addr is not None:  # what a killed child's tensor-parallel engine left behind
             from hfllamarl.runtime.world.processes import release_cpu_shm
 
-            release_cpu_shm(f"{self.store_addr[1]}-{self.job_id}-")
+            release_cpu_shm(self.engine_id())
         if self.cores_before is not None:  # the process goes on (a notebook) on the cores and threads it had before
             import torch
 
