@@ -86,17 +86,23 @@ def eval_delay(args, batches_per_epoch: int | None = None) -> int:
     return math.ceil(args.eval_delay or 0)
 
 
+def _sequence_parallel(args, topo) -> bool:
+    """Whether this job's trainer ranks split the sequence (the setting, where there is tensor parallelism to do it
+    in: one process keeps a recipe's setting and trains without)."""
+    return args.trainer_sequence_parallel and topo.trainer_tp > 1
+
+
 def _shard(model, trainer) -> None:
     """FSDP2 (x the job's trainer tensor parallelism, with its sequence parallelism) over the trainer ranks."""
     args, topo = trainer.args, trainer.topology
     shard_model(model, topo.device_type, "bf16" if args.bf16 else None,
-                sequence_parallel=bool(getattr(args, "trainer_sequence_parallel", False)) and topo.trainer_tp > 1)
+                sequence_parallel=_sequence_parallel(args, topo))
 
 
 def _pad_multiple(args, topo) -> int | None:
     """The width a micro-batch is padded to a multiple of: pad_to_multiple_of, and with sequence parallelism the
     tensor-parallel group (the sequence splits evenly between its ranks)."""
-    if getattr(args, "trainer_sequence_parallel", False) and topo.trainer_tp > 1:
+    if _sequence_parallel(args, topo):
         return math.lcm(args.pad_to_multiple_of or 1, topo.trainer_tp)
     return args.pad_to_multiple_of
 

@@ -230,9 +230,9 @@ def run(args) -> int:
         summary = {"params": params, "model_bytes": model_bytes, "trainer_ranks": args.trainers, "live_malloc": live,
                    "trainer_tp": args.trainer_tp,
                    "sequence_parallel": args.sequence_parallel}
-        layout = (f"tensor parallel {args.trainer_tp}{' (+ sequence)' if args.sequence_parallel else ''} x FSDP2 "
-                  f"{args.trainers // args.trainer_tp}"
-                  if args.trainer_tp > 1 else "FSDP2")
+        from hfllamarl.runtime.world.mesh import describe
+
+        layout = describe(args.trainer_tp, args.trainers // args.trainer_tp, sequence=args.sequence_parallel)
         print(f"loading a {params / 1e6:.0f}M-parameter Llama ({model_bytes / 2**20:.0f} MiB fp32) on "
               f"{args.trainers} trainer rank(s), sharded with {layout}")
         print(f"{'mode':<10}{'rank':>5}{'peak growth MiB':>17}{'x model':>9}{'shard MiB':>11}{'seconds':>9}")

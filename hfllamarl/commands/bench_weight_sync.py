@@ -168,11 +168,10 @@ def run_weight_sync(args) -> int:
         return run_replicas(args)
     summary = summarize(launch(opts, args.trainers + args.generators, args.timeout), opts)
     model_mb = summary["bytes"] / 2**20
-    dp = args.trainers // args.trainer_tp
-    fsdp = (f"FSDP2 {args.trainer_shard} x {dp // args.trainer_shard} replicas"
-            if args.trainer_shard and args.trainer_shard < dp else f"FSDP2 {dp}")
-    layout = f" ({fsdp} x tensor parallel {args.trainer_tp})" if args.trainer_tp > 1 else (
-        f" ({fsdp})" if args.trainer_shard and args.trainer_shard < dp else "")
+    from hfllamarl.runtime.world.mesh import describe
+
+    layout = (f" ({describe(args.trainer_tp, args.trainers // args.trainer_tp, args.trainer_shard)})"
+              if args.trainer_tp > 1 or args.trainer_shard else "")
     print(f"weight sync of {summary['params'] / 1e6:.1f}M parameters ({model_mb:.0f} MiB fp32), "
           f"{args.trainers} trainer rank(s){layout} -> {args.generators} generator rank(s), median of {args.repeats}")
     print(f"{'backend':<12}{'seconds':>10}{'GiB/s':>8}{'x bound':>9}{'rank-0 peak MiB':>17}{'rank-0 growth MiB':>19}")

@@ -40,6 +40,8 @@ import os
 import re
 import sys
 
+from hfllamarl.runtime.world.mesh import describe
+
 from .plan_model import (Hardware, Model, PlanError, Profile, Workload, compute_time, decode_step,  # noqa: F401
                          fsdp_time, generator_memory, kv_per_seq, max_concurrency, microbatch_time, prefill_time,
                          step_fixed_time, tp_of, trainer_memory)
@@ -234,11 +236,10 @@ def launch_settings(o: dict, n: int, hw: Hardware) -> dict:
     tp, fsdp = o["trainer_mp"], o["trainer_fsdp"]
     dp = nt // tp
     shard = fsdp if fsdp < dp else None
-    sharding = (f"FSDP2 {fsdp} x {dp // fsdp} replicas" if shard else
-                f"FSDP2 {dp}" if tp > 1 else f"FSDP2 over the {nt} trainer rank{'s' if nt > 1 else ''}")
     fields = ([f"trainer_tensor_parallel_size={tp}", "trainer_sequence_parallel=True"] if tp > 1 else []) + (
         [f"trainer_fsdp_shard_size={shard}"] if shard else [])
-    trainer = (f"tensor parallel {tp} x " if tp > 1 else "") + sharding + (f" ({', '.join(fields)})" if fields else "")
+    trainer = (f"{describe(tp, dp, shard)} ({', '.join(fields)})" if fields else
+               f"FSDP2 over the {nt} trainer rank{'s' if nt > 1 else ''}")
     return {"nodes": nodes, "nproc_per_node": per, "num_processes": n, "uneven_nodes": n % per != 0,
             "num_generator_processes": ng, "generator_tensor_parallel_size": m, "replicas": ng // m,
             "replicas_across_nodes": [r for r in range(ng // m) if len({(nt + r * m + i) // per for i in range(m)}) > 1],

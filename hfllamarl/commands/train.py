@@ -118,11 +118,11 @@ def summary(job: dict) -> str:
     n, g = script.num_processes, config.num_generator_processes
     trainers, tp = ((n - g) if n else None), config.trainer_tensor_parallel_size
     per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * trainers // tp if n else None
-    sp = " + sequence" if config.trainer_sequence_parallel else ""
-    dp, shard = (trainers // tp if n else None), config.trainer_fsdp_shard_size
-    fsdp = (f"FSDP2 {shard} x {dp // shard if dp else '?'} replicas" if shard and (dp is None or shard < dp)
-            else f"FSDP2 {dp or '?'}")
-    layout = f" (tensor parallel {tp}{sp} x {fsdp})" if tp > 1 else (f" ({fsdp})" if shard else "")
+    from hfllamarl.runtime.world.mesh import describe
+
+    shard = config.trainer_fsdp_shard_size
+    layout = (f" ({describe(tp, trainers // tp if n else None, shard, config.trainer_sequence_parallel)})"
+              if tp > 1 or shard else "")
     lines = [
         f"recipe OK: {n or '?'} processes = {trainers or '?'} trainer{layout} + {g} generator ranks "
         f"({config.num_generator_replicas} vLLM replica(s) of tensor-parallel {config.generator_tensor_parallel_size}, "

@@ -62,6 +62,16 @@ def trainer_mesh(device_type: str, tp: int | None = None, shard: int | None = No
     return _MESHES[key]
 
 
+def describe(tp: int, dp: int | None, shard: int | None = None, sequence: bool = False) -> str:
+    """A trainer layout in words, as the planner, `hfllamarl train --check` and the benches print it: "tensor
+    parallel 2 + sequence x FSDP2 8 x 5 replicas" (`dp`: the data-parallel ranks, None when not known yet)."""
+    if shard and (dp is None or shard < dp):
+        fsdp = f"FSDP2 {shard} x {dp // shard if dp else '?'} replicas"
+    else:
+        fsdp = f"FSDP2 {dp or '?'}"
+    return f"tensor parallel {tp}{' + sequence' if sequence else ''} x {fsdp}" if tp > 1 else fsdp
+
+
 def fsdp_mesh(mesh):
     """What FSDP2 shards over: `dp`, or for hybrid sharding the 2-D `("dp_replicate", "dp_shard")` (FSDP2 then
     replicates over the first dimension and shards over the second)."""
