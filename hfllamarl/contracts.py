@@ -72,7 +72,8 @@ ALGORITHM_OPTIONS = {"rho": "aipo_rho", "scale_rewards": "scale_rewards", "epsil
                          "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
                          "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
                          "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
-                         "vespo_k_neg", "vespo_lambda_neg", "use_bias_correction_kl")}}
+                         "vespo_k_neg", "vespo_lambda_neg", "use_bias_correction_kl", "off_policy_correction",
+                         "off_policy_correction_kwargs")}}
 
 #: Why a field an algorithm does not take is refused, beyond "it does not use it".
 _NOT_TAKEN_HINTS = {
@@ -80,7 +81,8 @@ _NOT_TAKEN_HINTS = {
     **{field: " (the behaviour-policy correction pi_old/mu and its modes come with algorithm='aipo', the default, "
               "whose aipo_rho bounds the same weight, 'grpo' or 'rloo')."
        for field in ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-                     "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")},
+                     "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
+                     "off_policy_correction", "off_policy_correction_kwargs")},
 }
 
 
@@ -100,6 +102,27 @@ def algorithm_kwargs(name: str, cls: type, config: Any, defaults: dict[str, Any]
                              f"(it takes {', '.join(takes) or 'no options'}). Remove it, or choose an algorithm that "
                              "does" + _NOT_TAKEN_HINTS.get(field, "."))
     return kwargs
+
+
+@runtime_checkable
+class OffPolicyCorrection(Protocol):
+    """An off-policy correction (group `hfllamarl.corrections`; built-ins: aipo, token_truncate, token_mask,
+    sequence_truncate, sequence_mask, coupled, decoupled, a3po, m2po, ess), built with the options of
+    `off_policy_correction_kwargs` and taken by the `aipo`, `grpo` and `rloo` losses (`hfllamarl.policy_loss`).
+
+    `level` is "token" or "sequence" (the shape of its weight; vespo takes token-level ones only). It may also
+    define `step_scale(sequence_log_weights) -> (factor, metrics)`: called once per optimizer step on every trainer
+    rank with log(pi_old/mu) of every sequence of the step (all ranks), it scales that step's learning rate.
+    """
+
+    level: str
+
+    def __call__(self, old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor,
+                 staleness: torch.Tensor | None = None) -> Any:
+        """Called once per micro-batch in the loss with `[B, T]` log pi_old, log mu, the completion mask and each
+        token's staleness in policy versions; returns an `hfllamarl.corrections.Corrected` (the behaviour weight,
+        the anchor of the trust-region ratio, the share it bounded, metrics)."""
+        ...
 
 
 @runtime_checkable

@@ -5,15 +5,18 @@ Three log-probs meet per completion token t: log pi (the current policy, with gr
 the PPO ratio refers to: the one before this batch's first optimizer step; `old_logprobs`, or log pi detached with
 one optimizer step per batch) and log mu (the generator's, which sampled t, maybe several versions stale):
 
-    c_t  = pi_t / pi_old_t                       (token level; GSPO's exp(mean_t log(pi/pi_old)) per sequence)
+    b_t, anchor_t = correction(pi_old, mu, staleness)   (`hfllamarl.corrections`: b constant, None: 1;
+                                                         anchor None: pi_old)
+    c_t  = pi_t / anchor_t                       (token level; GSPO's exp(mean_t log(pi/anchor)) per sequence)
     l_t  = objective(loss_type, c_t, A)          (`hfllamarl.losses.per_token_objective`; vespo's phi(w))
     l_t *= keep (off-policy mask) * entropy mask
-    l_t *= b_t = correction(pi_old / mu)         (constant; truncated or masked per token or sequence; none: 1)
+    l_t *= b_t
     l_t += beta * KL_t(pi || pi_ref) (* c_t with use_bias_correction_kl)
     loss = normalise(loss_type, l)
 
-The correction b is TRL's vLLM importance-sampling weight; here mu may also be stale, and the same weight corrects
-both. For vespo, b enters phi's sequence weight instead of multiplying the loss, as in TRL.
+The correction is an `hfllamarl.corrections` plugin: TRL's vLLM importance-sampling weight (here mu may also be
+stale, and the same weight corrects both), AIPO's, or one of the corrections made for stale samples. For vespo, b
+enters phi's sequence weight instead of multiplying the loss, as in TRL.
 """
 
 from __future__ import annotations
@@ -23,29 +26,19 @@ from dataclasses import dataclass
 
 import torch
 
-from hfllamarl.losses import (CLIPPED_LOSS_TYPES, IS_MODES, LOSS_TYPES, StepShape, aggregate, behavior_weight,
-                              check_choice, group_advantages, off_policy_mask, per_token_objective, policy_ratio,
-                              ratio_metrics, reference_kl, vespo_weight, weight_metrics)
+from hfllamarl.corrections import ImportanceSampling
+from hfllamarl.losses import (CLIPPED_LOSS_TYPES, LOSS_TYPES, StepShape, aggregate, check_choice, group_advantages,
+                              off_policy_mask, per_token_objective, policy_ratio, ratio_metrics, reference_kl,
+                              vespo_weight, weight_metrics)
 
 logger = logging.getLogger(__name__)
 _warned_uncorrected = False
 
 
-@dataclass(frozen=True)
-class Correction:
-    """The behaviour-policy correction b = pi_old/mu: TRL's `vllm_importance_sampling_mode` and its bounds (None:
-    no bound on that side)."""
-
-    mode: str
-    clip_min: float | None = None
-    clip_max: float | None = None
-
-    def __post_init__(self):
-        check_choice("vllm_importance_sampling_mode", self.mode, IS_MODES)
-        lo, hi = self.clip_min, self.clip_max
-        if lo is not None and hi is not None and lo >= hi:
-            raise ValueError(f"vllm_importance_sampling_clip_min ({lo}) must be below vllm_importance_sampling_clip_max "
-                             f"({hi}).")
+def Correction(mode: str, clip_min: float | None = None, clip_max: float | None = None) -> ImportanceSampling:
+    """TRL's behaviour-policy correction b = pi_old/mu: `vllm_importance_sampling_mode` and its bounds (None: no
+    bound on that side), as a correction (`hfllamarl.corrections.ImportanceSampling`)."""
+    return ImportanceSampling(mode, clip_min, clip_max)
 
 
 def warn_uncorrected() -> None:
@@ -89,7 +82,7 @@ class PolicyLoss:
 
     Args:
         objective: the loss_type and its options.
-        correction: the behaviour-policy correction, or None.
+        correction: the off-policy correction (`hfllamarl.contracts.OffPolicyCorrection`), or None.
         scale_rewards: "none", "group" or "batch" (`hfllamarl.losses.group_advantages`).
         beta: the KL coefficient (0: no KL term).
         off_policy_mask_threshold: TRL's off-policy sequence mask (None: off).
@@ -100,9 +93,9 @@ class PolicyLoss:
                  beta: float = 0.0, off_policy_mask_threshold: float | None = None,
                  use_bias_correction_kl: bool = True):
         check_choice("scale_rewards", scale_rewards, ("none", "group", "batch"))
-        if objective.loss_type == "vespo" and correction is not None and correction.mode.startswith("sequence"):
+        if objective.loss_type == "vespo" and getattr(correction, "level", "token") == "sequence":
             raise ValueError(f"loss_type='vespo' needs a per-token correction (vllm_importance_sampling_mode "
-                             f"'token_truncate' or 'token_mask', as TRL requires), not {correction.mode!r}.")
+                             f"'token_truncate' or 'token_mask', as TRL requires), not {correction!r}.")
         if correction is None:
             warn_uncorrected()
         self.objective, self.correction = objective, correction
@@ -121,7 +114,7 @@ class PolicyLoss:
     def loss(self, logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, ref_logprobs: torch.Tensor | None = None, shape: StepShape | None = None,
              old_logprobs: torch.Tensor | None = None, entropy_mask: torch.Tensor | None = None,
-             ) -> tuple[torch.Tensor, dict[str, float]]:
+             staleness: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """The micro-batch's loss (see the module's formula) and metrics.
 
         Args:
@@ -133,19 +126,22 @@ class PolicyLoss:
             shape: the step's `StepShape` (normalisation).
             old_logprobs: `[B, T]` log pi_old; None: log pi detached (one optimizer step per batch).
             entropy_mask: `[B, T]` 0/1, TRL's top_entropy_quantile mask (None: every token).
+            staleness: `[B, T]` policy versions between each token's sampler and pi_old (for corrections that
+                use it, e.g. `a3po`).
         """
         o = self.objective
         mask = mask.to(logprobs.dtype)
         old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
         adv = advantages[:, None]
-        coef_1 = policy_ratio(logprobs, old, mask, o.importance_sampling_level)
-        weight = None
-        if self.correction is not None:
-            c = self.correction
-            weight = behavior_weight(old, behavior_logprobs, mask, c.mode, c.clip_min, c.clip_max)
+        corrected = None if self.correction is None else self.correction(old, behavior_logprobs, mask, staleness)
+        weight = None if corrected is None else corrected.weight
+        anchor = old if corrected is None or corrected.anchor is None else corrected.anchor.to(logprobs.dtype)
+        coef_1 = policy_ratio(logprobs, anchor, mask, o.importance_sampling_level)
         metrics = ratio_metrics(torch.exp(old - behavior_logprobs), mask, old - behavior_logprobs)
+        if corrected is not None:
+            metrics.update(corrected.metrics)
         if o.loss_type == "vespo":
-            phi = vespo_weight(adv, (logprobs - old).detach(), mask, weight, *o.vespo)
+            phi = vespo_weight(adv, (logprobs - anchor).detach(), mask, weight, *o.vespo)
             per_token = -phi * adv * logprobs
             metrics["vespo/phi_seq_mean"] = phi.mean().item()
         else:
@@ -167,20 +163,20 @@ class PolicyLoss:
             per_token = per_token + self.beta * (kl * coef_1 if self.bias_correction_kl else kl)
         loss = aggregate(per_token, mask, o.loss_type, shape or StepShape.of(mask))
         metrics.update(self._clip_metrics(coef_1.detach(), adv, mask))
-        metrics["clipped_frac"] = self._corrected_share(old, behavior_logprobs, mask, weight)
+        # the share of tokens (sequences, for a sequence weight) whose weight the correction bounded: AIPO's name
+        metrics["clipped_frac"] = 0.0 if corrected is None else corrected.bounded
         return loss, metrics
 
-    def _corrected_share(self, old, behavior_logprobs, mask, weight) -> float:
-        """The share of tokens (sequences, in a sequence mode) whose weight pi_old/mu the correction bounded
-        (truncated or masked): AIPO's clipped_frac."""
-        if weight is None:
-            return 0.0
-        c = self.correction
-        raw = behavior_weight(old, behavior_logprobs, mask, c.mode, None, None)  # unbounded: the ratio itself
-        bounded = ~torch.isclose(raw, weight) if c.mode.endswith("truncate") else (weight == 0) & (raw != 0)
-        valid = mask.bool() if weight.shape == mask.shape else (mask.sum(-1, keepdim=True) > 0)
-        values = bounded[valid]
-        return values.float().mean().item() if values.numel() else 0.0
+    @property
+    def scales_steps(self) -> bool:
+        """Whether the correction scales the learning rate of each step (`step_scale`)."""
+        return callable(getattr(self.correction, "step_scale", None))
+
+    def step_scale(self, sequence_log_weights: torch.Tensor) -> tuple[float, dict[str, float]] | None:
+        """The correction's learning-rate factor for an optimizer step whose sequences have these log(pi_old/mu)
+        (`[N]`, every trainer rank's), and its metrics; None when the correction does not scale steps."""
+        scale = getattr(self.correction, "step_scale", None)
+        return None if scale is None else scale(sequence_log_weights)
 
     def _clip_metrics(self, coef_1: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         """TRL's clip_ratio/* (the share of tokens in a clipped region of PPO's clip) and cispo_clip_ratio."""

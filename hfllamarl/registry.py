@@ -16,6 +16,7 @@ GROUPS = {
     "algorithms": "hfllamarl.algorithms",
     "weight_sync": "hfllamarl.weight_sync",
     "environments": "hfllamarl.environments",
+    "corrections": "hfllamarl.corrections",
 }
 
 
@@ -30,7 +31,8 @@ def _group(group: str) -> str:
 
 
 def installed(group: str) -> dict[str, EntryPoint]:
-    """Entry points installed in `group` ("rewards", "algorithms", "weight_sync", "environments"), by name."""
+    """Entry points installed in `group` ("rewards", "algorithms", "weight_sync", "environments",
+    "corrections"), by name."""
     return {ep.name: ep for ep in entry_points(group=_group(group))}
 
 
@@ -70,7 +72,7 @@ def load_plugin(group: str, name: str):
     """Return the object the entry point `name` in group `hfllamarl.<group>` names.
 
     Args:
-        group: "rewards", "algorithms", "weight_sync" or "environments".
+        group: "rewards", "algorithms", "weight_sync", "environments" or "corrections".
         name: the entry-point name, e.g. "math_sympy" or "aipo".
 
     Raises:

@@ -120,6 +120,20 @@ class AsyncAIPOConfig(GRPOConfig):
         default="aipo",
         metadata={"help": "Name of the algorithm plugin (entry point group `hfllamarl.algorithms`)."},
     )
+    off_policy_correction: str = field(
+        default="auto",
+        metadata={"help": "How the loss corrects for tokens sampled by an older policy: a correction plugin (group "
+                  "`hfllamarl.corrections`: aipo, token_truncate, token_mask, sequence_truncate, sequence_mask, "
+                  "decoupled, a3po, m2po, ess, coupled), 'trl' (the vllm_importance_sampling_* fields' correction; "
+                  "aipo_rho's truncation for algorithm='aipo'), or 'none'. 'auto': 'trl' when those fields or "
+                  "aipo_rho are set or max_staleness is 0, else the loss's default under staleness, chosen by the "
+                  "staleness study (docs: Learning under staleness). Taken by the aipo, grpo and rloo algorithms."},
+    )
+    off_policy_correction_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Options of the named off_policy_correction (e.g. {\"tau\": 0.04} for m2po, {\"cap\": "
+                  "5.0} for decoupled), as its class takes them."},
+    )
     weight_sync_backend: str = field(
         default="nccl_ddma",
         metadata={"help": "Name of the weight-sync plugin (entry point group `hfllamarl.weight_sync`): "
@@ -476,7 +490,17 @@ class AsyncAIPOConfig(GRPOConfig):
         from hfllamarl.registry import load_plugin
 
         defaults = {f.name: f.default for f in fields(self) if f.name in ALGORITHM_OPTIONS.values()}
-        return algorithm_kwargs(self.algorithm, load_plugin("algorithms", self.algorithm), self, defaults)
+        options = algorithm_kwargs(self.algorithm, load_plugin("algorithms", self.algorithm), self, defaults)
+        if "off_policy_correction" in options:  # "auto": resolved by the job's staleness and loss
+            from hfllamarl.corrections import resolve
+
+            trl = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                   "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max", "aipo_rho")
+            options["off_policy_correction"] = resolve(
+                self.off_policy_correction, algorithm=self.algorithm, loss_type=self.loss_type,
+                level=self.importance_sampling_level, max_staleness=self.max_staleness,
+                trl_fields_set=any(getattr(self, f) != defaults[f] for f in trl))
+        return options
 
     def build_algorithm(self):
         """The algorithm plugin (`hfllamarl.contracts.Algorithm`) this config names, built with its options."""

@@ -1,161 +1,190 @@
-"""`hfllamarl bench learning`: does learning survive asynchrony? The demo task, four ways.
+"""`hfllamarl bench learning`: the staleness study. Does asynchrony cost learning, for each loss and correction?
 
-    hfllamarl bench learning [--steps 300] [--seeds 0,1,2] [--output-dir outputs/bench_learning]
+    hfllamarl bench learning [--quick] [--seeds 0,1,2,3,4] [--jobs 2] [--output-dir outputs/bench_learning]
+    hfllamarl bench learning --runtime [--seeds ...]    # the same question on the asynchronous runtime itself
 
-Each variant trains the same tiny model (built and format-warmed locally) on the successor task
-(`a+1=` -> `\\boxed{(a+1) mod 10}`, `math_sympy` reward) with the same seeds and the same sample
-budget (`--steps` x 64 completions per seed), one generator process and one trainer process:
+The grid (`hfllamarl.study.grid.plan`), on two tasks (`hfllamarl.study.tasks`: `successor`, the demo task, and
+`increment`, a harder one a tiny model improves at over several hundred steps):
 
-- `sync`: strictly on-policy (`max_staleness=0`, `on_policy_pg`): the paper's synchronous baseline;
-- `aipo_staleness_1`, `aipo_staleness_4`: asynchronous, AIPO's clipped importance weight;
-- `no_is_staleness_4`: asynchronous at staleness 4 without the importance weight (`on_policy_pg`);
-- `aipo_staleness_4_partial`: AIPO at staleness 4 with partial rollouts of one token per tick (a
-  completion's later tokens are sampled by newer policies);
-- on request (`--variants`), TRL's loss menu at staleness 4 (`algorithm="grpo"`): `dr_grpo_staleness_4`,
-  `cispo_staleness_4` (epsilon_high 5) and `gspo_staleness_4` (sequence-level ratio and weight).
+(a) on both tasks, every loss (AIPO and every TRL `loss_type`, and GSPO) synchronous and with its default
+    correction at staleness 4 and 16, and AIPO without any correction at 16;
+(b) on `successor`, AIPO and GRPO with every correction (`off_policy_correction`) at staleness 1, 4 and 16.
 
-A variant's final reward is the mean reward of its last tenth of steps (at least 10), averaged over
-the seeds. It prints the mean reward over windows of samples and each seed's final reward, writes a
-PNG of the seed-averaged curves, and as its last line one JSON object with each variant's final reward.
+Each run is the product's trainer fed batches exactly `s` versions old (`hfllamarl.study.lockstep`): deterministic
+for a seed, one thread, `--jobs` runs at once. Per cell: the final reward (mean reward of the last tenth of the
+steps) and the area under the curve, mean and 95 % confidence interval over the seeds, the share of the same loss's
+synchronous final reward (95 % bootstrap interval), importance-ratio statistics, the share of tokens the correction
+bounded, the behaviour KL. Written to the output directory: `runs.jsonl` (a JSON line per run: the grid resumes
+from it), `cells.jsonl` (a line per cell), `summary.json`, `table.md` and `figures/*.png`; the table is printed and
+the last line is the summary's JSON.
+
+`--runtime` answers the same question on the real asynchronous runtime (a vLLM generator process, the weight sync,
+the overlap): the synchronous run and AIPO's default at `--staleness`, per task, one run at a time.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
-VARIANTS = {
-    "sync": {"max_staleness": 0, "algorithm": "on_policy_pg"},
-    "aipo_staleness_1": {"max_staleness": 1, "algorithm": "aipo"},
-    "aipo_staleness_4": {"max_staleness": 4, "algorithm": "aipo"},
-    "no_is_staleness_4": {"max_staleness": 4, "algorithm": "on_policy_pg"},
-    "aipo_staleness_4_partial": {"max_staleness": 4, "algorithm": "aipo", "partial_rollout_tokens": 1},
-    # TRL's loss menu (algorithm="grpo": TRL's loss, its vLLM importance-sampling weight correcting the staleness)
-    "dr_grpo_staleness_4": {"max_staleness": 4, "algorithm": "grpo", "loss_type": "dr_grpo"},
-    "cispo_staleness_4": {"max_staleness": 4, "algorithm": "grpo", "loss_type": "cispo", "epsilon_high": 5.0},
-    "gspo_staleness_4": {"max_staleness": 4, "algorithm": "grpo", "loss_type": "grpo",
-                         "importance_sampling_level": "sequence", "vllm_importance_sampling_mode": "sequence_truncate"},
-}
-DEFAULT_VARIANTS = ("sync", "aipo_staleness_1", "aipo_staleness_4", "no_is_staleness_4", "aipo_staleness_4_partial")
-COMPLETIONS_PER_STEP = 64
-
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per variant (64 completions each)")
     parser.add_argument("--output-dir", default="outputs/bench_learning")
-    parser.add_argument("--learning-rate", type=float, default=5e-4)
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help="comma-separated, among " + ",".join(VARIANTS))
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every variant runs with each")
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds; every cell runs each")
+    parser.add_argument("--tasks", default="successor,increment", help="(a)'s tasks, among successor, increment")
+    parser.add_argument("--losses", default="aipo,grpo,bnpo,dr_grpo,dapo,cispo,sapo,luspo,vespo,gspo",
+                        help="(a)'s losses: aipo, a TRL loss_type, or gspo")
+    parser.add_argument("--staleness", default="4,16", help="(a)'s staleness levels (each loss's default correction)")
+    parser.add_argument("--correction-task", default="successor", help="(b)'s task ('' to skip (b))")
+    parser.add_argument("--correction-losses", default="aipo,grpo", help="(b)'s losses")
+    parser.add_argument("--corrections", default=None, help="(b)'s corrections (default: all)")
+    parser.add_argument("--correction-staleness", default="1,4,16", help="(b)'s staleness levels")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the task's)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few minutes: successor, AIPO and GRPO, staleness 4, no correction vs the default, 3 "
+                             "seeds x 100 steps")
+    parser.add_argument("--report-only", action="store_true", help="write the outputs from runs.jsonl, run nothing")
+    parser.add_argument("--runtime", action="store_true",
+                        help="the asynchronous runtime itself (vLLM generator, weight sync, overlap): the synchronous "
+                             "run and AIPO at each --staleness, per task")
 
 
-def train_variant(job: dict) -> None:
-    """Child process: one variant, in single-process mode (the generator is its child)."""
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"{what} {text!r}: give comma-separated whole numbers, e.g. 0,1,2") from None
+
+
+def _names(text: str | None, choices, what: str) -> list[str]:
+    names = [x.strip() for x in (text or "").split(",") if x.strip()]
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        raise SystemExit(f"{what}: unknown {unknown}; choose among {', '.join(choices)}")
+    return names
+
+
+def machine() -> str:
+    """The CPU and its core count, for the record."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            name = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def run(args) -> int:
+    from hfllamarl.study import grid, report
+    from hfllamarl.study.tasks import TASKS
+
+    if args.quick:
+        args.tasks, args.losses, args.staleness = "successor", "aipo,grpo", "4"
+        args.correction_task, args.correction_losses, args.corrections = "successor", "aipo", "none"
+        args.correction_staleness, args.steps = "4", args.steps or 100
+        args.seeds = args.seeds if args.seeds != "0,1,2,3,4" else "0,1,2"
+    seeds = _ints(args.seeds, "--seeds")
+    if not seeds or (args.steps is not None and args.steps < 10) or args.jobs < 1:
+        raise SystemExit("give at least one seed, --steps >= 10 and --jobs >= 1")
+    tasks = _names(args.tasks, TASKS, "--tasks")
+    os.makedirs(args.output_dir, exist_ok=True)
+    if args.runtime:
+        return run_runtime(args, tasks, seeds)
+    cells = grid.plan(tasks, _names(args.losses, grid.LOSSES, "--losses"), _ints(args.staleness, "--staleness"),
+                      args.correction_task or None, _names(args.correction_losses, grid.LOSSES, "--correction-losses"),
+                      _names(args.corrections or ",".join(grid.CORRECTIONS), grid.CORRECTIONS, "--corrections"),
+                      _ints(args.correction_staleness, "--correction-staleness"))
+    if args.correction_task and args.correction_task not in TASKS:
+        raise SystemExit(f"--correction-task {args.correction_task!r}: choose among {', '.join(TASKS)}")
+    used = sorted({c.task for c in cells})
+    models = {t: TASKS[t].prepare_model(os.path.join(args.output_dir, "models", t)) for t in used}
+    budgets = {t: {"steps": args.steps or TASKS[t].steps, "learning_rate": TASKS[t].learning_rate,
+                   "max_completion_length": TASKS[t].max_completion_length} for t in used}
+    print(f"{len(cells)} cells x {len(seeds)} seeds on {machine()}; runs in {args.output_dir}/runs.jsonl", flush=True)
+    runs = grid.done_runs(os.path.join(args.output_dir, "runs.jsonl"))
+    if not args.report_only:
+        runs = grid.run_grid(cells, seeds, args.output_dir, models, budgets, args.jobs,
+                             log=lambda line: print(line, flush=True))
+    wanted = {c.key for c in cells}
+    runs = {k: v for k, v in runs.items() if k[0] in wanted and k[1] in seeds}
+    failed = [f"{r['cell']} seed {r['seed']}: {r['error']}" for r in runs.values() if "error" in r]
+    summary = report.write(runs, args.output_dir, machine())
+    print(open(summary["table"]).read())
+    for line in failed:
+        print(f"FAILED {line}")
+    print(json.dumps(summary))
+    return 1 if failed else 0
+
+
+# ------------------------------------------------------------------------------------------------ --runtime
+def run_runtime(args, tasks: list[str], seeds: list[int]) -> int:
+    """The synchronous run and AIPO's default at each staleness, per task and seed, on the real runtime (a vLLM
+    generator child of each run), one run at a time; the same outputs as the grid."""
+    from hfllamarl.study import grid, report
+    from hfllamarl.study.stats import final_reward
+    from hfllamarl.study.tasks import TASKS
+
+    levels = [0] + [s for s in _ints(args.staleness, "--staleness") if s]
+    path = os.path.join(args.output_dir, "runs.jsonl")
+    runs = grid.done_runs(path)
+    for seed in seeds:
+        for task in tasks:
+            model = TASKS[task].prepare_model(os.path.join(args.output_dir, "models", task))
+            for s in levels:
+                cell = grid.Cell(task, "aipo", grid.sync_correction("aipo") if s == 0 else
+                                 grid.default_correction("aipo"), s)
+                if (cell.key, seed) in runs:
+                    continue
+                steps = args.steps or TASKS[task].steps
+                job = {"task": task, "model": model, "config": cell.config(
+                    seed, steps, TASKS[task].learning_rate, TASKS[task].max_completion_length,
+                    os.path.join(args.output_dir, "scratch", f"{task}-s{s}-seed{seed}")),
+                       "history": os.path.join(args.output_dir, "scratch", f"{task}-s{s}-seed{seed}.json")}
+                print(f"runtime: {cell.key} seed {seed} ...", flush=True)
+                proc = subprocess.run([sys.executable, "-m", "hfllamarl.commands.bench_learning", json.dumps(job)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                record = {"cell": cell.key, "task": task, "loss": "aipo", "correction": cell.correction,
+                          "staleness": s, "seed": seed, "steps": steps}
+                if proc.returncode != 0:
+                    record["error"] = proc.stderr[-2000:]
+                else:
+                    history = json.load(open(job["history"]))
+                    record["series"] = {"reward": [h["reward"] for h in history if "reward" in h],
+                                        "staleness/mean": [h.get("staleness/mean") for h in history if "reward" in h]}
+                    record["seconds"] = next((h["train_runtime"] for h in history if "train_runtime" in h), None)
+                with open(path, "a") as fh:
+                    fh.write(json.dumps(record) + "\n")
+                runs[(cell.key, seed)] = record
+                done = record.get("error") or f"final reward {final_reward(record['series']['reward']):.3f}"
+                print(f"  {done}", flush=True)
+    summary = report.write(runs, args.output_dir, machine() + " (runtime)")
+    print(open(summary["table"]).read())
+    print(json.dumps(summary))
+    return 0
+
+
+def train_runtime(job: dict) -> None:
+    """Child process of --runtime: one run under plain python (the trainer; its generator is its own child)."""
     from datasets import Dataset
 
     from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
-    from hfllamarl.testing.tiny import successor_rows
+    from hfllamarl.study.tasks import TASKS
 
-    config = AsyncAIPOConfig(
-        output_dir=job["output_dir"], max_steps=job["steps"], per_device_train_batch_size=COMPLETIONS_PER_STEP,
-        num_generations=8,
-        max_completion_length=4, learning_rate=job["learning_rate"], lr_scheduler_type="constant",
-        logging_steps=1, save_strategy="no", report_to="none", seed=job["seed"], collective_timeout_s=600,
-        disable_tqdm=True, **VARIANTS[job["variant"]],
-        bootstrap_generation=False,  # (the variants compare staleness: every batch comes from the generator)
-    )
-    trainer = AsyncAIPOTrainer(model=job["model"], reward_funcs="math_sympy", args=config,
-                               train_dataset=Dataset.from_list(successor_rows(4096, seed=1)))
+    task = TASKS[job["task"]]
+    config = AsyncAIPOConfig(**job["config"], logging_steps=1, save_strategy="no", report_to="none",
+                             disable_tqdm=True, collective_timeout_s=600,
+                             bootstrap_generation=False)  # (every batch comes from the generator: staleness as set)
+    trainer = AsyncAIPOTrainer(model=job["model"], reward_funcs=task.reward, args=config,
+                               train_dataset=Dataset.from_list(task.rows()))
     trainer.train()
     with open(job["history"], "w") as fh:
         json.dump(trainer.state.log_history, fh)
 
 
-def plot(curves: dict[str, list[float]], path: str, completions_per_step: int, num_seeds: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, rewards in curves.items():
-        window = 10
-        smooth = [sum(rewards[max(0, i - window + 1):i + 1]) / len(rewards[max(0, i - window + 1):i + 1])
-                  for i in range(len(rewards))]
-        ax.plot([(i + 1) * completions_per_step for i in range(len(rewards))], smooth, label=name)
-    ax.set_xlabel("completions sampled")
-    ax.set_ylabel(f"mean reward ({num_seeds} seeds, 10-step moving average)")
-    ax.set_title("Learning vs staleness (successor task, same seeds and budget)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def final_reward(rewards: list[float]) -> float:
-    """Mean reward of the last tenth of the steps (at least 10)."""
-    tail = rewards[-max(10, len(rewards) // 10):]
-    return sum(tail) / len(tail)
-
-
-def mean_curve(curves: list[list[float]]) -> list[float]:
-    return [sum(c[i] for c in curves) / len(curves) for i in range(min(map(len, curves)))]
-
-
-def run(args) -> int:
-    from hfllamarl.testing.tiny import prepare_demo_model
-
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variant(s) {unknown}; the variants are {list(VARIANTS)}")
-    try:
-        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"--seeds {args.seeds!r}: give comma-separated whole numbers, e.g. 0,1,2") from None
-    if not seeds or args.steps < 1:
-        raise SystemExit("give at least one seed and --steps >= 1")
-    os.makedirs(args.output_dir, exist_ok=True)
-    model = prepare_demo_model(os.path.join(args.output_dir, "tiny-llama"))
-    curves: dict[str, dict[int, list[float]]] = {name: {} for name in names}
-    seconds: dict[str, float] = {name: 0.0 for name in names}
-    for seed in seeds:
-        for name in names:
-            tag = f"{name}-seed{seed}"
-            job = {"variant": name, "steps": args.steps, "learning_rate": args.learning_rate, "seed": seed,
-                   "model": model, "output_dir": os.path.join(args.output_dir, tag),
-                   "history": os.path.join(args.output_dir, f"{tag}.json")}
-            print(f"training {name}, seed {seed} ...", flush=True)
-            proc = subprocess.run([sys.executable, "-m", "hfllamarl.commands.bench_learning", json.dumps(job)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"variant {name} (seed {seed}) failed:\n{proc.stderr[-3000:]}")
-            history = json.load(open(job["history"]))
-            curves[name][seed] = [h["reward"] for h in history if "reward" in h]
-            seconds[name] += next((h["train_runtime"] for h in history if "train_runtime" in h), 0.0)
-    means = {name: mean_curve(list(per_seed.values())) for name, per_seed in curves.items()}
-    final = {name: round(sum(final_reward(c) for c in per_seed.values()) / len(seeds), 4)
-             for name, per_seed in curves.items()}
-    png = os.path.join(args.output_dir, "learning.png")
-    plot(means, png, COMPLETIONS_PER_STEP, len(seeds))
-    windows = sorted({min(args.steps, max(1, round(args.steps * f / 6))) for f in range(1, 7)})
-    print(f"mean reward over {len(seeds)} seed(s) {seeds}, by completions sampled ({COMPLETIONS_PER_STEP} per step; "
-          "each cell: the mean of the steps since the previous column)")
-    print(f"{'variant':<26}" + "".join(f"{w * COMPLETIONS_PER_STEP:>8}" for w in windows) + f"{'final':>8}"
-          + "".join(f"{'seed ' + str(s):>8}" for s in seeds) + f"{'% sync':>8}{'seconds':>9}")
-    prev = [0] + windows[:-1]
-    for name, r in means.items():
-        cells = "".join(f"{sum(r[a:b]) / max(b - a, 1):>8.3f}" for a, b in zip(prev, windows))
-        per_seed = "".join(f"{final_reward(curves[name][s]):>8.3f}" for s in seeds)
-        share = f"{100 * final[name] / final['sync']:>7.1f}%" if final.get("sync") else f"{'-':>8}"
-        print(f"{name:<26}{cells}{final[name]:>8.3f}{per_seed}{share}{seconds[name] / len(seeds):>9.1f}")
-    print(f"plot: {png}")
-    print(json.dumps({**final, "steps": args.steps, "seeds": seeds, "completions_per_step": COMPLETIONS_PER_STEP,
-                      "plot": png}))
-    return 0
-
-
 if __name__ == "__main__":
-    train_variant(json.loads(sys.argv[1]))
+    train_runtime(json.loads(sys.argv[1]))

@@ -16,10 +16,16 @@ TRL's correction fields: leaving `vllm_importance_sampling_mode`, `_clip_min` an
 TRL's correction exactly as TRL reads those three fields; aipo_rho must then stay at its default (4.0) or equal
 clip_max with mode "token_truncate" (the same correction), else the settings contradict and are refused.
 `vllm_importance_sampling_correction=False` trains without any correction (aipo_rho must then stay at its default).
+
+`off_policy_correction` names another correction (`hfllamarl.corrections`, options in `off_policy_correction_kwargs`)
+instead of the one those fields describe ("trl", the default when the plugin is built directly; a config's "auto"
+resolves it by the job's staleness, `hfllamarl.corrections.resolve`).
 """
 
 from __future__ import annotations
 
+from hfllamarl import corrections
+from hfllamarl.corrections import ImportanceSampling
 from hfllamarl.policy_loss import Correction, Objective, PolicyLoss
 
 DEFAULT_RHO = 4.0
@@ -27,7 +33,7 @@ TRL_CORRECTION_DEFAULTS = ("sequence_mask", None, 3.0)  # GRPOConfig's mode, cli
 
 
 def aipo_correction(rho: float, enabled: bool, mode: str, clip_min: float | None,
-                    clip_max: float | None) -> Correction | None:
+                    clip_max: float | None) -> ImportanceSampling | None:
     """The correction `aipo` applies for these settings (see the module docstring), or a ValueError saying which
     settings contradict."""
     if rho < 1.0:
@@ -67,10 +73,17 @@ class AIPO(PolicyLoss):
                  vllm_importance_sampling_clip_max: float | None = 3.0,
                  sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
                  vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
-                 vespo_lambda_neg: float = 2.0, use_bias_correction_kl: bool = True):
+                 vespo_lambda_neg: float = 2.0, use_bias_correction_kl: bool = True,
+                 off_policy_correction: str = "trl", off_policy_correction_kwargs: dict | None = None):
         self.rho = float(rho)
-        correction = aipo_correction(self.rho, vllm_importance_sampling_correction, vllm_importance_sampling_mode,
-                                     vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max)
+        trl = aipo_correction(self.rho, vllm_importance_sampling_correction, vllm_importance_sampling_mode,
+                              vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max)
+        trl_set = not vllm_importance_sampling_correction or (
+            vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
+            vllm_importance_sampling_clip_max) != TRL_CORRECTION_DEFAULTS
+        rho_set = rho != DEFAULT_RHO and off_policy_correction != "aipo"  # (the "aipo" correction takes aipo_rho)
+        correction = corrections.build(off_policy_correction, off_policy_correction_kwargs, trl, trl_set or rho_set,
+                                       rho=self.rho)
         objective = Objective(loss_type, importance_sampling_level, float(epsilon), epsilon_high,
                               None if delta is None else float(delta), float(sapo_temperature_pos),
                               float(sapo_temperature_neg),

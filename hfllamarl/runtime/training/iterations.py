@@ -7,6 +7,9 @@
   the (1 - q) quantile of the entropies of the completion tokens of that micro-batch on every trainer rank (TRL
   gathers them across processes per micro-step too, `GRPOTrainer.get_high_entropy_mask`). It multiplies the
   per-token loss.
+- Off-policy corrections: each token's staleness (policy versions between its sampler and pi_old) for a loss that
+  names `staleness`, and a correction's step size: `step_scale` gathers log(pi_old/mu) of every sequence of the step
+  over the trainer ranks and the optimizer step runs at the factor the correction returns (`scaled_lr`).
 - Reference sync (`sync_ref_model`): after every `ref_model_sync_steps`-th optimizer step, each trainer rank mixes
   its own shard of the reference model toward its shard of the policy, ref <- alpha * policy + (1 - alpha) * ref
   (TRL's `SyncRefModelCallback`, on the parameters); nothing is gathered, since both are sharded alike.
@@ -14,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -23,8 +27,43 @@ _PAD = -1e9  # a sentinel no entropy can take (entropies are >= 0)
 
 
 def loss_keywords(algorithm) -> set[str]:
-    """Which optional inputs the algorithm's `loss` names, of `old_logprobs` and `entropy_mask`."""
-    return {"old_logprobs", "entropy_mask"} & set(inspect.signature(algorithm.loss).parameters)
+    """Which optional inputs the algorithm's `loss` names, of `old_logprobs`, `entropy_mask` and `staleness`."""
+    return {"old_logprobs", "entropy_mask", "staleness"} & set(inspect.signature(algorithm.loss).parameters)
+
+
+def token_staleness(rollouts, version: int, shape, device) -> torch.Tensor:
+    """`[B, T]` float: `version` minus the policy version that sampled each completion token (0 past the end)."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for i, r in enumerate(rollouts):
+        if r.versions:
+            out[i, :len(r.versions)] = torch.tensor([version - v for v in r.versions], dtype=torch.float32)
+    return out.to(device)
+
+
+def step_scale(algorithm, sequence_log_weights: list[torch.Tensor]) -> tuple[float, dict[str, float]] | None:
+    """The algorithm's learning-rate factor for this optimizer step (None: it has none), from log(pi_old/mu) of this
+    rank's sequences (one `[B]` tensor per micro-batch), gathered over the trainer ranks. Every rank calls it."""
+    scale = getattr(algorithm, "step_scale", None)
+    if scale is None:
+        return None
+    local = torch.cat(sequence_log_weights).float() if sequence_log_weights else torch.zeros(0)
+    return scale(_gather_padded(local.cpu()))
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer, factor: float | None):
+    """The optimizer's learning rates times `factor` while this lasts (None or 1: unchanged)."""
+    if factor is None or factor == 1.0:
+        yield
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved):
+            group["lr"] = lr
 
 
 def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:

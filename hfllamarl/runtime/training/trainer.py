@@ -27,7 +27,8 @@ from hfllamarl.runtime.training.batching import completion_logprobs, pack_batch,
 from hfllamarl.runtime.training.moe import balancing_loss_fn
 from hfllamarl.runtime.data.episodes import reward_arguments, tool_counts, tool_metrics
 from hfllamarl.runtime.loop.executor import Executor, wait_for_startup
-from hfllamarl.runtime.training.iterations import high_entropy_mask, loss_keywords, mix_reference
+from hfllamarl.runtime.training.iterations import (high_entropy_mask, loss_keywords, mix_reference, scaled_lr,
+                                                   step_scale, token_staleness)
 from hfllamarl.runtime.training.finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
 from hfllamarl.runtime.training.rank_metrics import all_max as _all_max, all_sum as _all_sum, evaluation_metrics
 from hfllamarl.runtime.training.rank_metrics import logged_means as _logged_means
@@ -89,6 +90,7 @@ class TrainerExecutor(Executor):
     def __init__(self, spec: TrainerSpec, topology: Topology):
         self.spec, self.topology = spec, topology
         self.version = 0  # optimizer steps taken = policy version of the current weights
+        self._old_version = 0  # the version of pi_old: the current batch's first pass
         self.sent_version = 0  # the generator starts from the initial weights (version 0)
         self.inbox: dict[int, list[RolloutGroup]] = {}
         self.eval_inbox: list[RolloutGroup] = []  # evaluations the generator sent (eval_dataset), logged at `step`
@@ -272,8 +274,10 @@ class TrainerExecutor(Executor):
         if rollouts:  # every trainer rank alike (dynamic sampling agrees on the count)
             loss_total, stats = self._accumulate_gradients(rollouts, advantages, old)
             grad_norm = self._checked_grad_norm()
+            factor = stats.pop("_step_scale", [None])[0]  # a correction's learning-rate factor for this step
             optimizer_t0 = time.perf_counter()
-            spec.optimizer.step()
+            with scaled_lr(spec.optimizer, factor):
+                spec.optimizer.step()
             spec.optimizer.zero_grad(set_to_none=True)
             optimizer_seconds = time.perf_counter() - optimizer_t0
         backward_seconds = time.perf_counter() - backward_t0 - optimizer_seconds
@@ -349,6 +353,8 @@ class TrainerExecutor(Executor):
         one value per micro-batch.
         """
         old = [] if old is None else old
+        if not old:
+            self._old_version = self.version  # pi_old's version: the batch's first pass
         spec, model = self.spec, self.spec.model
         mb = spec.micro_batch_size
         steps = math.ceil(len(rollouts) / mb)
@@ -360,6 +366,8 @@ class TrainerExecutor(Executor):
         takes = loss_keywords(spec.algorithm)
         stats: dict[str, list[float]] = {}
         loss_total = 0.0
+        scales = callable(getattr(spec.algorithm, "step_scale", None)) and getattr(spec.algorithm, "scales_steps", True)
+        sequence_log_weights = []  # log(pi_old/mu) per sequence, for a correction that scales the step
         for k in range(steps):
             chunk = rollouts[k * mb:(k + 1) * mb]
             build = pack_batch if self.packed else pad_batch
@@ -384,6 +392,11 @@ class TrainerExecutor(Executor):
                 old.append(logprobs.detach())
             if "old_logprobs" in takes:
                 kwargs["old_logprobs"] = old[k]
+            if "staleness" in takes:
+                kwargs["staleness"] = token_staleness(chunk, self._old_version, batch["mask"].shape, spec.device)
+            if scales:
+                sequence_log_weights.append(
+                    torch.nan_to_num((old[k] - batch["behavior_logprobs"]) * batch["mask"], nan=0.0).sum(-1))
             if spec.top_entropy_quantile < 1.0 and "entropy_mask" in takes:
                 kwargs["entropy_mask"] = high_entropy_mask(entropy, batch["mask"], spec.top_entropy_quantile)
             loss, m = checked_loss(spec.algorithm, spec.algorithm.loss(logprobs, batch["behavior_logprobs"],
@@ -401,6 +414,10 @@ class TrainerExecutor(Executor):
             loss_total += loss.item() / steps
             for key, value in m.items():
                 stats.setdefault(key, []).append(value)
+        scaled = step_scale(spec.algorithm, sequence_log_weights) if scales else None
+        if scaled is not None:
+            stats["_step_scale"] = [scaled[0]]
+            stats.update({key: [value] for key, value in scaled[1].items()})
         return loss_total, stats
 
     @staticmethod

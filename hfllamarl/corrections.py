@@ -1,0 +1,172 @@
+"""Off-policy corrections: how a loss treats tokens sampled by an older policy (group `hfllamarl.corrections`).
+
+Three policies meet at each completion token t: pi (the policy being trained, with gradient), pi_old (the policy
+before this batch's first optimizer step: the proximal policy of decoupled PPO) and mu (the policy that sampled t,
+`max_staleness` versions older or less). A loss (`hfllamarl.policy_loss.PolicyLoss`) computes
+
+    l_t = objective(c_t, A) * b_t,     c_t = pi_t / anchor_t
+
+and a correction decides two things from log pi_old, log mu and each token's staleness:
+
+- `weight` b (a constant): the behaviour weight pi_old/mu, truncated, masked, tempered, or None (1);
+- `anchor`: the log-probs the objective's trust-region ratio c refers to (None: pi_old, decoupled PPO's
+  proximal policy; mu: plain, "coupled" PPO).
+
+and, optionally, a step size: a correction with `step_scale(sequence_log_weights)` scales the learning rate of the
+optimizer step it is in (VCPO's effective-sample-size rule), given log(pi_old/mu) of every sequence of the step.
+
+The built-ins and their papers' maths: docs/guides/algorithms.md, "Off-policy corrections".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from hfllamarl.losses import IS_MODES, behavior_weight, check_choice
+
+
+@dataclass
+class Corrected:
+    """What a correction returns for one micro-batch.
+
+    weight: `[B, T]` or `[B, 1]` constant behaviour weight multiplying the per-token loss (None: 1).
+    anchor: `[B, T]` log-probs the objective's ratio c = pi/anchor refers to (None: log pi_old).
+    bounded: the share of tokens (sequences, for a sequence weight) whose weight was truncated or masked.
+    metrics: logged as they are, averaged over micro-batches and ranks (`/max`, `/min`: the extreme).
+    """
+
+    weight: torch.Tensor | None
+    anchor: torch.Tensor | None = None
+    bounded: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def log_weight(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`[B, T]` log(pi_old/mu) on completion tokens, 0 elsewhere (and where either side is NaN)."""
+    return torch.nan_to_num((old_logprobs - behavior_logprobs) * mask, nan=0.0).detach()
+
+
+def share(flags: torch.Tensor, mask: torch.Tensor) -> float:
+    """The share of completion tokens (or of sequences with any, for `[B, 1]` flags) where `flags` is true."""
+    valid = mask.bool() if flags.shape == mask.shape else (mask.sum(-1, keepdim=True) > 0)
+    values = flags.expand_as(valid)[valid] if flags.shape == mask.shape else flags[valid]
+    return values.float().mean().item() if values.numel() else 0.0
+
+
+def sequence_log_weights(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor,
+                         mask: torch.Tensor) -> torch.Tensor:
+    """`[B]` log of each sequence's importance weight prod_t pi_old/mu (a sequence with no token: 0)."""
+    return log_weight(old_logprobs, behavior_logprobs, mask).sum(-1)
+
+
+class ImportanceSampling:
+    """TRL's `vllm_importance_sampling_mode` as a correction: b = pi_old/mu per token (or the product over a
+    sequence), truncated into [clip_min, clip_max] ("*_truncate") or set to 0 outside ("*_mask"); None: no bound
+    on that side. The anchor is pi_old."""
+
+    def __init__(self, mode: str, clip_min: float | None = None, clip_max: float | None = 3.0):
+        check_choice("vllm_importance_sampling_mode", mode, IS_MODES)
+        for name, bound in (("clip_min", clip_min), ("clip_max", clip_max)):
+            if bound is not None and not (isinstance(bound, (int, float)) and math.isfinite(bound) and bound > 0):
+                raise ValueError(f"{mode}: {name}={bound!r}; a bound of the weight pi_old/mu is a positive number "
+                                 "(or None: no bound).")
+        if clip_min is not None and clip_max is not None and clip_min >= clip_max:
+            raise ValueError(f"vllm_importance_sampling_clip_min ({clip_min}) must be below "
+                             f"vllm_importance_sampling_clip_max ({clip_max}).")
+        if mode.endswith("truncate") and clip_min is None and clip_max is None:
+            raise ValueError(f"{mode} needs clip_min or clip_max (a truncation with no bound is no correction).")
+        self.mode, self.clip_min = mode, None if clip_min is None else float(clip_min)
+        self.clip_max = None if clip_max is None else float(clip_max)
+
+    @property
+    def level(self) -> str:
+        return "sequence" if self.mode.startswith("sequence") else "token"
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, ImportanceSampling)
+                and (self.mode, self.clip_min, self.clip_max) == (other.mode, other.clip_min, other.clip_max))
+
+    def __repr__(self) -> str:
+        return f"ImportanceSampling({self.mode!r}, clip_min={self.clip_min}, clip_max={self.clip_max})"
+
+    def __call__(self, old_logprobs, behavior_logprobs, mask, staleness=None) -> Corrected:
+        weight = behavior_weight(old_logprobs, behavior_logprobs, mask, self.mode, self.clip_min, self.clip_max)
+        raw = behavior_weight(old_logprobs, behavior_logprobs, mask, self.mode, None, None)
+        if self.mode.endswith("truncate"):
+            bounded = ~torch.isclose(raw, weight)
+            metrics = {"correction/truncated_frac": share(bounded, mask)}
+        else:
+            bounded = (weight == 0) & (raw != 0)
+            metrics = {"correction/masked_frac": share(bounded, mask)}
+        return Corrected(weight, None, share(bounded, mask), metrics)
+
+
+def effective_sample_ratio(log_weights: torch.Tensor) -> float:
+    """ESS / N = (sum w)^2 / (N sum w^2) of N importance weights given by their logs (1.0: all equal)."""
+    log_weights = log_weights.double().flatten()
+    if not log_weights.numel():
+        return 1.0
+    w = torch.exp(log_weights - log_weights.max())  # (ESS is scale-free: the largest weight is 1)
+    return float(w.sum() ** 2 / (w.numel() * (w ** 2).sum()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which correction a loss uses. "trl" is the correction TRL's `vllm_importance_sampling_*` fields describe (for
+# `aipo` and `rloo`: AIPO's truncation at aipo_rho while those fields keep TRL's defaults); "none" is no correction.
+
+#: The correction each loss takes on stale samples (max_staleness >= 1) when none is named: the one the staleness
+#: study holds best for it (docs/operations/staleness.md). Keys: `study_loss` names.
+STALENESS_DEFAULTS: dict[str, str] = {}
+
+SPECIAL = ("auto", "trl", "none")
+
+
+def study_loss(algorithm: str, loss_type: str | None, level: str | None) -> str | None:
+    """The study's name of a built-in algorithm's loss ("aipo", a TRL loss_type, or "gspo" for a sequence-level
+    ratio), or None for an algorithm the study does not cover."""
+    if algorithm in ("aipo", "rloo"):
+        return "aipo" if level != "sequence" else "gspo"
+    if algorithm == "grpo":
+        return "gspo" if level == "sequence" else loss_type
+    return None
+
+
+def resolve(name: str, *, algorithm: str, loss_type: str | None, level: str | None, max_staleness: int,
+            trl_fields_set: bool) -> str:
+    """The concrete correction `off_policy_correction=name` means for this job: a named one as it is; "auto" is
+    the TRL fields' correction ("trl") when any of them (or aipo_rho) is set or the job is synchronous, else the
+    loss's `STALENESS_DEFAULTS` entry."""
+    if name != "auto":
+        return name
+    if trl_fields_set or max_staleness == 0:
+        return "trl"
+    return STALENESS_DEFAULTS.get(study_loss(algorithm, loss_type, level) or "", "trl")
+
+
+def build(name: str, kwargs: dict | None, trl_correction, trl_fields_set: bool, rho: float | None = None):
+    """The correction object `name` names (None: no correction). `trl_correction`: what "trl" means for this
+    algorithm; `trl_fields_set`: the user set TRL's correction fields (or aipo_rho), which only "trl" reads."""
+    from hfllamarl.registry import load_plugin
+
+    if name == "auto":
+        name = "trl"
+    if name in ("trl", "none"):
+        if kwargs:
+            raise ValueError(f"off_policy_correction_kwargs={kwargs!r} configure a named correction, not "
+                             f"off_policy_correction={name!r}: name the correction they are for.")
+        return trl_correction if name == "trl" else None
+    if trl_fields_set:
+        raise ValueError(f"off_policy_correction={name!r} and the vllm_importance_sampling_* fields (or aipo_rho) are "
+                         "two different corrections: set the fields and leave off_policy_correction unset ('auto'), or "
+                         "name the correction and give its options in off_policy_correction_kwargs.")
+    options = dict(kwargs or {})
+    if name == "aipo" and rho is not None:
+        options.setdefault("rho", rho)
+    cls = load_plugin("corrections", name)
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise ValueError(f"off_policy_correction={name!r}: {exc} (off_policy_correction_kwargs={options!r})") from None

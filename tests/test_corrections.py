@@ -1,0 +1,173 @@
+"""The off-policy corrections (`hfllamarl.corrections`, group `hfllamarl.corrections`) against hand computations of
+their papers' formulas, their effect on the loss's gradient, the learning-rate factor of the step, and how a config
+chooses one (`off_policy_correction`, "auto")."""
+
+import math
+
+import pytest
+import torch
+
+from hfllamarl import AsyncAIPOConfig, load_plugin
+from hfllamarl.corrections import STALENESS_DEFAULTS, effective_sample_ratio
+from hfllamarl.losses import StepShape
+from hfllamarl.registry import PluginError, installed
+from hfllamarl.runtime.training.iterations import scaled_lr
+
+BUILT_IN = ["aipo", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "coupled", "decoupled",
+            "a3po", "m2po", "ess"]
+
+
+def logs(*ratios):
+    """`[1, T]` log-probs of pi_old and mu with pi_old/mu = ratios (mu = 0.5 for every token)."""
+    mu = torch.full((1, len(ratios)), math.log(0.5))
+    return mu + torch.log(torch.tensor([ratios])), mu
+
+
+def test_every_built_in_is_installed_and_callable():
+    assert sorted(installed("corrections")) == sorted(BUILT_IN)
+    old, mu = logs(1.0, 2.0)
+    for name in BUILT_IN:
+        out = load_plugin("corrections", name)()(old, mu, torch.ones(1, 2), torch.full((1, 2), 3.0))
+        assert out.weight is None or torch.isfinite(out.weight).all(), name
+
+
+def test_decoupled_drops_weights_above_the_cap_or_clips_them():
+    old, mu = logs(2.0, 6.0, 0.5)
+    mask = torch.ones(1, 3)
+    out = load_plugin("corrections", "decoupled")(cap=5.0)(old, mu, mask)
+    assert torch.allclose(out.weight, torch.tensor([[2.0, 0.0, 0.5]]))
+    assert out.anchor is None and out.bounded == pytest.approx(1 / 3)
+    clipped = load_plugin("corrections", "decoupled")(cap=5.0, action="truncate")(old, mu, mask)
+    assert torch.allclose(clipped.weight, torch.tensor([[2.0, 5.0, 0.5]]))
+
+
+def test_a3po_interpolates_the_proximal_policy_by_staleness():
+    # pi_old/mu = 8 for three tokens sampled 1, 2 and 4 versions ago: alpha = 0, 1/2, 3/4
+    old, mu = logs(8.0, 8.0, 8.0)
+    out = load_plugin("corrections", "a3po")(cap=5.0)(old, mu, torch.ones(1, 3), torch.tensor([[1.0, 2.0, 4.0]]))
+    assert torch.allclose(out.weight, torch.tensor([[1.0, 8 ** 0.5, 8 ** 0.75]]), rtol=1e-6)
+    # log pi_prox = log mu + alpha * (log pi_old - log mu): pi_prox/mu is the weight, pi_old/pi_prox the rest
+    assert torch.allclose(out.anchor - mu, torch.log(torch.tensor([[1.0, 8 ** 0.5, 8 ** 0.75]])), atol=1e-6)
+    # a tempered weight above the cap is dropped: 16 ** (3/4) = 8 > 5
+    old16, mu16 = logs(16.0)
+    dropped = load_plugin("corrections", "a3po")(cap=5.0)(old16, mu16, torch.ones(1, 1), torch.tensor([[4.0]]))
+    assert dropped.weight.item() == 0.0 and dropped.bounded == 1.0
+    with pytest.raises(ValueError, match="staleness"):
+        load_plugin("corrections", "a3po")()(old, mu, torch.ones(1, 3))
+
+
+def test_m2po_drops_the_largest_squares_until_the_second_moment_is_below_tau():
+    # log weights 0.1, -0.1, 0.5, 0.05: mean square 0.068 > 0.04; without the 0.5 one: 0.0075 < 0.04
+    log_w = torch.tensor([[0.1, -0.1, 0.5, 0.05]])
+    mu = torch.full((1, 4), -1.0)
+    out = load_plugin("corrections", "m2po")(tau=0.04)(mu + log_w, mu, torch.ones(1, 4))
+    expected = torch.exp(log_w) * torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    assert torch.allclose(out.weight, expected)
+    assert out.bounded == pytest.approx(0.25)
+    assert out.metrics["correction/m2"] == pytest.approx((0.01 + 0.01 + 0.25 + 0.0025) / 4)
+    # a batch within the budget keeps every token, with the whole (untruncated) weight
+    small = torch.tensor([[0.1, -0.15, 0.12, 0.05]])
+    kept = load_plugin("corrections", "m2po")(tau=0.04)(mu + small, mu, torch.ones(1, 4))
+    assert torch.allclose(kept.weight, torch.exp(small)) and kept.bounded == 0.0
+    # padding is neither counted nor kept
+    padded = load_plugin("corrections", "m2po")(tau=0.04)(mu + log_w, mu, torch.tensor([[1.0, 1.0, 0.0, 1.0]]))
+    assert padded.bounded == 0.0 and padded.weight[0, 2] == 0.0
+
+
+def test_ess_scales_the_step_by_the_root_of_the_effective_sample_ratio():
+    # weights 1, 1, 3: ESS = 5^2 / 11, ESS / N = 25 / 33
+    assert effective_sample_ratio(torch.log(torch.tensor([1.0, 1.0, 3.0]))) == pytest.approx(25 / 33)
+    assert effective_sample_ratio(torch.tensor([700.0, 700.0])) == pytest.approx(1.0)  # no overflow
+    ess = load_plugin("corrections", "ess")()
+    scale, metrics = ess.step_scale(torch.log(torch.tensor([1.0, 1.0, 3.0])))
+    assert scale == pytest.approx(math.sqrt(25 / 33)) and metrics["correction/ess"] == pytest.approx(25 / 33)
+    assert load_plugin("corrections", "ess")(rule="linear").step_scale(
+        torch.log(torch.tensor([1.0, 1.0, 3.0])))[0] == pytest.approx(25 / 33)
+    # the loss's weight: the sequence's product, truncated at 8
+    old, mu = logs(3.0, 4.0)
+    assert torch.allclose(ess(old, mu, torch.ones(1, 2)).weight, torch.tensor([[8.0]]))
+
+
+def test_scaled_lr_steps_at_the_factor_and_restores_the_rate():
+    p = torch.nn.Parameter(torch.tensor([1.0]))
+    optimizer = torch.optim.SGD([p], lr=0.5)
+    p.grad = torch.tensor([2.0])
+    with scaled_lr(optimizer, 0.25):
+        optimizer.step()
+    assert p.item() == pytest.approx(1.0 - 0.5 * 0.25 * 2.0)
+    assert optimizer.param_groups[0]["lr"] == 0.5
+
+
+def _grad(algorithm, logp, old, mu, adv, mask, staleness=None):
+    logp = logp.clone().requires_grad_(True)
+    loss, metrics = algorithm.loss(logp, mu, adv, mask, shape=StepShape.of(mask), old_logprobs=old,
+                                   staleness=staleness)
+    loss.backward()
+    return logp.grad, metrics
+
+
+def test_coupled_ppo_clips_stale_tokens_that_decoupled_trains():
+    # one batch pass (pi = pi_old), tokens with pi_old/mu = 2 and 1.1, positive advantage, dapo (token sum / tokens)
+    old, mu = logs(2.0, 1.1)
+    mask, adv = torch.ones(1, 2), torch.tensor([1.0])
+    coupled = load_plugin("algorithms", "grpo")(loss_type="dapo", off_policy_correction="coupled")
+    grad, _ = _grad(coupled, old, old, mu, adv, mask)
+    # c = pi/mu: 2 is past 1 + eps (no gradient), 1.1 is inside (-c A / tokens)
+    assert torch.allclose(grad, torch.tensor([[0.0, -1.1 / 2]]))
+    decoupled = load_plugin("algorithms", "grpo")(loss_type="dapo", off_policy_correction="decoupled")
+    grad, metrics = _grad(decoupled, old, old, mu, adv, mask)
+    # c = pi/pi_old = 1, weight b = pi_old/mu: -b A / tokens
+    assert torch.allclose(grad, torch.tensor([[-2.0 / 2, -1.1 / 2]]))
+    assert metrics["clipped_frac"] == 0.0
+
+
+def test_a3po_in_the_loss_clips_against_the_interpolated_policy():
+    # pi = pi_old, pi_old/mu = 2 sampled 4 versions ago: b = 2^(3/4), c = pi/pi_prox = 2^(1/4) = 1.19 (inside 1.28)
+    old, mu = logs(2.0, 4.0)
+    mask, adv = torch.ones(1, 2), torch.tensor([1.0])
+    a3po = load_plugin("algorithms", "aipo")(epsilon_high=0.28, off_policy_correction="a3po")
+    grad, metrics = _grad(a3po, old, old, mu, adv, mask, torch.full((1, 2), 4.0))
+    # token 1: d(-c A b)/dlogpi = -c b A = -2 (c b = pi/mu); token 2: c = 4^(1/4) = 1.41 past 1.28: no gradient
+    assert torch.allclose(grad, torch.tensor([[-2.0 / 2, 0.0]]), atol=1e-6)
+    assert metrics["correction/alpha_mean"] == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("loss", ["aipo", "grpo", "dapo", "cispo", "gspo", "vespo"])
+def test_auto_is_trls_correction_when_synchronous_and_the_studys_default_when_stale(loss):
+    fields = ({"algorithm": "aipo"} if loss == "aipo" else
+              {"algorithm": "grpo", "loss_type": "grpo", "importance_sampling_level": "sequence"} if loss == "gspo"
+              else {"algorithm": "grpo", "loss_type": loss})
+    sync = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=0,
+                           **fields, **({"vllm_importance_sampling_mode": "token_truncate"} if loss == "vespo" else {}))
+    assert sync.algorithm_options["off_policy_correction"] == "trl"
+    stale = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, **fields)
+    assert stale.algorithm_options["off_policy_correction"] == STALENESS_DEFAULTS.get(loss, "trl")
+    # a TRL correction field set by the user is honoured as set
+    set_ = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, vllm_importance_sampling_mode="token_mask", **fields)
+    assert set_.algorithm_options["off_policy_correction"] == "trl"
+    assert set_.build_algorithm().correction.mode == "token_mask"
+
+
+def test_bad_correction_settings_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="two different corrections"):
+        AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="m2po", vllm_importance_sampling_clip_max=2.0)
+    with pytest.raises(ValueError, match="two different corrections"):
+        AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="m2po", aipo_rho=2.0)
+    with pytest.raises(PluginError, match="a3po"):  # the installed names are listed
+        AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="a3p0")
+    with pytest.raises(ValueError, match="name the correction"):
+        AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="trl", off_policy_correction_kwargs={"tau": 1})
+    with pytest.raises(ValueError, match="tau"):
+        AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="m2po", off_policy_correction_kwargs={"tau": -1})
+    with pytest.raises(ValueError, match="off_policy_correction_kwargs"):
+        AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="m2po", off_policy_correction_kwargs={"cap": 1})
+    with pytest.raises(ValueError, match="per-token correction"):
+        AsyncAIPOConfig(output_dir="/tmp/x", algorithm="grpo", loss_type="vespo", off_policy_correction="ess")
+    with pytest.raises(ValueError, match="does not use it"):
+        AsyncAIPOConfig(output_dir="/tmp/x", algorithm="on_policy_pg", off_policy_correction="m2po")
+    # the "aipo" correction takes aipo_rho; a JSON string (a recipe, the command line) is read as a dict
+    config = AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="aipo", aipo_rho=2.0)
+    assert config.build_algorithm().correction.clip_max == 2.0
+    config = AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="m2po",
+                             off_policy_correction_kwargs='{"tau": 0.1}')
+    assert config.build_algorithm().correction.tau == 0.1
