@@ -104,6 +104,31 @@ class ImportanceSampling:
         return Corrected(weight, None, share(bounded, mask), metrics)
 
 
+class StepScaled:
+    """Any correction with VCPO's step rule on top (`off_policy_correction="<name>+ess"`): the correction's weight and
+    anchor as they are, and each optimizer step's learning rate times sqrt(min(1, ESS/N)) of the step's untruncated
+    sequence weights (`plugins/corrections/ess.py`)."""
+
+    def __init__(self, base, rule: str = "sqrt", base_ratio: float = 1.0):
+        if rule not in ("sqrt", "linear"):
+            raise ValueError(f"ess: rule={rule!r}; choose 'sqrt' or 'linear'.")
+        self.base, self.rule, self.base_ratio = base, rule, float(base_ratio)
+        self.level = getattr(base, "level", "token")
+
+    def __call__(self, old_logprobs, behavior_logprobs, mask, staleness=None) -> Corrected:
+        return self.base(old_logprobs, behavior_logprobs, mask, staleness)
+
+    def __repr__(self) -> str:
+        return f"StepScaled({self.base!r}, rule={self.rule!r})"
+
+    def step_scale(self, sequence_log_weights) -> tuple[float, dict[str, float]]:
+        """The learning-rate factor of a step whose sequences have these log weights, and its metrics."""
+        ratio = effective_sample_ratio(sequence_log_weights)
+        relative = min(1.0, ratio / self.base_ratio)
+        scale = math.sqrt(relative) if self.rule == "sqrt" else relative
+        return scale, {"correction/ess": ratio, "correction/step_scale": scale}
+
+
 def effective_sample_ratio(log_weights: torch.Tensor) -> float:
     """ESS / N = (sum w)^2 / (N sum w^2) of N importance weights given by their logs (1.0: all equal)."""
     log_weights = log_weights.double().flatten()
@@ -146,11 +171,38 @@ def resolve(name: str, *, algorithm: str, loss_type: str | None, level: str | No
     return STALENESS_DEFAULTS.get(study_loss(algorithm, loss_type, level) or "", "trl")
 
 
+#: The config fields of the corrections "trl" reads (setting one away from its default makes "auto" mean "trl").
+TRL_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+              "vllm_importance_sampling_clip_max", "aipo_rho")
+
+
+def resolve_config(config, defaults: dict) -> str:
+    """`resolve` for an `AsyncAIPOConfig` whose fields have these `defaults` (by name)."""
+    return resolve(config.off_policy_correction, algorithm=config.algorithm, loss_type=config.loss_type,
+                   level=config.importance_sampling_level, max_staleness=config.max_staleness,
+                   trl_fields_set=any(getattr(config, f) != defaults[f] for f in TRL_FIELDS))
+
+
 def build(name: str, kwargs: dict | None, trl_correction, trl_fields_set: bool, rho: float | None = None):
     """The correction object `name` names (None: no correction). `trl_correction`: what "trl" means for this
     algorithm; `trl_fields_set`: the user set TRL's correction fields (or aipo_rho), which only "trl" reads."""
     from hfllamarl.registry import load_plugin
 
+    if isinstance(kwargs, str):  # (a recipe or the command line: JSON)
+        import json
+
+        try:
+            kwargs = json.loads(kwargs) if kwargs.strip() else None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"off_policy_correction_kwargs={kwargs!r} is not JSON ({exc}); give an object, e.g. "
+                             '\'{"tau": 0.04}\'.') from None
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError(f"off_policy_correction_kwargs must be a dict of the correction's options, not "
+                         f"{type(kwargs).__name__}.")
+    if not isinstance(name, str):
+        raise ValueError(f"off_policy_correction must be a name, not {type(name).__name__}.")
+    if name.endswith("+ess") and name != "+ess":  # any correction with VCPO's step rule on top
+        return StepScaled(build(name[:-len("+ess")], kwargs, trl_correction, trl_fields_set, rho))
     if name == "auto":
         name = "trl"
     if name in ("trl", "none"):
@@ -165,7 +217,13 @@ def build(name: str, kwargs: dict | None, trl_correction, trl_fields_set: bool, 
     options = dict(kwargs or {})
     if name == "aipo" and rho is not None:
         options.setdefault("rho", rho)
-    cls = load_plugin("corrections", name)
+    from hfllamarl.registry import PluginError
+
+    try:
+        cls = load_plugin("corrections", name)
+    except PluginError as exc:
+        raise PluginError(f"off_policy_correction={name!r}: {exc} Besides the plugins it takes 'auto', 'trl', 'none' and "
+                          "'<plugin>+ess' (VCPO's step rule on top of one).") from None
     try:
         return cls(**options)
     except TypeError as exc:

@@ -10,7 +10,7 @@ import torch
 from hfllamarl import AsyncAIPOConfig, load_plugin
 from hfllamarl.corrections import STALENESS_DEFAULTS, effective_sample_ratio
 from hfllamarl.losses import StepShape
-from hfllamarl.registry import PluginError, installed
+from hfllamarl.registry import installed
 from hfllamarl.runtime.training.iterations import scaled_lr
 
 BUILT_IN = ["aipo", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "coupled", "decoupled",
@@ -88,6 +88,19 @@ def test_ess_scales_the_step_by_the_root_of_the_effective_sample_ratio():
     assert torch.allclose(ess(old, mu, torch.ones(1, 2)).weight, torch.tensor([[8.0]]))
 
 
+def test_the_step_rule_goes_on_top_of_any_correction():
+    algorithm = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, off_policy_correction="a3po+ess").build_algorithm()
+    assert algorithm.scales_steps and type(algorithm.correction.base).__name__ == "A3PO"
+    old, mu = logs(8.0, 8.0)
+    staleness = torch.full((1, 2), 4.0)
+    wrapped = algorithm.correction(old, mu, torch.ones(1, 2), staleness)
+    plain = load_plugin("corrections", "a3po")()(old, mu, torch.ones(1, 2), staleness)
+    assert torch.equal(wrapped.weight, plain.weight) and torch.equal(wrapped.anchor, plain.anchor)
+    assert algorithm.step_scale(torch.log(torch.tensor([1.0, 1.0, 3.0])))[0] == pytest.approx(math.sqrt(25 / 33))
+    assert not AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, off_policy_correction="a3po").build_algorithm(
+    ).scales_steps
+
+
 def test_scaled_lr_steps_at_the_factor_and_restores_the_rate():
     p = torch.nn.Parameter(torch.tensor([1.0]))
     optimizer = torch.optim.SGD([p], lr=0.5)
@@ -153,7 +166,7 @@ def test_bad_correction_settings_are_refused_with_the_reason():
         AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="m2po", vllm_importance_sampling_clip_max=2.0)
     with pytest.raises(ValueError, match="two different corrections"):
         AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="m2po", aipo_rho=2.0)
-    with pytest.raises(PluginError, match="a3po"):  # the installed names are listed
+    with pytest.raises(ValueError, match="Did you mean a3po.*'auto', 'trl', 'none'"):  # the names it takes
         AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="a3p0")
     with pytest.raises(ValueError, match="name the correction"):
         AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="trl", off_policy_correction_kwargs={"tau": 1})

@@ -492,14 +492,9 @@ class AsyncAIPOConfig(GRPOConfig):
         defaults = {f.name: f.default for f in fields(self) if f.name in ALGORITHM_OPTIONS.values()}
         options = algorithm_kwargs(self.algorithm, load_plugin("algorithms", self.algorithm), self, defaults)
         if "off_policy_correction" in options:  # "auto": resolved by the job's staleness and loss
-            from hfllamarl.corrections import resolve
+            from hfllamarl.corrections import resolve_config
 
-            trl = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-                   "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max", "aipo_rho")
-            options["off_policy_correction"] = resolve(
-                self.off_policy_correction, algorithm=self.algorithm, loss_type=self.loss_type,
-                level=self.importance_sampling_level, max_staleness=self.max_staleness,
-                trl_fields_set=any(getattr(self, f) != defaults[f] for f in trl))
+            options["off_policy_correction"] = resolve_config(self, defaults)
         return options
 
     def build_algorithm(self):

@@ -40,7 +40,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--staleness", default="4,16", help="(a)'s staleness levels (each loss's default correction)")
     parser.add_argument("--correction-task", default="successor", help="(b)'s task ('' to skip (b))")
     parser.add_argument("--correction-losses", default="aipo,grpo", help="(b)'s losses")
-    parser.add_argument("--corrections", default=None, help="(b)'s corrections (default: all)")
+    parser.add_argument("--corrections", default=None,
+                        help="(b)'s corrections (default: all built-ins; '<name>+ess' adds VCPO's step rule to one)")
     parser.add_argument("--correction-staleness", default="1,4,16", help="(b)'s staleness levels")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the task's)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
@@ -97,7 +98,7 @@ def run(args) -> int:
         return run_runtime(args, tasks, seeds)
     cells = grid.plan(tasks, _names(args.losses, grid.LOSSES, "--losses"), _ints(args.staleness, "--staleness"),
                       args.correction_task or None, _names(args.correction_losses, grid.LOSSES, "--correction-losses"),
-                      _names(args.corrections or ",".join(grid.CORRECTIONS), grid.CORRECTIONS, "--corrections"),
+                      _names(args.corrections or ",".join(grid.CORRECTIONS), grid.KNOWN_CORRECTIONS, "--corrections"),
                       _ints(args.correction_staleness, "--correction-staleness"))
     if args.correction_task and args.correction_task not in TASKS:
         raise SystemExit(f"--correction-task {args.correction_task!r}: choose among {', '.join(TASKS)}")

@@ -21,7 +21,8 @@ It prints each side's `train()` wall time, steps/s, time to the first step, fina
 the last quarter of the steps), the trainer's construction (`init s`: the config, the data set and the trainer)
 and the whole process (`process s`: imports, construction, `train()`, exit), and the ratios of `train()`, of
 construction + `train()` and of the whole processes; `--profile` adds a table of where a step's time goes on each
-side. The last line is one JSON object.
+side. The last line is one JSON object. With `--seeds 0,1`, each side trains once per seed (the same model) and the
+figures are means over the seeds; each seed's final rewards are printed side by side.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--max-completion-length", type=int, default=96)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the model's initialisation (and the run's seed)")
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated run seeds: each side trains once per seed (same model); the final "
+                             "rewards are compared per seed and on average (default: --seed alone)")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="both sides: bf16 mixed precision (GRPOConfig's bf16=True, its default) or fp32 "
                              "(bf16=False); auto: bf16 where the CPU has bf16 instructions (avx512_bf16 or AMX), "
@@ -287,45 +291,70 @@ def run(args) -> int:
         cfg = json.load(fh)
     h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     params = L * (4 * h * h + 3 * h * i + 2 * h) + 2 * v * h + h
-    results, server = {}, None
+    seeds = [args.seed] if args.seeds is None else [int(x) for x in args.seeds.split(",") if x.strip()]
+    if not seeds:
+        raise SystemExit(f"--seeds {args.seeds!r}: give comma-separated whole numbers")
+    by_seed, server = {}, None
     if args.preloaded and "hfllamarl" in sides:
         from hfllamarl.runtime.world import preload
 
         server = preload.start_server(wait=False)  # it imports while the TRL side runs
-    for side in sides + (["bare_vllm"] if args.bare_vllm else []):
-        job = {"side": side, "model": model, "steps": args.steps, "seed": args.seed,
-               "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
-               "precision": args.precision, "gradient_checkpointing": args.gradient_checkpointing,
-               "output_dir": os.path.join(args.output_dir, side), "result": os.path.join(args.output_dir, f"{side}.json")}
-        print(f"running {side} ...", flush=True)
-        if side == "hfllamarl" and server is not None:
-            preload.wait_ready(*server, timeout=600)
-            os.environ[preload.ENV_PRELOAD] = server[1].path
-        try:
-            results[side] = run_job("hfllamarl.commands.bench_vs_trl", job, side)
-        finally:
-            os.environ.pop("HFLLAMARL_PRELOAD", None)
+    for seed in seeds:
+        by_seed[seed] = {}
+        for side in sides + (["bare_vllm"] if args.bare_vllm and seed == seeds[0] else []):
+            tag = side if len(seeds) == 1 else f"{side}-seed{seed}"
+            job = {"side": side, "model": model, "steps": args.steps, "seed": seed,
+                   "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
+                   "precision": args.precision, "gradient_checkpointing": args.gradient_checkpointing,
+                   "output_dir": os.path.join(args.output_dir, tag), "result": os.path.join(args.output_dir, f"{tag}.json")}
+            print(f"running {side}" + (f", seed {seed}" if len(seeds) > 1 else "") + " ...", flush=True)
+            if side == "hfllamarl" and server is not None:
+                preload.wait_ready(*server, timeout=600)
+                os.environ[preload.ENV_PRELOAD] = server[1].path
+            try:
+                by_seed[seed][side] = run_job("hfllamarl.commands.bench_vs_trl", job, side)
+            finally:
+                os.environ.pop("HFLLAMARL_PRELOAD", None)
     if server is not None:
         server[0].terminate()
         server[0].wait(timeout=30)
+    results = by_seed[seeds[0]]
     bare = results.pop("bare_vllm", None)
     quarter = max(args.steps // 4, 1)
+
+    def final(r):
+        return sum(r["rewards"][-quarter:]) / max(len(r["rewards"][-quarter:]), 1)
+
+    def mean_over_seeds(side, key):
+        values = [key(by_seed[seed][side]) for seed in seeds]
+        return sum(values) / len(values)
+
     print(f"\n{params / 1e6:.1f}M-parameter Llama, {args.steps} steps of {PROMPTS_PER_STEP * NUM_GENERATIONS} "
           f"completions ({NUM_GENERATIONS} per prompt) of up to {args.max_completion_length} tokens, "
           f"{args.precision}, {os.cpu_count()} cores of {_cpu_name()}"
-          + ("; hfllamarl's generator forked from a warm preload server" if server is not None else ""))
+          + ("; hfllamarl's generator forked from a warm preload server" if server is not None else "")
+          + (f"; means over seeds {seeds}" if len(seeds) > 1 else ""))
     print(f"{'side':<12}{'train() s':>11}{'steps/s':>9}{'first step s':>14}{'final reward':>14}{'init s':>9}"
           f"{'process s':>11}")
     summary = {}
-    for side, r in results.items():
-        final = sum(r["rewards"][-quarter:]) / max(len(r["rewards"][-quarter:]), 1)
-        summary[side] = {"seconds": round(r["seconds"], 2), "steps_per_s": round(r["steps"] / r["seconds"], 4),
-                         "first_step_s": round(r["first_step_after"] or 0.0, 2), "final_reward": round(final, 4),
-                         "init_seconds": round(r["init_seconds"], 2), "process_seconds": round(r["process_seconds"], 2)}
+    for side in results:
+        seconds = mean_over_seeds(side, lambda r: r["seconds"])
+        summary[side] = {"seconds": round(seconds, 2),
+                         "steps_per_s": round(mean_over_seeds(side, lambda r: r["steps"]) / seconds, 4),
+                         "first_step_s": round(mean_over_seeds(side, lambda r: r["first_step_after"] or 0.0), 2),
+                         "final_reward": round(mean_over_seeds(side, final), 4),
+                         "init_seconds": round(mean_over_seeds(side, lambda r: r["init_seconds"]), 2),
+                         "process_seconds": round(mean_over_seeds(side, lambda r: r["process_seconds"]), 2)}
+        if len(seeds) > 1:
+            summary[side]["final_reward_per_seed"] = {str(seed): round(final(by_seed[seed][side]), 4) for seed in seeds}
         s = summary[side]
         print(f"{side:<12}{s['seconds']:>11.1f}{s['steps_per_s']:>9.3f}{s['first_step_s']:>14.1f}"
               f"{s['final_reward']:>14.3f}{s['init_seconds']:>9.1f}{s['process_seconds']:>11.1f}")
-    out = {**summary, "steps": args.steps, "precision": args.precision, "parameters": params, "cores": os.cpu_count(),
+    if len(seeds) > 1:
+        print("final reward per seed: " + "; ".join(
+            f"seed {seed}: " + ", ".join(f"{side} {final(by_seed[seed][side]):.3f}" for side in results)
+            for seed in seeds))
+    out = {**summary, "seeds": seeds, "steps": args.steps, "precision": args.precision, "parameters": params, "cores": os.cpu_count(),
            "cpu": _cpu_name(), "preloaded": server is not None}
     if len(results) == 2:
         # from the seconds the summary reports, so that the JSON agrees with itself (as bench multi-turn's ratios)
@@ -334,6 +363,7 @@ def run(args) -> int:
         out["ratio_init_and_train"] = round((trl["init_seconds"] + trl["seconds"])
                                             / (ours["init_seconds"] + ours["seconds"]), 3)
         out["ratio_process"] = round(trl["process_seconds"] / ours["process_seconds"], 3)
+        out["final_reward_ratio"] = round(ours["final_reward"] / trl["final_reward"], 4) if trl["final_reward"] else None
         print(f"ratio (TRL train() time / hfllamarl train() time): {out['ratio']:.2f}x")
         print(f"  with the trainer's construction (init s + train() s): {out['ratio_init_and_train']:.2f}x; "
               f"whole processes (imports, data set, init, train(), exit): {out['ratio_process']:.2f}x")

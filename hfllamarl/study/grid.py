@@ -29,6 +29,8 @@ LOSSES = {
 CORRECTIONS = ("none", "aipo", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "coupled",
                "decoupled", "a3po", "m2po", "ess")
 SEQUENCE_LEVEL = ("sequence_truncate", "sequence_mask", "ess")  # (vespo takes token-level corrections only)
+#: Every correction name the study takes: the above, and each with VCPO's step rule on top ("<name>+ess").
+KNOWN_CORRECTIONS = CORRECTIONS + tuple(f"{c}+ess" for c in CORRECTIONS if c not in ("none", "ess"))
 
 STALENESS = (0, 1, 2, 4, 8, 16)
 COMPLETIONS_PER_STEP, GENERATIONS = 64, 8
@@ -88,7 +90,7 @@ def plan(tasks: list[str], losses: list[str], staleness: list[int], correction_t
         for loss in correction_losses:
             cells.append(Cell(correction_task, loss, sync_correction(loss), 0))
             cells += [Cell(correction_task, loss, c, s) for c in corrections for s in correction_staleness
-                      if s and not (loss == "vespo" and c in SEQUENCE_LEVEL)]
+                      if s and not (loss == "vespo" and c.split("+")[0] in SEQUENCE_LEVEL)]
     seen, out = set(), []
     for cell in cells:
         if cell.key not in seen:
@@ -130,12 +132,13 @@ def done_runs(path: str) -> dict[tuple[str, int], dict]:
 
 
 def run_grid(cells: list[Cell], seeds: list[int], output_dir: str, models: dict[str, str], budgets: dict[str, dict],
-             jobs: int, threads: int = 1, log=print) -> dict[tuple[str, int], dict]:
+             jobs: int, threads: int = 1, log=print, stall_s: float = 3600.0) -> dict[tuple[str, int], dict]:
     """Run every (cell, seed) not in `output_dir/runs.jsonl` yet, `jobs` at once; returns all the runs.
 
     Args:
         models: the model directory of each task.
         budgets: per task {"steps", "learning_rate", "max_completion_length"}.
+        stall_s: how long the grid waits for the next run to finish before it stops, naming the runs in flight.
     """
     path = os.path.join(output_dir, "runs.jsonl")
     runs = done_runs(path)
@@ -155,20 +158,41 @@ def run_grid(cells: list[Cell], seeds: list[int], output_dir: str, models: dict[
                                               budget["max_completion_length"], scratch)})
     started, finished = time.perf_counter(), 0
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context,
-                                                max_tasks_per_child=25) as pool, open(path, "a") as out:
+    # (no max_tasks_per_child: Python 3.11's pool can hang replacing a retired worker)
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context)
+    try:
         futures = {pool.submit(_run_one, job): job for job in pending}
-        for future in concurrent.futures.as_completed(futures):
-            record = future.result()
-            out.write(json.dumps(record) + "\n")
-            out.flush()
-            runs[(record["cell"], record["seed"])] = record
-            finished += 1
-            elapsed = time.perf_counter() - started
-            status = record.get("error") or f"final reward {_final(record):.3f}"
-            log(f"[{finished}/{len(pending)}] {record['cell']} seed {record['seed']}: {status} "
-                f"({record['wall_seconds']:.0f} s; {elapsed / finished * (len(pending) - finished) / 60:.0f} min left)")
+        remaining = set(futures)
+        with open(path, "a") as out:
+            while remaining:
+                done, remaining = concurrent.futures.wait(remaining, timeout=stall_s,
+                                                          return_when=concurrent.futures.FIRST_COMPLETED)
+                if not done:
+                    running = [f"{futures[f]['id']['cell']} seed {futures[f]['id']['seed']}" for f in remaining
+                               if f.running()]
+                    raise SystemExit(f"the grid stalled: no run finished in {stall_s:.0f} s; in flight: {running}. The "
+                                     f"finished runs are in {path}: the same command resumes from them.")
+                for future in done:
+                    record = future.result()
+                    _append(out, runs, record)
+                    finished += 1
+                    elapsed = time.perf_counter() - started
+                    status = record.get("error") or f"final reward {_final(record):.3f}"
+                    log(f"[{finished}/{len(pending)}] {record['cell']} seed {record['seed']}: {status} "
+                        f"({record['wall_seconds']:.0f} s; {elapsed / finished * (len(pending) - finished) / 60:.0f} "
+                        "min left)")
+    except concurrent.futures.process.BrokenProcessPool as exc:
+        raise SystemExit(f"a run's worker process died ({exc}); the finished runs are in {path}: the same command "
+                         "resumes from them.") from None
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     return runs
+
+
+def _append(out, runs: dict, record: dict) -> None:
+    out.write(json.dumps(record) + "\n")
+    out.flush()
+    runs[(record["cell"], record["seed"])] = record
 
 
 def _final(record: dict) -> float:

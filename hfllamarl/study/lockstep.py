@@ -51,19 +51,29 @@ def run(model_path: str, rows: list[dict], reward_funcs, config: dict, quiet: bo
         config: `AsyncAIPOConfig` fields (max_staleness, algorithm, loss_type, ..., max_steps, seed).
         quiet: keep the trainer's per-step log lines off stdout.
     """
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-
-    from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
-    from hfllamarl.runtime.loop.rollout import ROLLOUTS
-    from hfllamarl.runtime.training.bootstrap import BootstrapSampler
-    from hfllamarl.trainers.trainer_ranks import build_trainer_executor
+    from hfllamarl import AsyncAIPOConfig
 
     fields = dict(logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
                   bootstrap_generation=False, generator_dtype="float32")
     fields.update(config)
     args = AsyncAIPOConfig(**fields)
+    args.topology.samples_in_process = True  # (no generator child is started, not even ahead of the job)
+    try:
+        return _train(model_path, rows, reward_funcs, args, quiet)
+    finally:
+        args.topology.samples_in_process = False
+
+
+def _train(model_path, rows, reward_funcs, args, quiet: bool) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from hfllamarl import AsyncAIPOTrainer
+    from hfllamarl.runtime.loop.rollout import ROLLOUTS
+    from hfllamarl.runtime.training.bootstrap import BootstrapSampler
+    from hfllamarl.trainers.trainer_ranks import build_trainer_executor
+
     staleness = args.max_staleness
     out = io.StringIO()
     with contextlib.redirect_stdout(out) if quiet else contextlib.nullcontext():

@@ -116,23 +116,37 @@ def plot(runs: dict, rows: list[dict], directory: str) -> list[str]:
                 by_correction[r["correction"]].append(r)
         if len(by_correction) < 3:
             continue
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for correction, points in sorted(by_correction.items()):
-            points = sync + sorted(points, key=lambda r: r["staleness"])
-            xs = [max(r["staleness"], 0) for r in points]
+        names = sorted(by_correction)
+        cols = 4
+        rows_ = -(-len(names) // cols)
+        fig, axes = plt.subplots(rows_, cols, figsize=(3.2 * cols, 2.6 * rows_), sharex=True, sharey=True,
+                                 squeeze=False)
+        levels = sorted({r["staleness"] for r in cells} | {0})
+        for k, ax in enumerate(axes.flat):
+            if k >= len(names):
+                ax.axis("off")
+                continue
+            if sync:
+                ax.axhline(sync[0]["final"], color="k", lw=0.8, ls="--")
+                ax.axhspan(sync[0]["final"] - sync[0]["final_ci"], sync[0]["final"] + sync[0]["final_ci"],
+                           color="k", alpha=0.08)
+            points = sync + sorted(by_correction[names[k]], key=lambda r: r["staleness"])
+            xs = [r["staleness"] for r in points]
             ys = [r["final"] for r in points]
             half = [r["final_ci"] if math.isfinite(r["final_ci"]) else 0.0 for r in points]
-            line, = ax.plot(xs, ys, marker="o", label=correction)
-            ax.fill_between(xs, [y - h for y, h in zip(ys, half)], [y + h for y, h in zip(ys, half)],
-                            color=line.get_color(), alpha=0.12)
-        ax.set_xscale("symlog", linthresh=1)
-        ax.set_xticks(sorted({r["staleness"] for r in cells}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_xlabel("staleness (policy versions)")
-        ax.set_ylabel("final reward (mean over seeds, 95 % CI)")
-        ax.set_title(f"{task}: {loss} with each correction")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, ncol=2)
+            ax.plot(xs, ys, marker="o", color="C0")
+            ax.fill_between(xs, [y - h for y, h in zip(ys, half)], [y + h for y, h in zip(ys, half)], color="C0",
+                            alpha=0.2)
+            default = any(r["is_default"] for r in points if r["staleness"])
+            ax.set_title(names[k] + (" (default)" if default else ""), fontsize=9)
+            ax.set_xscale("symlog", linthresh=1)
+            ax.set_xticks(levels)
+            ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.set_ylim(-0.05, 1.05)
+            ax.grid(alpha=0.3)
+        fig.supxlabel("staleness (policy versions)")
+        fig.supylabel("final reward (mean, 95 % CI)")
+        fig.suptitle(f"{task}: {loss} with each correction (dashed: synchronous, its 95 % CI shaded)")
         fig.tight_layout()
         path = os.path.join(directory, f"{task}-{loss}-corrections.png")
         fig.savefig(path, dpi=110)

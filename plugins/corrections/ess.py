@@ -7,30 +7,20 @@ importance weights effectively keep:
     w_i = prod_t pi_old_t / mu_t  (untruncated),   rho = ESS / N = (sum_i w_i)^2 / (N sum_i w_i^2)
     lr  = lr_base * sqrt(min(1, rho / base_ratio))         ("linear": without the square root)
 
-over every sequence of the step on every trainer rank; on-policy (all w = 1) the step is the base one.
+over every sequence of the step on every trainer rank; on-policy (all w = 1) the step is the base one. The same step
+rule goes on top of any other correction as `off_policy_correction="<name>+ess"` (e.g. "a3po+ess").
 """
 
 from __future__ import annotations
 
-import math
-
-from hfllamarl.corrections import ImportanceSampling, effective_sample_ratio
+from hfllamarl.corrections import ImportanceSampling, StepScaled
 
 
-class ESS(ImportanceSampling):
-    """`ess`: sequence-level truncated IS and the step scaled by sqrt(ESS/N) (see the module's text)."""
+class ESS(StepScaled):
+    """`ess`: sequence-level truncated IS and the step scaled by sqrt(ESS/N) (see the module's text). The step rule
+    goes on top of any other correction as `off_policy_correction="<name>+ess"`."""
 
     def __init__(self, clip_max: float = 8.0, rule: str = "sqrt", base_ratio: float = 1.0):
-        if rule not in ("sqrt", "linear"):
-            raise ValueError(f"ess: rule={rule!r}; choose 'sqrt' or 'linear'.")
         if not (isinstance(base_ratio, (int, float)) and 0 < base_ratio <= 1):
             raise ValueError(f"ess: base_ratio={base_ratio!r} must be in (0, 1].")
-        super().__init__("sequence_truncate", None, clip_max)
-        self.rule, self.base_ratio = rule, float(base_ratio)
-
-    def step_scale(self, sequence_log_weights) -> tuple[float, dict[str, float]]:
-        """The learning-rate factor of a step whose sequences have these log weights, and its metrics."""
-        ratio = effective_sample_ratio(sequence_log_weights)
-        relative = min(1.0, ratio / self.base_ratio)
-        scale = math.sqrt(relative) if self.rule == "sqrt" else relative
-        return scale, {"correction/ess": ratio, "correction/step_scale": scale}
+        super().__init__(ImportanceSampling("sequence_truncate", None, clip_max), rule, base_ratio)

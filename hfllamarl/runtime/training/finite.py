@@ -105,3 +105,22 @@ def total_grad_norm(model: torch.nn.Module, max_norm: float | None) -> float:
             for p in params:
                 p.grad.mul_(coef)
     return total
+
+
+def nonfinite_problems(batch: dict, logprobs: torch.Tensor, advantages: torch.Tensor, loss: torch.Tensor,
+                       chunk: list, offset: int) -> list[str]:
+    """What in the trainer's micro-batch is NaN or inf, described (empty: all finite); `chunk`: its rollouts,
+    `offset`: the first one's place in the batch."""
+    rows = [r.row_index for r in chunk]
+    ids, mask = batch["completion_ids"], batch["mask"]
+    problems = [describe_token(what, values, mask, rows, ids, offset) for what, values in (
+        ("mu (the generator's log-prob of the sampled token)", batch["behavior_logprobs"]),
+        ("pi (the policy's log-prob of the sampled token)", logprobs))]
+    bad = first_bad(advantages)
+    if bad is not None:
+        i = bad[0]
+        problems.append(f"the advantage is {float(advantages[i])} at sample {offset + i} of the batch "
+                        f"(dataset row {rows[i]})")
+    if not problems[0] and not problems[1] and bad is None and not bool(torch.isfinite(loss.detach())):
+        problems.append(f"the loss is {float(loss.detach())} (pi, mu and the advantages are finite: the algorithm's loss)")
+    return [p for p in problems if p]

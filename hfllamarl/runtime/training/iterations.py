@@ -40,14 +40,18 @@ def token_staleness(rollouts, version: int, shape, device) -> torch.Tensor:
     return out.to(device)
 
 
-def step_scale(algorithm, sequence_log_weights: list[torch.Tensor]) -> tuple[float, dict[str, float]] | None:
-    """The algorithm's learning-rate factor for this optimizer step (None: it has none), from log(pi_old/mu) of this
-    rank's sequences (one `[B]` tensor per micro-batch), gathered over the trainer ranks. Every rank calls it."""
-    scale = getattr(algorithm, "step_scale", None)
-    if scale is None:
-        return None
+def scales_steps(algorithm) -> bool:
+    """Whether the algorithm sets each optimizer step's learning-rate factor (`step_scale`)."""
+    return callable(getattr(algorithm, "step_scale", None)) and bool(getattr(algorithm, "scales_steps", True))
+
+
+def step_scale(algorithm, sequence_log_weights: list[torch.Tensor]) -> dict[str, list[float]]:
+    """The algorithm's learning-rate factor for this optimizer step, from log(pi_old/mu) of this rank's sequences (one
+    `[B]` tensor per micro-batch) gathered over the trainer ranks, as the trainer's per-micro-batch stats: the factor
+    under "_step_scale" (taken out before logging) and the algorithm's metrics. Every rank calls it."""
     local = torch.cat(sequence_log_weights).float() if sequence_log_weights else torch.zeros(0)
-    return scale(_gather_padded(local.cpu()))
+    factor, metrics = algorithm.step_scale(_gather_padded(local.cpu()))
+    return {"_step_scale": [factor], **{key: [value] for key, value in metrics.items()}}
 
 
 @contextlib.contextmanager

@@ -27,9 +27,11 @@ from hfllamarl.runtime.training.batching import completion_logprobs, pack_batch,
 from hfllamarl.runtime.training.moe import balancing_loss_fn
 from hfllamarl.runtime.data.episodes import reward_arguments, tool_counts, tool_metrics
 from hfllamarl.runtime.loop.executor import Executor, wait_for_startup
+from hfllamarl.corrections import sequence_log_weights
 from hfllamarl.runtime.training.iterations import (high_entropy_mask, loss_keywords, mix_reference, scaled_lr,
-                                                   step_scale, token_staleness)
-from hfllamarl.runtime.training.finite import NonFiniteError, agree, describe_token, first_bad, first_bad_gradient, total_grad_norm
+                                                   scales_steps, step_scale, token_staleness)
+from hfllamarl.runtime.training.finite import (NonFiniteError, agree, first_bad_gradient, nonfinite_problems,
+                                               total_grad_norm)
 from hfllamarl.runtime.training.rank_metrics import all_max as _all_max, all_sum as _all_sum, evaluation_metrics
 from hfllamarl.runtime.training.rank_metrics import logged_means as _logged_means
 from hfllamarl.runtime.data.rewards import RewardRunner
@@ -366,8 +368,7 @@ class TrainerExecutor(Executor):
         takes = loss_keywords(spec.algorithm)
         stats: dict[str, list[float]] = {}
         loss_total = 0.0
-        scales = callable(getattr(spec.algorithm, "step_scale", None)) and getattr(spec.algorithm, "scales_steps", True)
-        sequence_log_weights = []  # log(pi_old/mu) per sequence, for a correction that scales the step
+        step_weights = [] if scales_steps(spec.algorithm) else None  # log(pi_old/mu) per sequence (`step_scale`)
         for k in range(steps):
             chunk = rollouts[k * mb:(k + 1) * mb]
             build = pack_batch if self.packed else pad_batch
@@ -394,9 +395,8 @@ class TrainerExecutor(Executor):
                 kwargs["old_logprobs"] = old[k]
             if "staleness" in takes:
                 kwargs["staleness"] = token_staleness(chunk, self._old_version, batch["mask"].shape, spec.device)
-            if scales:
-                sequence_log_weights.append(
-                    torch.nan_to_num((old[k] - batch["behavior_logprobs"]) * batch["mask"], nan=0.0).sum(-1))
+            if step_weights is not None:
+                step_weights.append(sequence_log_weights(old[k], batch["behavior_logprobs"], batch["mask"]))
             if spec.top_entropy_quantile < 1.0 and "entropy_mask" in takes:
                 kwargs["entropy_mask"] = high_entropy_mask(entropy, batch["mask"], spec.top_entropy_quantile)
             loss, m = checked_loss(spec.algorithm, spec.algorithm.loss(logprobs, batch["behavior_logprobs"],
@@ -408,35 +408,15 @@ class TrainerExecutor(Executor):
             m["is_ratio/outside_support_frac"] = float(outside.sum()) / max(float(batch["mask"].sum()), 1.0)
             m["entropy"] = float((entropy * batch["mask"]).sum()) / max(float(batch["mask"].sum()), 1.0)
             # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
-            agree(self._nonfinite(batch, raw.masked_fill(outside, 0.0), chunk_advantages, loss, chunk, k * mb),
+            agree(nonfinite_problems(batch, raw.masked_fill(outside, 0.0), chunk_advantages, loss, chunk, k * mb),
                   step=self.version + 1, rank_name=self.topology.describe(self.topology.rank))
             (loss / steps).backward()
             loss_total += loss.item() / steps
             for key, value in m.items():
                 stats.setdefault(key, []).append(value)
-        scaled = step_scale(spec.algorithm, sequence_log_weights) if scales else None
-        if scaled is not None:
-            stats["_step_scale"] = [scaled[0]]
-            stats.update({key: [value] for key, value in scaled[1].items()})
+        if step_weights is not None:  # the learning-rate factor of this step ("_step_scale") and its metrics
+            stats.update(step_scale(spec.algorithm, step_weights))
         return loss_total, stats
-
-    @staticmethod
-    def _nonfinite(batch: dict, logprobs: torch.Tensor, advantages: torch.Tensor, loss: torch.Tensor,
-                   chunk: list[Rollout], offset: int) -> list[str]:
-        """What in this micro-batch is NaN or inf, described (empty: all finite)."""
-        rows = [r.row_index for r in chunk]
-        ids, mask = batch["completion_ids"], batch["mask"]
-        problems = [describe_token(what, values, mask, rows, ids, offset) for what, values in (
-            ("mu (the generator's log-prob of the sampled token)", batch["behavior_logprobs"]),
-            ("pi (the policy's log-prob of the sampled token)", logprobs))]
-        bad = first_bad(advantages)
-        if bad is not None:
-            i = bad[0]
-            problems.append(f"the advantage is {float(advantages[i])} at sample {offset + i} of the batch "
-                            f"(dataset row {rows[i]})")
-        if not problems[0] and not problems[1] and bad is None and not bool(torch.isfinite(loss.detach())):
-            problems.append(f"the loss is {float(loss.detach())} (pi, mu and the advantages are finite: the algorithm's loss)")
-        return [p for p in problems if p]
 
     def evaluation_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
         """The eval_* metrics of one evaluation (`hfllamarl.runtime.training.rank_metrics.evaluation_metrics`)."""

@@ -79,6 +79,8 @@ class Topology:
     _hosts_store: bool = field(default=False, repr=False)
     _children: list = field(default_factory=list, repr=False)  # single mode: (rank, Popen) of each generator
     _prestarted: Any = field(default=None, repr=False)  # single mode: `spawn.Prestarted`, children awaiting a job
+    # the staleness study's runner (`hfllamarl.study.lockstep`): this process samples its own batches, no children
+    samples_in_process: bool = field(default=False, repr=False)
     core_lender: object = field(default=None, repr=False)  # single mode on a CPU: `core_lending.CoreLender`
     cores_before: object = field(default=None, repr=False)  # single mode: (cores, torch threads) before the job pinned
 
@@ -342,7 +344,7 @@ class Topology:
         """Single-process mode: start the generator children of a job writing to `output_dir` ahead of it, to
         import vLLM while the trainer sets up (`spawn.Prestarted`; the next `start_children` hands them their
         jobs). Returns them (None: this process starts no children)."""
-        if self.mode != "single" or not self.generator_ranks:
+        if self.mode != "single" or not self.generator_ranks or self.samples_in_process:
             return None
         from hfllamarl.runtime.world import preload
 
