@@ -13,7 +13,8 @@ from hfllamarl import contracts, load_plugin
 from hfllamarl.registry import GROUPS
 
 CONTRACTS = {"rewards": contracts.RewardFunction, "algorithms": contracts.Algorithm,
-             "weight_sync": contracts.WeightSyncBackend, "environments": contracts.Environment}
+             "weight_sync": contracts.WeightSyncBackend, "environments": contracts.Environment,
+             "corrections": contracts.OffPolicyCorrection}
 
 
 def plugins_section() -> str:
@@ -45,6 +46,8 @@ def test_every_contract_method_is_documented(group):
     members = public_members(CONTRACTS[group])
     if group == "rewards":
         assert "fn(prompts, completions" in section and "stats()" in section
+    elif group == "corrections":  # (a callable: its one method is __call__)
+        assert "`correction(old_logprobs, behavior_logprobs, mask, staleness)`" in section and "`level`" in section
     else:
         assert members
     for name in members:
@@ -76,5 +79,8 @@ def test_every_built_in_plugin_is_documented_and_follows_its_contract(group):
         elif group == "environments":
             assert isinstance(plugin(), contracts.Environment), name
             assert "get_reward" in section
+        elif group == "corrections":
+            assert isinstance(plugin(), contracts.OffPolicyCorrection), name
+            assert plugin().level in ("token", "sequence") and "step_scale(" in section
         else:
             assert isinstance(plugin, contracts.RewardFunction), name

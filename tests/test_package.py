@@ -59,7 +59,8 @@ print('ok')
 
 # The runtime's layers, bottom first, as ARCHITECTURE.md draws them; the two sides never import each other.
 LAYERS = ["world", "loop", "weights", "data", "agents", "generation", "training"]
-PUBLIC = {"hfllamarl", "hfllamarl.contracts", "hfllamarl.losses", "hfllamarl.policy_loss", "hfllamarl.registry",
+PUBLIC = {"hfllamarl", "hfllamarl.contracts", "hfllamarl.corrections", "hfllamarl.losses", "hfllamarl.policy_loss",
+          "hfllamarl.registry",
           "hfllamarl.weight_sync", "hfllamarl.sandbox"}
 ROOT = Path(__file__).resolve().parents[1]
 

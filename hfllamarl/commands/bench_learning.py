@@ -90,8 +90,8 @@ def run(args) -> int:
         args.correction_staleness, args.steps = "4", args.steps or 100
         args.seeds = args.seeds if args.seeds != "0,1,2,3,4" else "0,1,2"
     seeds = _ints(args.seeds, "--seeds")
-    if not seeds or (args.steps is not None and args.steps < 10) or args.jobs < 1:
-        raise SystemExit("give at least one seed, --steps >= 10 and --jobs >= 1")
+    if not seeds or (args.steps is not None and args.steps < 2) or args.jobs < 1:
+        raise SystemExit("give at least one seed, --steps >= 2 and --jobs >= 1")
     tasks = _names(args.tasks, TASKS, "--tasks")
     os.makedirs(args.output_dir, exist_ok=True)
     if args.runtime:
@@ -127,6 +127,7 @@ def run_runtime(args, tasks: list[str], seeds: list[int]) -> int:
     """The synchronous run and AIPO's default at each staleness, per task and seed, on the real runtime (a vLLM
     generator child of each run), one run at a time; the same outputs as the grid."""
     from hfllamarl.study import grid, report
+    from hfllamarl.study.lockstep import SERIES
     from hfllamarl.study.stats import final_reward
     from hfllamarl.study.tasks import TASKS
 
@@ -154,9 +155,9 @@ def run_runtime(args, tasks: list[str], seeds: list[int]) -> int:
                 if proc.returncode != 0:
                     record["error"] = proc.stderr[-2000:]
                 else:
-                    history = json.load(open(job["history"]))
-                    record["series"] = {"reward": [h["reward"] for h in history if "reward" in h],
-                                        "staleness/mean": [h.get("staleness/mean") for h in history if "reward" in h]}
+                    steps = [h for h in json.load(open(job["history"])) if "reward" in h]
+                    record["series"] = {name: [h.get(name) for h in steps] for name in SERIES
+                                        if any(name in h for h in steps)}
                     record["seconds"] = next((h["train_runtime"] for h in history if "train_runtime" in h), None)
                 with open(path, "a") as fh:
                     fh.write(json.dumps(record) + "\n")
