@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ws = bench_parser.add_parser("weight-sync", help="nccl_ddma vs broadcast vs disk, side by side")
     bench.add_weight_sync_arguments(ws)
     ws.set_defaults(func=bench.run_weight_sync)
-    _command(bench_parser, "learning", "the staleness study: losses x corrections x staleness, seeds, 95 % CIs",
+    _command(bench_parser, "learning", "the staleness study: losses x corrections x staleness, over seeds, with intervals",
              bench_learning)
     _command(bench_parser, "profile", "measure decode-step and training-token times for plan --profile",
              bench_profile)

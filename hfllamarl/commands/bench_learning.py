@@ -41,7 +41,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--correction-task", default="successor", help="(b)'s task ('' to skip (b))")
     parser.add_argument("--correction-losses", default="aipo,grpo", help="(b)'s losses")
     parser.add_argument("--corrections", default=None,
-                        help="(b)'s corrections (default: all built-ins; '<name>+ess' adds VCPO's step rule to one)")
+                        help="(b)'s corrections (default: all built-ins; '<name>+ess' adds VCPO's step rule to one; "
+                             "options as 'name:option=value', e.g. 'a3po:lag=4'; with options, separate by ';')")
     parser.add_argument("--correction-staleness", default="1,4,16", help="(b)'s staleness levels")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the task's)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
@@ -62,8 +63,9 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def _names(text: str | None, choices, what: str) -> list[str]:
-    names = [x.strip() for x in (text or "").split(",") if x.strip()]
-    unknown = [n for n in names if n not in choices]
+    raw = text or ""
+    names = [x.strip() for x in raw.split(";" if ";" in raw else ",") if x.strip()]
+    unknown = [n for n in names if n.split(":")[0] not in choices]
     if unknown:
         raise SystemExit(f"{what}: unknown {unknown}; choose among {', '.join(choices)}")
     return names

@@ -9,6 +9,10 @@ For a token sampled d = staleness policy versions ago (behaviour version v_b, cu
 
 as AReaL's `prox_logp_method="loglinear"`. The behaviour weight is tempered (a power alpha < 1 of pi_old/mu), and
 the trust region is centred between mu and the current policy, nearer the current one the staler the token.
+
+`lag` (the paper: 1) puts the proximal policy `lag` versions behind the current one, alpha = clamp((d - lag) / d, 0,
+1): the trust region then spans `lag` versions (a token at most `lag` versions stale is clipped against mu itself,
+as plain PPO).
 """
 
 from __future__ import annotations
@@ -25,17 +29,19 @@ class A3PO:
 
     level = "token"
 
-    def __init__(self, cap: float = 5.0):
+    def __init__(self, cap: float = 5.0, lag: float = 1.0):
         if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap >= 1.0):
             raise ValueError(f"a3po: cap={cap!r} must be a number >= 1.")
-        self.cap = float(cap)
+        if not (isinstance(lag, (int, float)) and math.isfinite(lag) and lag >= 1.0):
+            raise ValueError(f"a3po: lag={lag!r} must be a number of versions >= 1.")
+        self.cap, self.lag = float(cap), float(lag)
 
     def __call__(self, old_logprobs, behavior_logprobs, mask, staleness=None) -> Corrected:
         if staleness is None:
             raise ValueError("a3po needs each token's staleness (the trainer passes it to a loss that names "
                              "`staleness`)")
         d = staleness.to(old_logprobs.dtype)
-        alpha = torch.where(d > 1, (d - 1) / d.clamp(min=1), torch.zeros_like(d)) * mask
+        alpha = torch.where(d > self.lag, (d - self.lag) / d.clamp(min=1), torch.zeros_like(d)) * mask
         log_b = alpha * log_weight(old_logprobs, behavior_logprobs, mask)
         weight = torch.exp(log_b)
         over = weight > self.cap
