@@ -183,6 +183,22 @@ def resolve_config(config, defaults: dict) -> str:
                    trl_fields_set=any(getattr(config, f) != defaults[f] for f in TRL_FIELDS))
 
 
+def parse(spec: str) -> tuple[str, dict]:
+    """A correction written as `name` or `name:option=value,...` (numbers; e.g. "a3po:lag=4"): its name and options."""
+    name, _, rest = spec.partition(":")
+    options = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        try:
+            options[key.strip()] = float(value)
+        except ValueError:
+            eq = ""
+        if not eq:
+            raise ValueError(f"off_policy_correction={spec!r}: write a correction's options as name:option=value,... "
+                             "with numbers (or give them in off_policy_correction_kwargs).")
+    return name.strip(), options
+
+
 def build(name: str, kwargs: dict | None, trl_correction, trl_fields_set: bool, rho: float | None = None):
     """The correction object `name` names (None: no correction). `trl_correction`: what "trl" means for this
     algorithm; `trl_fields_set`: the user set TRL's correction fields (or aipo_rho), which only "trl" reads."""
@@ -201,6 +217,9 @@ def build(name: str, kwargs: dict | None, trl_correction, trl_fields_set: bool, 
                          f"{type(kwargs).__name__}.")
     if not isinstance(name, str):
         raise ValueError(f"off_policy_correction must be a name, not {type(name).__name__}.")
+    if ":" in name:  # options written into the name ("a3po:lag=4"), merged under the explicit kwargs
+        name, options = parse(name)
+        kwargs = {**options, **(kwargs or {})}
     if name.endswith("+ess") and name != "+ess":  # any correction with VCPO's step rule on top
         return StepScaled(build(name[:-len("+ess")], kwargs, trl_correction, trl_fields_set, rho))
     if name == "auto":

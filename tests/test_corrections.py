@@ -56,6 +56,22 @@ def test_a3po_interpolates_the_proximal_policy_by_staleness():
         load_plugin("corrections", "a3po")()(old, mu, torch.ones(1, 3))
 
 
+def test_a3po_lag_clips_recent_tokens_against_mu_and_stale_ones_against_a_lagging_policy():
+    # lag 4: a token 2 versions stale has alpha 0 (plain PPO on mu: weight 1, anchor mu), one 8 stale alpha 1/2
+    old, mu = logs(4.0, 4.0)
+    out = load_plugin("corrections", "a3po")(lag=4)(old, mu, torch.ones(1, 2), torch.tensor([[2.0, 8.0]]))
+    assert torch.allclose(out.weight, torch.tensor([[1.0, 2.0]]))
+    assert torch.allclose(out.anchor, mu + torch.log(torch.tensor([[1.0, 2.0]])), atol=1e-6)
+    # written into the name; explicit kwargs win
+    config = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, off_policy_correction="a3po:lag=4,cap=3")
+    assert (config.build_algorithm().correction.lag, config.build_algorithm().correction.cap) == (4.0, 3.0)
+    config = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, off_policy_correction="a3po:lag=4",
+                             off_policy_correction_kwargs={"lag": 2})
+    assert config.build_algorithm().correction.lag == 2.0
+    with pytest.raises(ValueError, match="name:option=value"):
+        AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="a3po:lag=four")
+
+
 def test_m2po_drops_the_largest_squares_until_the_second_moment_is_below_tau():
     # log weights 0.1, -0.1, 0.5, 0.05: mean square 0.068 > 0.04; without the 0.5 one: 0.0075 < 0.04
     log_w = torch.tensor([[0.1, -0.1, 0.5, 0.05]])

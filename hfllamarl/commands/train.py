@@ -127,7 +127,8 @@ def summary(job: dict) -> str:
         f"recipe OK: {n or '?'} processes = {trainers or '?'} trainer{layout} + {g} generator ranks "
         f"({config.num_generator_replicas} vLLM replica(s) of tensor-parallel {config.generator_tensor_parallel_size}, "
         f"quantization {config.generator_quantization or 'none'}); {per_step or '?'} completions per step, "
-        f"{config.num_generations} per prompt; staleness <= {config.max_staleness}; algorithm {config.algorithm}",
+        f"{config.num_generations} per prompt; staleness <= {config.max_staleness}; algorithm {config.algorithm}"
+        + _correction(config),
         f"  model:   {recipe.model.model_name_or_path}",
     ]
     data = job["train_dataset"]
@@ -143,6 +144,13 @@ def summary(job: dict) -> str:
         lines.append(f"  agents:  environments {script.environments or '-'}; tools {script.tools or '-'}")
     lines.append(f"  output:  {config.output_dir}")
     return "\n".join(lines)
+
+
+def _correction(config) -> str:
+    """", off-policy correction X" (what off_policy_correction="auto" resolved to, for this staleness and loss), or
+    "" for an algorithm that takes none."""
+    correction = config.algorithm_options.get("off_policy_correction")
+    return "" if correction is None else f", off-policy correction {correction}"
 
 
 def _short(value, width: int = 100) -> str:

@@ -36,19 +36,6 @@ STALENESS = (0, 1, 2, 4, 8, 16)
 COMPLETIONS_PER_STEP, GENERATIONS = 64, 8
 
 
-def parse_correction(spec: str) -> tuple[str, dict]:
-    """A correction of the study as `name` or `name:option=value,...` (numbers, e.g. "a3po:lag=4"): its name and
-    options (`off_policy_correction_kwargs`)."""
-    name, _, rest = spec.partition(":")
-    options = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"correction {spec!r}: write its options as name:option=value,...")
-        options[key.strip()] = float(value)
-    return name.strip(), options
-
-
 def sync_correction(loss: str) -> str:
     """The correction a synchronous run of `loss` gets ("auto" at max_staleness 0: TRL's fields, i.e. AIPO's
     truncation for aipo, TRL's sequence_mask at 3 for the others, token_truncate at 3 for vespo, which TRL requires
@@ -77,9 +64,7 @@ class Cell:
     def config(self, seed: int, steps: int, learning_rate: float, max_completion_length: int,
                output_dir: str) -> dict:
         """The `AsyncAIPOConfig` fields of this cell's run with `seed`."""
-        name, options = parse_correction(self.correction)
-        extra = {"off_policy_correction_kwargs": options} if options else {}
-        return dict(LOSSES[self.loss], off_policy_correction=name, **extra, max_staleness=self.staleness, seed=seed,
+        return dict(LOSSES[self.loss], off_policy_correction=self.correction, max_staleness=self.staleness, seed=seed,
                     max_steps=steps, learning_rate=learning_rate, lr_scheduler_type="constant",
                     per_device_train_batch_size=COMPLETIONS_PER_STEP, num_generations=GENERATIONS,
                     max_completion_length=max_completion_length, output_dir=output_dir)
@@ -105,7 +90,7 @@ def plan(tasks: list[str], losses: list[str], staleness: list[int], correction_t
         for loss in correction_losses:
             cells.append(Cell(correction_task, loss, sync_correction(loss), 0))
             cells += [Cell(correction_task, loss, c, s) for c in corrections for s in correction_staleness
-                      if s and not (loss == "vespo" and parse_correction(c)[0].split("+")[0] in SEQUENCE_LEVEL)]
+                      if s and not (loss == "vespo" and c.split(":")[0].split("+")[0] in SEQUENCE_LEVEL)]
     seen, out = set(), []
     for cell in cells:
         if cell.key not in seen:
