@@ -143,8 +143,11 @@ def effective_sample_ratio(log_weights: torch.Tensor) -> float:
 # `aipo` and `rloo`: AIPO's truncation at aipo_rho while those fields keep TRL's defaults); "none" is no correction.
 
 #: The correction each loss takes on stale samples (max_staleness >= 1) when none is named: the one the staleness
-#: study holds best for it (docs/operations/staleness.md). Keys: `study_loss` names.
-STALENESS_DEFAULTS: dict[str, str] = {}
+#: study holds best for it (docs/operations/staleness.md). Keys: `study_loss` names. A-3PO with its proximal policy 8
+#: versions back: plain PPO against the sampler's log-probs up to staleness 8, a trust region spanning 8 versions
+#: beyond.
+STALENESS_DEFAULTS: dict[str, str] = {loss: "a3po:lag=8" for loss in (
+    "aipo", "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "gspo")}
 
 SPECIAL = ("auto", "trl", "none")
 
