@@ -143,11 +143,15 @@ def effective_sample_ratio(log_weights: torch.Tensor) -> float:
 # `aipo` and `rloo`: AIPO's truncation at aipo_rho while those fields keep TRL's defaults); "none" is no correction.
 
 #: The correction each loss takes on stale samples (max_staleness >= 1) when none is named: the one the staleness
-#: study holds best for it (docs/operations/staleness.md). Keys: `study_loss` names. A-3PO with its proximal policy 8
-#: versions back: plain PPO against the sampler's log-probs up to staleness 8, a trust region spanning 8 versions
-#: beyond.
-STALENESS_DEFAULTS: dict[str, str] = {loss: "a3po:lag=8" for loss in (
-    "aipo", "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "gspo")}
+#: study holds best for it (docs/operations/staleness.md). Keys: `study_loss` names; a value is a name, or
+#: (up to staleness, name) pairs. The clipped objectives (and vespo): A-3PO with its proximal policy 8 versions back,
+#: i.e. plain PPO against the sampler's log-probs up to staleness 8 and a trust region spanning 8 versions beyond.
+#: cispo and sapo bound pi/anchor themselves (a truncated weight, a soft gate): up to staleness 4 they take pi/mu
+#: directly ("coupled"); staler, that weight grows past what their bound holds (seeds collapsed at 8 and 16) and
+#: TRL's sequence mask holds best.
+STALENESS_DEFAULTS: dict[str, str | tuple[tuple[float, str], ...]] = {
+    **{loss: "a3po:lag=8" for loss in ("aipo", "grpo", "bnpo", "dr_grpo", "dapo", "luspo", "vespo", "gspo")},
+    **{loss: ((4, "coupled"), (math.inf, "sequence_mask")) for loss in ("cispo", "sapo")}}
 
 SPECIAL = ("auto", "trl", "none")
 
@@ -171,7 +175,16 @@ def resolve(name: str, *, algorithm: str, loss_type: str | None, level: str | No
         return name
     if trl_fields_set or max_staleness == 0:
         return "trl"
-    return STALENESS_DEFAULTS.get(study_loss(algorithm, loss_type, level) or "", "trl")
+    return staleness_default(study_loss(algorithm, loss_type, level), max_staleness) or "trl"
+
+
+def staleness_default(loss: str | None, staleness: int) -> str | None:
+    """`STALENESS_DEFAULTS`' correction for `loss` at `staleness` (an entry is a name, or (up to staleness, name)
+    pairs in order, the last one open-ended); None for a loss it has no entry for."""
+    entry = STALENESS_DEFAULTS.get(loss or "")
+    if entry is None or isinstance(entry, str):
+        return entry
+    return next((name for bound, name in entry if staleness <= bound), entry[-1][1])
 
 
 #: The config fields of the corrections "trl" reads (setting one away from its default makes "auto" mean "trl").

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hfllamarl import AsyncAIPOConfig, load_plugin
-from hfllamarl.corrections import STALENESS_DEFAULTS, effective_sample_ratio
+from hfllamarl.corrections import effective_sample_ratio, staleness_default
 from hfllamarl.losses import StepShape
 from hfllamarl.registry import installed
 from hfllamarl.runtime.training.iterations import scaled_lr
@@ -170,7 +170,7 @@ def test_auto_is_trls_correction_when_synchronous_and_the_studys_default_when_st
                            **fields, **({"vllm_importance_sampling_mode": "token_truncate"} if loss == "vespo" else {}))
     assert sync.algorithm_options["off_policy_correction"] == "trl"
     stale = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, **fields)
-    assert stale.algorithm_options["off_policy_correction"] == STALENESS_DEFAULTS.get(loss, "trl")
+    assert stale.algorithm_options["off_policy_correction"] == staleness_default(loss, 4) != "trl"
     # a TRL correction field set by the user is honoured as set
     set_ = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, vllm_importance_sampling_mode="token_mask", **fields)
     assert set_.algorithm_options["off_policy_correction"] == "trl"

@@ -140,8 +140,7 @@ def run_runtime(args, tasks: list[str], seeds: list[int]) -> int:
         for task in tasks:
             model = TASKS[task].prepare_model(os.path.join(args.output_dir, "models", task))
             for s in levels:
-                cell = grid.Cell(task, "aipo", grid.sync_correction("aipo") if s == 0 else
-                                 grid.default_correction("aipo"), s)
+                cell = grid.Cell(task, "aipo", grid.default_correction("aipo", s), s)
                 if (cell.key, seed) in runs:
                     continue
                 steps = args.steps or TASKS[task].steps

@@ -43,11 +43,11 @@ def sync_correction(loss: str) -> str:
     return "aipo" if loss == "aipo" else "token_truncate" if loss == "vespo" else "sequence_mask"
 
 
-def default_correction(loss: str) -> str:
-    """The correction "auto" gives `loss` on stale samples (`hfllamarl.corrections.STALENESS_DEFAULTS`)."""
-    from hfllamarl.corrections import STALENESS_DEFAULTS
+def default_correction(loss: str, staleness: int) -> str:
+    """The correction "auto" gives `loss` at `staleness` (`hfllamarl.corrections.STALENESS_DEFAULTS`)."""
+    from hfllamarl.corrections import staleness_default
 
-    return STALENESS_DEFAULTS.get(loss) or sync_correction(loss)
+    return (staleness_default(loss, staleness) or sync_correction(loss)) if staleness else sync_correction(loss)
 
 
 @dataclass(frozen=True)
@@ -76,21 +76,23 @@ def plan(tasks: list[str], losses: list[str], staleness: list[int], correction_t
 
     (a) on every task, each loss synchronous and with its default correction at each of `staleness`, and AIPO
         without any correction at the largest;
-    (b) on `correction_task`, each of `correction_losses` with every one of `corrections` at each of
-        `correction_staleness` (and synchronous).
+    (b) on `correction_task`, each of `correction_losses` with every one of `corrections` and its default at each
+        of `correction_staleness` (and synchronous).
     """
     cells: list[Cell] = []
     for task in tasks:
         for loss in losses:
             cells.append(Cell(task, loss, sync_correction(loss), 0))
-            cells += [Cell(task, loss, default_correction(loss), s) for s in staleness if s]
+            cells += [Cell(task, loss, default_correction(loss, s), s) for s in staleness if s]
         if staleness and "aipo" in losses:
             cells.append(Cell(task, "aipo", "none", max(staleness)))
     if correction_task:
         for loss in correction_losses:
             cells.append(Cell(correction_task, loss, sync_correction(loss), 0))
-            cells += [Cell(correction_task, loss, c, s) for c in corrections for s in correction_staleness
-                      if s and not (loss == "vespo" and c.split(":")[0].split("+")[0] in SEQUENCE_LEVEL)]
+            for s in filter(None, correction_staleness):
+                chosen = list(corrections) + [c for c in (default_correction(loss, s),) if c not in corrections]
+                cells += [Cell(correction_task, loss, c, s) for c in chosen
+                          if not (loss == "vespo" and c.split(":")[0].split("+")[0] in SEQUENCE_LEVEL)]
     seen, out = set(), []
     for cell in cells:
         if cell.key not in seen:

@@ -43,8 +43,7 @@ def summarize(runs: dict) -> list[dict]:
                "final": mean, "final_ci": half, "per_seed": dict(sorted((r["seed"], v) for r, v in zip(records, values))),
                "auc": auc_mean, "auc_ci": auc_half, "of_sync": ratio, "of_sync_low": low, "of_sync_high": high,
                "seconds": _mean([r.get("seconds") for r in records]),
-               "is_default": first["correction"] == (default_correction(first["loss"]) if first["staleness"]
-                                                      else sync_correction(first["loss"]))}
+               "is_default": first["correction"] == default_correction(first["loss"], first["staleness"])}
         for name, metric in DIAGNOSTICS.items():
             row[name] = _mean([_mean(r["series"].get(metric, [])) for r in records])
         row["masked_frac"] = _mean([_mean(r["series"].get("correction/masked_frac", [])) for r in records])
@@ -191,7 +190,7 @@ def _curves(runs: dict, rows: list[dict], directory: str, plt) -> list[str]:
     by_key: dict[tuple[str, str], dict[int, list[list[float]]]] = defaultdict(lambda: defaultdict(list))
     for record in runs.values():
         loss, s = record["loss"], record["staleness"]
-        if "error" not in record and record["correction"] == (default_correction(loss) if s else sync_correction(loss)):
+        if "error" not in record and record["correction"] == default_correction(loss, s):
             by_key[(record["task"], record["loss"])][record["staleness"]].append(record["series"]["reward"])
     for (task, loss), levels in sorted(by_key.items()):
         if len(levels) < 2 or loss not in ("aipo", "grpo"):
