@@ -74,6 +74,48 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _share(r: dict | None) -> str:
+    if r is None or r["of_sync"] is None or not math.isfinite(r["of_sync"]):
+        return "-"
+    return f"{100 * r['of_sync']:.0f} % ({100 * r['of_sync_low']:.0f}-{100 * r['of_sync_high']:.0f})"
+
+
+def pivots(rows: list[dict]) -> str:
+    """The two views the study answers with: per task and loss, the synchronous final reward and the default
+    correction's share of it at each staleness; per (task, loss) with several corrections, each correction's share
+    at each staleness."""
+    out = []
+    by = {(r["task"], r["loss"], r["correction"], r["staleness"]): r for r in rows}
+    levels = sorted({r["staleness"] for r in rows if r["staleness"]})
+    for task in sorted({r["task"] for r in rows}):
+        losses = sorted({r["loss"] for r in rows if r["task"] == task})
+        out += [f"**{task}**: each loss with its default correction (% of its synchronous final reward, 95 % CI; "
+                "seeds in brackets)", "",
+                "| loss | synchronous final reward | " + " | ".join(f"staleness {s}" for s in levels) + " |",
+                "|---|---|" + "---|" * len(levels)]
+        for loss in losses:
+            sync = next((r for r in rows if r["task"] == task and r["loss"] == loss and r["staleness"] == 0), None)
+            cells = []
+            for s in levels:
+                r = by.get((task, loss, default_correction(loss, s), s))
+                cells.append("-" if r is None else f"{_share(r)} [{len(r['seeds'])}] {r['correction']}")
+            head = "-" if sync is None else f"{_fmt(sync['final'])} ± {_fmt(sync['final_ci'])} [{len(sync['seeds'])}]"
+            out.append(f"| {loss} | {head} | " + " | ".join(cells) + " |")
+        out.append("")
+    for (task, loss) in sorted({(r["task"], r["loss"]) for r in rows}):
+        corrections = sorted({r["correction"] for r in rows if r["task"] == task and r["loss"] == loss
+                              and r["staleness"]})
+        if len(corrections) < 3:
+            continue
+        stale = sorted({r["staleness"] for r in rows if r["task"] == task and r["loss"] == loss and r["staleness"]})
+        out += [f"**{task}, {loss}**: every correction (% of the synchronous final reward, 95 % CI)", "",
+                "| correction | " + " | ".join(f"staleness {s}" for s in stale) + " |", "|---|" + "---|" * len(stale)]
+        for c in corrections:
+            out.append(f"| {c} | " + " | ".join(_share(by.get((task, loss, c, s))) for s in stale) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def write(runs: dict, output_dir: str, machine: str = "") -> dict:
     """Write cells.jsonl, summary.json, table.md and the figures into `output_dir`; return the summary."""
     rows = summarize(runs)
@@ -81,7 +123,7 @@ def write(runs: dict, output_dir: str, machine: str = "") -> dict:
         for row in rows:
             fh.write(json.dumps(row) + "\n")
     with open(os.path.join(output_dir, "table.md"), "w") as fh:
-        fh.write(markdown(rows))
+        fh.write(pivots(rows) + "\n" + markdown(rows))
     figures = plot(runs, rows, os.path.join(output_dir, "figures"))
     summary = {"cells": len(rows), "runs": sum(len(r["seeds"]) for r in rows), "machine": machine,
                "figures": figures, "table": os.path.join(output_dir, "table.md"),

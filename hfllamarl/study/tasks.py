@@ -136,23 +136,12 @@ def warm_up_format(path: str, rows: list[dict], steps: int = 80, batch_size: int
 
 
 def prepare_model(directory: str, rows: list[dict], hidden_size: int = 64) -> str:
-    """Build the tiny model and warm up its format once into `directory` (several processes may race: each builds
-    in a temporary directory, the first rename wins)."""
-    import shutil
-    import tempfile
+    """Build the tiny model and warm up its format once into `directory` (`hfllamarl.testing.tiny.build_once`)."""
+    from hfllamarl.testing.tiny import build_once, build_tiny_model
 
-    from hfllamarl.testing.tiny import build_tiny_model
+    def build(path: str) -> None:
+        build_tiny_model(path, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_heads=hidden_size // 32, seed=0)
+        warm_up_format(path, rows)
 
-    if os.path.isfile(os.path.join(directory, "config.json")):
-        return directory
-    parent = os.path.dirname(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".building-")
-    build_tiny_model(tmp, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_heads=hidden_size // 32,
-                     seed=0)
-    warm_up_format(tmp, rows)
-    try:
-        os.rename(tmp, directory)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return directory
+    return build_once(directory, build)

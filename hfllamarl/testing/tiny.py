@@ -172,12 +172,10 @@ def warm_start_format(path: str, steps: int = 60, batch_size: int = 64, lr: floa
     return {"loss_first": first, "loss_last": last}
 
 
-def prepare_demo_model(directory: str) -> str:
-    """Build the tiny model and warm up its answer format once, into `directory`.
-
-    Several processes (a launcher's ranks) may call it at once: each builds in a temporary directory
-    (same seed, same bits) and renames it into place; the first rename wins.
-    """
+def build_once(directory: str, build) -> str:
+    """A model directory built once: `build(path)` writes it into a temporary directory beside `directory`, renamed
+    into place. Several processes (a launcher's ranks) may race: each builds (same seed, same bits) and the first
+    rename wins. Returns `directory`."""
     import shutil
     import tempfile
 
@@ -186,13 +184,22 @@ def prepare_demo_model(directory: str) -> str:
     parent = os.path.dirname(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".building-")
-    build_tiny_model(tmp, seed=0)
-    warm_start_format(tmp, seed=0)
+    build(tmp)
     try:
         os.rename(tmp, directory)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return directory
+
+
+def prepare_demo_model(directory: str) -> str:
+    """Build the tiny model and warm up its answer format once, into `directory` (`build_once`)."""
+
+    def build(path: str) -> None:
+        build_tiny_model(path, seed=0)
+        warm_start_format(path, seed=0)
+
+    return build_once(directory, build)
 
 
 def prepare_demo(directory: str, num_rows: int = 4096, seed: int = 1) -> dict:
