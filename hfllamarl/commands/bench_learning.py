@@ -156,9 +156,10 @@ def run_runtime(args, tasks: list[str], seeds: list[int]) -> int:
                 if proc.returncode != 0:
                     record["error"] = proc.stderr[-2000:]
                 else:
-                    steps = [h for h in json.load(open(job["history"])) if "reward" in h]
-                    record["series"] = {name: [h.get(name) for h in steps] for name in SERIES
-                                        if any(name in h for h in steps)}
+                    history = json.load(open(job["history"]))
+                    logged = [h for h in history if "reward" in h]
+                    record["series"] = {name: [h.get(name) for h in logged] for name in SERIES
+                                        if any(name in h for h in logged)}
                     record["seconds"] = next((h["train_runtime"] for h in history if "train_runtime" in h), None)
                 with open(path, "a") as fh:
                     fh.write(json.dumps(record) + "\n")

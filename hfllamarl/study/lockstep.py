@@ -15,14 +15,14 @@ holds the schedule exactly and deterministically, in one process:
 So every batch from the s-th on is exactly s versions old (`staleness/mean` logs it), and a seed gives the same run
 every time on one machine. What it does not exercise: vLLM, the weight sync and the overlap itself (the runtime's
 benches measure those); the runtime's own learning is checked against it by `hfllamarl bench learning --runtime`.
+It keeps s + 1 whole copies of the policy's weights (the versions batches are still sampled with): a study for
+small models, or for a machine with the memory for them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
-import os
 import time
 from collections import deque
 
@@ -92,7 +92,7 @@ def _train(model_path, rows, reward_funcs, args, quiet: bool) -> dict:
         versions = deque([(0, snapshot(trainer.model))])  # the policies a later batch is still sampled with
         start = time.perf_counter()
         for batch in range(trainer.schedule.num_batches):
-            wanted = max(0, batch - staleness)
+            wanted = max(0, batch - staleness) * trainer.schedule.iterations  # (num_iterations: versions per batch)
             while versions[0][0] < wanted:
                 versions.popleft()
             version, weights = versions[0]
@@ -107,6 +107,7 @@ def _train(model_path, rows, reward_funcs, args, quiet: bool) -> dict:
             if executor.spec.should_stop():
                 break
         seconds = time.perf_counter() - start
+        executor.close()
         trainer._reporter.train_end()
     series = {name: [] for name in SERIES}
     for entry in trainer.state.log_history:
@@ -115,25 +116,3 @@ def _train(model_path, rows, reward_funcs, args, quiet: bool) -> dict:
         for name in SERIES:
             series[name].append(float(entry[name]) if name in entry else None)
     return {"series": {k: v for k, v in series.items() if any(x is not None for x in v)}, "seconds": seconds}
-
-
-def worker(job_path: str, result_path: str) -> None:
-    """`python -m hfllamarl.study.lockstep JOB RESULT`: one run from a JSON job file, its record to RESULT."""
-    import torch
-
-    job = json.load(open(job_path))
-    torch.set_num_threads(int(job.get("threads", 1)))
-    from hfllamarl.study.tasks import TASKS
-
-    task = TASKS[job["task"]]
-    record = run(job["model"], task.rows(), task.reward, job["config"])
-    tmp = result_path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(record, fh)
-    os.replace(tmp, result_path)
-
-
-if __name__ == "__main__":
-    import sys
-
-    worker(sys.argv[1], sys.argv[2])

@@ -15,7 +15,6 @@ TRL contract: 1.0 when the content of the completion's last `\\boxed{}` is the g
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 from typing import Callable
