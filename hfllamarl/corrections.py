@@ -192,11 +192,12 @@ TRL_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_m
               "vllm_importance_sampling_clip_max", "aipo_rho")
 
 
-def resolve_config(config, defaults: dict) -> str:
-    """`resolve` for an `AsyncAIPOConfig` whose fields have these `defaults` (by name)."""
+def resolve_config(config, defaults: dict, written=frozenset()) -> str:
+    """`resolve` for an `AsyncAIPOConfig` whose fields have these `defaults` (by name); `written`: the fields its
+    caller wrote (one of TRL's written with TRL's default value still asks for TRL's correction)."""
     return resolve(config.off_policy_correction, algorithm=config.algorithm, loss_type=config.loss_type,
                    level=config.importance_sampling_level, max_staleness=config.max_staleness,
-                   trl_fields_set=any(getattr(config, f) != defaults[f] for f in TRL_FIELDS))
+                   trl_fields_set=any(f in written or getattr(config, f) != defaults[f] for f in TRL_FIELDS))
 
 
 def parse(spec: str) -> tuple[str, dict]:

@@ -175,6 +175,17 @@ def test_auto_is_trls_correction_when_synchronous_and_the_studys_default_when_st
     set_ = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, vllm_importance_sampling_mode="token_mask", **fields)
     assert set_.algorithm_options["off_policy_correction"] == "trl"
     assert set_.build_algorithm().correction.mode == "token_mask"
+    # ... also when written with TRL's default value (a recipe that spells TRL's correction out); argparse passes
+    # every field, so there only a value that differs from TRL's counts
+    written = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, vllm_importance_sampling_mode="sequence_mask",
+                              **fields) if loss != "vespo" else set_
+    assert written.algorithm_options["off_policy_correction"] == "trl"
+    from transformers import HfArgumentParser
+
+    args = [f"--{k}={v}" for k, v in fields.items()]
+    parsed, = HfArgumentParser(AsyncAIPOConfig).parse_args_into_dataclasses(
+        ["--output_dir=/tmp/x", "--max_staleness=4", *args])
+    assert parsed.algorithm_options["off_policy_correction"] == staleness_default(loss, 4)
 
 
 def test_bad_correction_settings_are_refused_with_the_reason():

@@ -15,6 +15,7 @@ from hfllamarl.runtime.loop.sampling import NEUTRAL_KWARGS, TRANSFORM_KWARGS, Sa
 
 from . import trainer_layout
 from .config_fields import UNSUPPORTED as _UNSUPPORTED
+from .config_fields import remember_written_fields, written_fields
 from .tool_budget import check_tool_tick, default_tool_budget
 
 # generation_kwargs the trainer sets itself, with what to set instead.
@@ -31,6 +32,7 @@ _SET_BY_TRAINER = {
 _ONLINE_QUANTIZATION = {"fp8": "vLLM's fp8 kernels, compute capability 8.9+, e.g. H100 or L40S"}
 
 
+@remember_written_fields
 @dataclass
 class AsyncAIPOConfig(GRPOConfig):
     """Configuration of an asynchronous AIPO job (all `GRPOConfig` fields, plus the ones below).
@@ -495,7 +497,7 @@ class AsyncAIPOConfig(GRPOConfig):
         if "off_policy_correction" in options:  # "auto": resolved by the job's staleness and loss
             from hfllamarl.corrections import resolve_config
 
-            options["off_policy_correction"] = resolve_config(self, defaults)
+            options["off_policy_correction"] = resolve_config(self, defaults, written_fields(self))
         return options
 
     def build_algorithm(self):

@@ -186,3 +186,28 @@ READ_HERE = {
         "logging_steps", "logging_strategy", "report_to", "disable_tqdm", "include_num_input_tokens_seen",
         "log_completions", "log_unique_prompts", "num_completions_to_print"), _LOGGING),
 }
+
+
+def remember_written_fields(cls):
+    """Make `cls.__init__` record the fields its caller wrote (`written_fields`): TRL's correction fields written
+    with TRL's default value still ask for TRL's correction. A caller that passes every field (argparse) says
+    nothing by it, so then no field counts as written (and a field counts where its value differs)."""
+    import functools
+    from dataclasses import fields
+
+    init = cls.__init__
+    every = {f.name for f in fields(cls) if f.init}
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        written = frozenset() if args or every <= set(kwargs) else frozenset(kwargs)
+        object.__setattr__(self, "_written_fields", written)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+def written_fields(config) -> frozenset:
+    """The fields `config`'s caller wrote (`remember_written_fields`; empty when unknown)."""
+    return getattr(config, "_written_fields", frozenset())
