@@ -16,7 +16,7 @@ from hfllamarl.runtime.data.rewards import RewardRunner
 from hfllamarl.commands.grader_batch import math_batch, math_verify_verdicts, read_rows
 
 MATH_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "math_test.jsonl"
-SLOW = r"So the answer is $\boxed{10^{10^{10}}}$."  # sympy builds the integer: past any timeout (test_rewards)
+SLOW = r"So the answer is $\boxed{\sum_{k=1}^{9999} k^{k^{2}}}$."  # within the structure rules, past any timeout
 LOGGER = "hfllamarl.plugins.rewards.math_sympy"
 
 
@@ -62,9 +62,9 @@ def test_several_hundred_math_completions_in_one_call_against_math_verify():
 
 
 def test_a_check_that_times_out_is_unscored_and_its_group_keeps_its_scores():
-    """Groups of 4 (gold 5): right cheaply, right through the sandbox, a power tower that cannot be checked
-    in time, wrong. The tower scores None (the old grader scored it 0.0), the others keep their verdicts;
-    through the trainer's RewardRunner the tower moves no baseline and gets advantage 0 (TRL's NaN rule),
+    """Groups of 4 (gold 5): right cheaply, right through the sandbox, a sum that cannot be checked in time,
+    wrong. The sum scores None (never 0.0), the others keep their verdicts; through the trainer's RewardRunner
+    the sum moves no baseline and gets advantage 0 (TRL's NaN rule),
     and the counts reach the step's metrics."""
     group = [r"\boxed{5}", r"The answer is $\boxed{\sqrt{25}}$.", SLOW, r"\boxed{6}"]
     other = [r"\boxed{\frac{6}{2}}", r"\boxed{3}", r"\boxed{2+2}", r"\boxed{1}"]

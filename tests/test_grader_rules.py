@@ -226,3 +226,63 @@ def test_grading_is_bounded_on_hostile_answers(gold, completion):
     settings = math_sympy.configure()
     bound = settings["sample_budget_s"] / settings["workers"] + settings["sample_timeout_s"] + 0.5
     assert time.monotonic() - start < bound and out[0] in (0.0, 1.0, None)  # None: ran out of time, unscored
+
+
+# ------------------------------------------------------------- answers no check should evaluate
+
+EXCESSIVE = [  # (wrong answer, what makes it too costly), gold 5
+    ("(" * 300 + "3" + ")" * 300, "brackets nested 300 deep"),
+    (r"\sqrt{" * 20 + "3" + "}" * 20, "brackets nested 20 deep"),
+    (r"10^{10^{10}}", "an exponent or bound near 10^10"),
+    (r"9^{9^{9^{9}}}", "an exponent or bound near 10^"),
+    (r"2^{100000000}", "an exponent or bound near 10^8"),
+    (r"\sum_{k=1}^{10^{8}} k", "an exponent or bound near 10^8"),
+    (r"1000000!", "a factorial of a number near 10^6"),
+    (r"(10^{7})!", "a factorial of a number near 10^7"),
+    (r"(300)!!", "2 factorials in a row"),
+    (r"x^{x^{x^{x^{x}}}}", "a power tower of 5 levels"),
+]
+
+
+@pytest.mark.parametrize("answer, why", EXCESSIVE, ids=range(len(EXCESSIVE)))
+def test_answers_no_check_should_evaluate_are_wrong_at_once(answer, why):
+    """A deep or towering wrong answer is graded 0.0 in the trusted process, with no check: not the unscored pass
+    (advantage 0) a timed-out check would give it. The reason is counted."""
+    from hfllamarl.plugins.rewards._structure import excessive
+
+    assert why in (excessive(normalize_answer(answer), "5") or "")
+    before = math_sympy.stats()
+    start = time.monotonic()
+    assert math_sympy(prompts=None, completions=[rf"The answer is $\boxed{{{answer}}}$."], answer=["5"]) == [0.0]
+    after = math_sympy.stats()
+    assert after["excessive"] == before["excessive"] + 1 and after["timeouts"] == before["timeouts"]
+    assert time.monotonic() - start < 1.0
+
+
+def test_answers_within_the_limits_or_the_golds_own_are_still_checked():
+    """Powers of small numbers, symbols in towers, a factorial the gold also has: checked as before (by value,
+    2^{3^{4}} = 2^{81}); a gold that itself towers admits an answer as tall."""
+    cases = [
+        ("2^{81}", r"2^{3^{4}}", 1.0), ("16", r"2^{2^{2}}", 1.0), ("2^{4950}", r"2^{4950}", 1.0),
+        (r"\frac{1}{2004!}", r"\frac{1}{2004!}", 1.0), ("3628800", "10!", 1.0), ("6", r"((((((1+2))))))+3", 1.0),
+        (r"2^{2^{2^{2^{2}}}}", r"2^{2^{2^{2^{2}}}}", 1.0), (r"2^{2^{2^{2^{2}}}}", r"4^{2^{2^{2^{2}}}/2}", 1.0),
+        ("7", r"2^{3^{4}}", 0.0),
+    ]
+    completions = [rf"\boxed{{{pred}}}" for _, pred, _ in cases]
+    out = math_sympy(prompts=None, completions=completions, answer=[gold for gold, _, _ in cases])
+    assert out == [want for _, _, want in cases]
+
+
+def test_every_public_gold_answer_is_within_the_structure_limits():
+    """MATH, MATH-500 and GSM8K's gold answers, checked against themselves: none is refused for its structure (the
+    limits sit well above what answers need)."""
+    from hfllamarl.plugins.rewards._structure import excessive
+
+    data = Path(__file__).resolve().parents[2] / "shared" / "data"
+    files = [data / f"{name}.jsonl" for name in ("math_train", "math_test", "math500_test", "gsm8k_test")]
+    if not all(f.exists() for f in files):
+        pytest.skip(f"the public data sets are not in {data}")
+    golds = [normalize_answer(gold_text(row["answer"])) for f in files for row in map(json.loads, f.open())
+             if row.get("answer") is not None]
+    assert len(golds) > 15000
+    assert [g for g in golds if excessive(g, "0")] == []

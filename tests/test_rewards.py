@@ -213,13 +213,19 @@ def test_hostile_input_returns_in_time(completion):
         assert time.monotonic() - start < call_bound(1), fn.__name__
 
 
+SLOW = [r"\boxed{\sum_{k=1}^{9999} k^{k^{2}}}", r"\boxed{\sum_{k=1}^{99999} k^{k}}"]  # within the structure rules
+
+
 def test_hostile_batch_respects_call_budget_and_recovers():
-    before = math_sympy.stats()["timeouts"]
+    """Answers no check should evaluate are wrong at once, in this process; answers within those rules whose
+    check runs past its time are unscored; the worker answers afterwards."""
+    before = math_sympy.stats()
     start = time.monotonic()
-    out = math_sympy(prompts=None, completions=HOSTILE[:4] * 2 + [r"\boxed{\sqrt{25}}"], answer=["5"] * 9)
-    assert time.monotonic() - start < call_bound(5)  # 4 hostile checks run out of time: unscored
-    assert out[:8] == [None] * 8
-    assert math_sympy.stats()["timeouts"] > before
+    out = math_sympy(prompts=None, completions=HOSTILE[:4] * 2 + SLOW + [r"\boxed{\sqrt{25}}"], answer=["5"] * 11)
+    assert time.monotonic() - start < call_bound(3)  # the 2 slow checks run out of time: unscored
+    assert out == [0.0] * 8 + [None, None, 1.0]
+    after = math_sympy.stats()
+    assert after["excessive"] - before["excessive"] == 8 and after["timeouts"] - before["timeouts"] == 2
     assert score("5", r"\boxed{\sqrt{25}}") == 1.0  # the worker still answers afterwards
 
 
@@ -230,7 +236,7 @@ def test_concurrent_calls_each_keep_their_budget():
 
     def run(key):
         start = time.monotonic()
-        out = math_sympy(prompts=None, completions=HOSTILE[:2] + [r"\boxed{\sqrt{25}}"], answer=["5"] * 3)
+        out = math_sympy(prompts=None, completions=SLOW + [r"\boxed{\sqrt{25}}"], answer=["5"] * 3)
         results[key] = (out, time.monotonic() - start)
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]

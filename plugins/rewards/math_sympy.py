@@ -21,7 +21,11 @@ Grading, per completion:
    (:mod:`._numbers`: exact values exactly, a decimal within 1e-6 or rounded to its own digits
    when the other side has no finite decimal form); numbers in a base; a choice letter or a word
    as gold.
-4. Otherwise ask math-verify (LaTeX parser only) and sympy in a sandboxed worker process
+4. Otherwise grade an answer whose structure is past what any check should evaluate wrong, 0.0, here
+   (:mod:`._structure`: brackets nested past 12, a power tower past 4 levels, an exponent or a sum's bound past
+   10^5, a factorial of a number past 10^4 or of a factorial; each raised to the gold's own figure): a policy must
+   not earn an unscored pass (advantage 0) by writing what the check cannot finish in time.
+5. Otherwise ask math-verify (LaTeX parser only) and sympy in a sandboxed worker process
    (:mod:`hfllamarl.sandbox.client`: a fresh isolated process per call): numbers by value
    under the same rules, then symbolic equality, tuples, intervals, unordered sets, matrices (elementwise, in order, for decimals). An interval or set
    as gold is not matched by an inequality (math-verify's rule); the other way round it is.
@@ -36,9 +40,9 @@ thread driving each). A call's budget scales with its batch: ``sample_budget_s``
 of distinct (gold, answer) pairs that need a worker, divided by ``workers``, plus
 ``sample_timeout_s`` (the last check may start just before the end), plus the one-time start of the workers on the first call that needs them
 (about 1 s; call :func:`warmup` at start-up to take it out of the training loop). One check gets at
-most ``sample_timeout_s`` of worker time, so a pathological answer (``10^{10^{10}}``) ends at its
-own timeout. A completion whose check did not finish (its own timeout, the call's budget spent, a
-worker crash) is unscored: its score is None, which leaves it out of its group's baseline with
+most ``sample_timeout_s`` of worker time, so a check that would run long (``\\sum_{k=1}^{9999} k^{k^{2}}``,
+which step 4's rules let through) ends at its own timeout. A completion whose check did not finish (its own
+timeout, the call's budget spent, a worker crash) is unscored: its score is None, which leaves it out of its group's baseline with
 advantage 0 (TRL's NaN), never 0.0. A call with more than 1 % of its completions unscored logs a
 warning (logger ``hfllamarl.plugins.rewards.math_sympy``) saying how many, why, and which setting
 raises the budget.
@@ -54,8 +58,9 @@ Settings (:func:`configure`, also ``math_sympy.configure``; call it before train
 - ``workers`` (``min(os.cpu_count(), 4)``): worker processes (about 65 MB each once started), per trainer rank.
 
 Counters for logging: ``math_sympy.stats()`` (also ``stats()`` in this module) returns
-``{"calls", "samples", "unscored", "timeouts", "worker_errors", "worker_starts"}`` totals since
-import (``samples``: completions scored; ``unscored``: completions left unscored because their
+``{"calls", "samples", "unscored", "timeouts", "worker_errors", "excessive", "worker_starts"}`` totals since
+import (``samples``: completions scored; ``excessive``: answers graded wrong for their structure (step 4);
+``unscored``: completions left unscored because their
 check did not finish, of which ``timeouts`` ran out of time and ``worker_errors`` met a failed
 worker). The trainer logs them every step as ``rewards/math_sympy/<key>``.
 """
@@ -84,6 +89,7 @@ from ._numbers import as_number, base_number_verdict, numbers_close, rounded_to_
 from ._normalize import CHOICE_RE, WORDS_RE, normalize_answer, unescape_commands
 from hfllamarl.sandbox import Sandbox, SandboxError
 from ._batch import BUDGET_SPENT, WORKER_ERROR, run_checks
+from ._structure import excessive
 
 __all__ = [
     "configure", "extract_answer", "math_sympy", "normalize_answer", "reset_stats", "shutdown", "stats",
@@ -272,7 +278,7 @@ def _make_workers(n: int) -> list:
 
 _LOCK = threading.Lock()
 _WORKERS: list = _make_workers(_SETTINGS["workers"])
-_STATS = {"calls": 0, "samples": 0, "unscored": 0, "timeouts": 0, "worker_errors": 0}
+_STATS = {"calls": 0, "samples": 0, "unscored": 0, "timeouts": 0, "worker_errors": 0, "excessive": 0}
 _RETIRED_STARTS = [0]  # worker starts of workers replaced by configure()
 _STARTED = [False]  # whether the workers have ever been ready (their first start is not budgeted)
 
@@ -403,6 +409,7 @@ def math_sympy(
     answers = gold_answers(kwargs, len(completions), "math_sympy")
     scores: list[float | None] = [None] * len(completions)
     pending: dict[tuple[str, str, str, str], list[int]] = {}  # same pair -> graded once
+    refused = 0
     for i, (completion, gold) in enumerate(zip(completions, answers)):
         if is_missing(gold):
             continue
@@ -413,7 +420,9 @@ def math_sympy(
         gold_raw = gold_text(gold)
         gold_norm, pred_norm = normalize_answer(gold_raw), normalize_answer(pred_raw)
         verdict = _cheap_verdict(gold_norm, pred_norm)
-        if verdict is None:
+        if verdict is None and excessive(pred_norm, gold_norm):
+            refused += 1  # wrong: no check should have to evaluate it (the policy's free pass otherwise)
+        elif verdict is None:
             pending.setdefault((gold_norm, pred_norm, gold_raw, pred_raw), []).append(i)
         else:
             scores[i] = 1.0 if verdict else 0.0
@@ -427,6 +436,7 @@ def math_sympy(
         _STATS["unscored"] += timeouts + errors
         _STATS["timeouts"] += timeouts
         _STATS["worker_errors"] += errors
+        _STATS["excessive"] += refused
     return scores
 
 

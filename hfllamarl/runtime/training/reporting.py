@@ -285,7 +285,7 @@ def _mean_of(rows: list[dict]) -> dict:
         elif key.endswith("/min"):
             out[key] = min(vals)
         elif key in ("learning_rate", "reward_errors", "reward_nonfinite", "reward_unscored", "num_tokens") \
-                or key.endswith(("/timeouts", "/worker_errors", "/unscored")):  # running totals: the newest
+                or key.endswith(("/timeouts", "/worker_errors", "/unscored", "/excessive")):  # running totals
             out[key] = vals[-1]
         else:
             out[key] = sum(vals) / len(vals)
