@@ -180,6 +180,26 @@ def test_prompts_and_tool_results_are_the_tokens_trls_trainer_builds(tool_model)
     assert chat.parse(turn, expected[0], [calculator])["tool_calls"] == [call("calculator", expression="1+2")]
 
 
+def test_what_tools_return_is_made_valid_text_before_it_is_tokenized(tool_model):
+    """A tool result ending in a lone surrogate (model code's `print(chr(0xd800))`) fails the tokenizer as it is;
+    as the runner hands it on, the model reads U+FFFD there. A pair written as two escapes is its character."""
+    from transformers import AutoTokenizer
+
+    from hfllamarl.runtime.agents.tool_calls import ToolResult, valid_text
+    from hfllamarl.runtime.agents.tool_chat import ToolChat
+
+    chat = ToolChat(AutoTokenizer.from_pretrained(tool_model), {"enable_thinking": False})
+    raw = {"role": "tool", "name": "calculator", "content": "42" + chr(0xD800)}
+    with pytest.raises(Exception):  # (TypeError from the tokenizer: what ended the generator rank)
+        chat.suffix_ids([raw])
+    message = ToolResult("calculator", "42" + chr(0xD800)).message()
+    assert message["content"] == "42\ufffd"
+    assert chat.suffix_ids([message]) == chat.suffix_ids([{**raw, "content": "42\ufffd"}])
+    blocks = ToolResult("calculator", [{"type": "text", "text": chr(0xDFFF)}]).message()["content"]
+    assert blocks == [{"type": "text", "text": "\ufffd"}]
+    assert valid_text({"a": (chr(0xD83D) + chr(0xDE00), 3)}) == {"a": ("\U0001F600", 3)}
+
+
 # ---------------------------------------------------------------------------- configuration
 @pytest.mark.parametrize("kw,ctor,match", [
     ({"generation_kwargs": {"presence_penalty": 0.5}}, {"tools": "calc"}, "several calls"),
@@ -278,12 +298,14 @@ def test_user_scripts_train_under_trl_and_under_async_aipo(tool_model, tmp_path)
     `environments`) train 3 steps from plain python under TRL's GRPOTrainer and under AsyncAIPOTrainer, the reward
     functions receiving the same things; with max_staleness=0 pi == mu on every trained token; a rollout_func
     generating through the trainer view trains too; a calculator that hangs or raises does not stop the job (the
-    environment run: partial multi-turn rollouts at staleness up to 2)."""
+    environment run: partial multi-turn rollouts at staleness up to 2), nor one whose results end in a lone surrogate
+    (the tools run)."""
     # The hanging/raising calculator under AsyncAIPOTrainer only: TRL's would wait for it forever. The on-policy
     # tools run samples 12 completions a step: the model calls the tool in about one answer of five, and 3 steps of 4
     # completions had none at all in one run of the suite.
     runs = {
-        "trl_tools": ["tools", "--trl"], "ours_tools": ["tools", "--max-staleness", "0", "--batch", "12"],
+        "trl_tools": ["tools", "--trl"],
+        "ours_tools": ["tools", "--max-staleness", "0", "--batch", "12", "--surrogate"],
         "trl_env": ["env", "--trl"],
         "ours_env": ["env", "--partial", "32", "--max-staleness", "3", "--batch", "8", "--hang", "--timeout", "2"],
         "ours_rollout_func": ["rollout_func"],
@@ -316,6 +338,9 @@ def test_user_scripts_train_under_trl_and_under_async_aipo(tool_model, tmp_path)
                                                    for a, b in zip(r, r[1:])) for c in calls for r in c["roles"])
     ours = out["ours_tools"][0]
     assert all(assert_on_policy(h) is None for h in ours)  # pi == mu on every trained token, tool turns included
+    # every result ended in a lone surrogate (the job trained on): the model read U+FFFD in its place
+    contents = [t for c in out["ours_tools"][1] for t in c["tool_contents"]]
+    assert contents and all(t.endswith("\ufffd") and not any(0xD800 <= ord(ch) < 0xE000 for ch in t) for t in contents)
     assert sum(h["tools/call_frequency"] for h in ours) > 0 and any("tool" in r for c in out["ours_tools"][1]
                                                                    for r in c["roles"])
     for name in ("trl_env", "ours_env"):

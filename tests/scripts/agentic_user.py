@@ -12,7 +12,8 @@ the class names swapped and nothing else.
   TRL's needs use_vllm=True, which needs a GPU build of vLLM).
 
 The model is hfllamarl's tiny Qwen3-template model (`build_tiny_model(..., chat_template="qwen3")`). `--hang`: the
-calculator never returns on its 1st call (and every 3rd after) and raises on its 2nd (likewise). `--summary` writes
+calculator never returns on its 1st call (and every 3rd after) and raises on its 2nd (likewise). `--surrogate`: its
+results end in a lone surrogate, as model code's `print(chr(0xd800))` does. `--summary` writes
 what the reward function received, one JSON line per call; `--calls` appends one line per tool call (pid,
 expression, whether it raised).
 """
@@ -26,7 +27,7 @@ from datasets import Dataset
 
 from hfllamarl.testing.tiny_chat import calculator_rows
 
-OPTIONS = {"hang": False, "calls": None, "count": 0}
+OPTIONS = {"hang": False, "calls": None, "count": 0, "surrogate": False}
 SUMMARY = []
 
 
@@ -41,7 +42,7 @@ def _evaluate(expression: str) -> str:
         if OPTIONS["hang"] and OPTIONS["count"] % 3 == 2:
             raise RuntimeError("the calculator is broken today")
         result, failed = evaluate(expression), False
-        return result
+        return result + chr(0xD800) if OPTIONS["surrogate"] else result  # (what print(chr(0xd800)) gives back)
     finally:  # (a call that raised is one the tool ran: the job counts it as failed)
         if OPTIONS["calls"]:
             with open(OPTIONS["calls"], "a") as fh:
@@ -123,11 +124,12 @@ def main():
     p.add_argument("--tp", type=int, default=None, help="generator_tensor_parallel_size (default: all generators)")
     p.add_argument("--batch", type=int, default=4, help="per_device_train_batch_size")
     p.add_argument("--hang", action="store_true")
+    p.add_argument("--surrogate", action="store_true", help="the calculator's results end in a lone surrogate")
     p.add_argument("--timeout", type=float, default=60.0, help="tool_call_timeout_s")
     p.add_argument("--summary", default=None)
     p.add_argument("--calls", default=None)
     args = p.parse_args()
-    OPTIONS.update(hang=args.hang, calls=args.calls)
+    OPTIONS.update(hang=args.hang, calls=args.calls, surrogate=args.surrogate)
     if args.trl:
         from trl import GRPOConfig as Config, GRPOTrainer as Trainer
 

@@ -44,6 +44,7 @@ only; with tensor parallelism the other ranks follow its generate calls (`hfllam
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,8 +54,10 @@ from hfllamarl.runtime.data.episodes import Episode, snapshot, unpickled
 from hfllamarl.runtime.agents.environments import EnvironmentPool, probe, reward_kinds, tool_methods
 from hfllamarl.runtime.agents.lockstep import Lockstep
 from hfllamarl.runtime.loop.rollout import UNFINISHED, InFlightBatch, Rollout, RolloutGroup
-from hfllamarl.runtime.agents.tool_calls import ToolRunner, tool_name
+from hfllamarl.runtime.agents.tool_calls import ToolRunner, tool_name, valid_text
+from hfllamarl.runtime.agents.tool_chat import ToolChatError
 
+logger = logging.getLogger(__name__)
 _GATHER_S = 0.1  # how long rollouts whose calls are done wait for the others' before generating without them
 
 
@@ -128,6 +131,7 @@ class MultiTurn:
         self.reward_errors = 0  # get_reward calls that raised or returned no number, scored 0 (reward_errors="zero")
         self.reward_timeouts = 0  # get_reward calls past tool_call_timeout_s: their rollouts are unscored by it
         self._scoring: dict = {}  # get_reward future -> (rollout, its live environment, the class name)
+        self._warned: set[str] = set()  # the kinds of model output already reported (`_warn_once`)
 
     # ------------------------------------------------------------------ the tick
     def tick(self, batch_index: int | None) -> list[RolloutGroup]:
@@ -195,7 +199,7 @@ class MultiTurn:
             reset_row = {k: v for k, v in row.items() if k != "environment"} if name is not None else dict(row)
             observation = episode.environment.reset(**reset_row)
             if observation is not None:
-                prompt = _append_observation(prompt, observation)
+                prompt = _append_observation(prompt, valid_text(observation))
         prompt_ids = self.chat.encode_prompt(prompt, self.tools(episode))
         if len(prompt_ids) >= self.ex.spec.max_model_len:
             raise ValueError(f"dataset row {index}: its prompt is {len(prompt_ids)} tokens once rendered with its "
@@ -249,9 +253,12 @@ class MultiTurn:
                     self._append_cut_turn(r)
                     self.finish(r, "length")
                 continue  # else its allowance is spent mid-turn: carried to the next tick
-            message = self.chat.parse(r.completion_ids[r.episode.turn_start:],
-                                      r.prompt_ids + r.completion_ids[:r.episode.turn_start], self.tools(r.episode))
+            message = self._parse_turn(r)
             r.episode.messages.append(message)
+            if message.get("unparsed"):  # the turn's text as it is: no tool calls run, the rollout ends
+                del message["unparsed"]
+                self.finish(r, reason)
+                continue
             bound, calls = self.spec.max_iterations, message.get("tool_calls")
             if not calls or (bound is not None and r.episode.iterations >= bound):
                 self.finish(r, reason)
@@ -265,6 +272,25 @@ class MultiTurn:
             tools = {tool_name(t): t for t in self.tools(r.episode)}
             pending[self.runner.submit(calls, tools, self._time_left(r.episode), self._live(r.episode))] = r
         return tokens
+
+    def _parse_turn(self, r: Rollout) -> dict:
+        """The rollout's finished turn as a message (its strings made valid text: a tool call's JSON may write a
+        lone surrogate). A turn the parser refuses is model output, not a fault of the job: its decoded text, marked
+        `unparsed` (the rollout ends there), with a warning the first time."""
+        ids = r.completion_ids[r.episode.turn_start:]
+        try:
+            return valid_text(self.chat.parse(ids, r.prompt_ids + r.completion_ids[:r.episode.turn_start],
+                                              self.tools(r.episode)))
+        except Exception as exc:  # noqa: BLE001 - the model's text, whatever the parser made of it
+            self._warn_once("parse", f"a model turn the response parser refused ends its rollout ({exc!r}); "
+                                     "further ones are not reported")
+            return {"role": "assistant", "unparsed": True,
+                    "content": self.ex.encoder.tokenizer.decode(ids, skip_special_tokens=True)}
+
+    def _warn_once(self, kind: str, text: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(text)
 
     def _over_bound(self, episode: Episode, num_calls: int) -> str | None:
         """Why a turn of `num_calls` calls may not run: too many calls, or the rollout's time budget is spent."""
@@ -314,7 +340,15 @@ class MultiTurn:
             return None
         episode.abandoned = episode.abandoned or any(res.timed_out for res in results)
         messages = [res.message() for res in results]
-        suffix = self.chat.suffix_ids(messages)
+        try:
+            suffix = self.chat.suffix_ids(messages)
+        except ToolChatError:
+            raise  # the template's fault, on every rollout: the job's error
+        except Exception as exc:  # noqa: BLE001 - what a tool returned (the model's doing) did not render
+            self._warn_once("render", f"tool results the chat template could not render end their rollout ({exc!r}); "
+                                      "further ones are not reported")
+            self.finish(r, "stop")
+            return None
         if len(suffix) >= self._room(r, {id(r): len(suffix) + 1}):  # no room for the results and an answer
             self.finish(r, "stop")
             return None

@@ -52,9 +52,29 @@ class ToolResult:
     over_budget: bool = False  # abandoned when the turn's time budget ran out (it gives the model no result)
 
     def message(self) -> dict:
-        """TRL's tool message: text, or a list of content blocks as the tool returned it."""
+        """TRL's tool message: text, or a list of content blocks as the tool returned it (made valid text: what
+        the tool printed is the model's doing, `valid_text`)."""
         content = self.content if isinstance(self.content, list) else str(self.content)
-        return {"role": "tool", "name": self.name, "content": content}
+        return {"role": "tool", "name": self.name, "content": valid_text(content)}
+
+
+def valid_text(value: Any) -> Any:
+    """`value` with every string in it (in lists, tuples and dict values) made valid Unicode a tokenizer, a log and a
+    parquet file take: a lone surrogate (``print(chr(0xd800))`` in model code, ``"\\ud800"`` in a tool call's JSON)
+    becomes U+FFFD, the replacement character, as an invalid byte does when the tokenizer decodes; a string that is
+valid already is returned as it is."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            # (a pair written as two escapes is the character it encodes; a lone one is U+FFFD)
+            return value.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    if isinstance(value, list | tuple):
+        return type(value)(valid_text(v) for v in value)
+    if isinstance(value, dict):
+        return {k: valid_text(v) for k, v in value.items()}
+    return value
 
 
 @dataclass
