@@ -359,3 +359,28 @@ def test_the_weaker_process_mode_is_named_loudly_and_still_kills_the_tree(caplog
         assert box.python("import builtins; print(hasattr(builtins, 'x'))") == "False\n"  # a fresh process per call
     finally:
         sandbox.close()
+
+
+def test_a_temp_directory_under_a_private_directory_still_isolates(tmp_path):
+    """TMPDIR under a 0700 directory (a SLURM job's directory, root's home in a container): the calls' scratch lives
+    there and a call dropped to uid 65534 (as root) still reaches it, isolated as ever (a read-only view, no
+    network). Once this failed as "namespaces not available on this machine"."""
+    private = tmp_path / "private"
+    (private / "tmp").mkdir(parents=True)
+    private.chmod(0o700)
+    code = textwrap.dedent("""
+        import os, tempfile
+        from hfllamarl.plugins.environments.python_sandbox import PythonSandbox
+        box = PythonSandbox(timeout_s=10)
+        print(box.python("import os, socket, tempfile\\n"
+                         "open('mine.txt', 'w').write('x'); print(os.listdir('.'))\\n"
+                         "try:\\n    open('/etc/hfllamarl-probe', 'w')\\nexcept OSError as e: print('ro', e.errno)\\n"
+                         "try:\\n    socket.create_connection(('1.1.1.1', 53), timeout=1)\\n"
+                         "except OSError: print('no network')\\n"), flush=True)
+        print("SCRATCH_UNDER", box._sandbox().wait_ready(30) and any(os.scandir(tempfile.gettempdir())))
+    """)
+    env = dict(os.environ, TMPDIR=str(private / "tmp"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "['mine.txt']" in proc.stdout and "ro 30" in proc.stdout and "no network" in proc.stdout, proc.stdout
+    assert "SCRATCH_UNDER True" in proc.stdout  # (the sandbox's scratch is where TMPDIR says)

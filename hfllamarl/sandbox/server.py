@@ -139,8 +139,9 @@ class Server:
         if self.isolation == "namespaces" and jail.runs_as_root():
             import sys
 
+            # (the scratch directories too: a TMPDIR under a private directory, e.g. a SLURM job's or root's home)
             self.hidden = jail.hidden_paths([*sys.path, sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                             sys.base_exec_prefix])
+                                             sys.base_exec_prefix, self.base])
         self.calls: dict[int, _Call] = {}  # by reply fd
         self.queue: list[tuple[Any, list, float]] = []  # requests waiting for a free slot
         self.inbox = bytearray()
