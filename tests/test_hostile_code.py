@@ -384,3 +384,58 @@ def test_a_temp_directory_under_a_private_directory_still_isolates(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "['mine.txt']" in proc.stdout and "ro 30" in proc.stdout and "no network" in proc.stdout, proc.stdout
     assert "SCRATCH_UNDER True" in proc.stdout  # (the sandbox's scratch is where TMPDIR says)
+
+
+@pytest.fixture
+def unix_listener():
+    """A Unix socket the job created, writable by anyone (as a job that does not run as root has its own: the call
+    runs as that uid), in a directory anyone may search; and a secret in the job's environment."""
+    directory = Path(tempfile.mkdtemp(dir="/tmp"))
+    directory.chmod(0o755)
+    path = str(directory / "service.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    os.chmod(path, 0o777)
+    server.listen(8)
+    server.setblocking(False)
+    yield path, server
+    server.close()
+    shutil.rmtree(directory)
+
+
+def test_no_unix_socket_of_the_job_is_reachable_nor_its_environment(box, unix_listener, monkeypatch):
+    """Model code cannot connect to a Unix socket the job created (the preload server's) by any path: socket(),
+    ctypes, a datagram pair pointed at it, a subprocess; nor read the job's secrets from its environment."""
+    path, server = unix_listener
+    code = f"""
+    import ctypes, os, socket, subprocess, sys
+    try:
+        socket.socket(socket.AF_UNIX).connect({path!r}); print("connected socket")
+    except OSError as exc:
+        print("socket", exc.errno)
+    libc = ctypes.CDLL(None, use_errno=True)
+    print("ctypes", libc.socket(1, 1, 0), ctypes.get_errno())
+    try:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM); a.connect({path!r}); print("connected pair")
+    except OSError as exc:
+        print("dgram pair", exc.errno)
+    run = subprocess.run([sys.executable, "-c", "import socket; socket.socket(socket.AF_UNIX).connect({path!r})"],
+                         capture_output=True, text=True, timeout=5)
+    print("subprocess", run.returncode)
+    print("env", sorted(k for k in os.environ if "SECRET" in k or "PRELOAD" in k),
+          b"hunter2" in open("/proc/self/environ", "rb").read())
+    """
+    # (a server started before the secret was set would not see it either: the secret is set, a fresh server starts)
+    monkeypatch.setenv("HFLLAMARL_TEST_SECRET", "hunter2")
+    monkeypatch.setenv("HFLLAMARL_PRELOAD", path)
+    fresh = ToolRunner() if box.name == "tool" else GraderRunner()
+    try:
+        assert fresh.sandbox.wait_ready(60)
+        out = fresh.run(code)
+    finally:
+        fresh.sandbox.close()
+    assert "connected" not in out, out
+    assert "socket 13" in out and "ctypes -1 13" in out and "dgram pair 13" in out and "subprocess 1" in out, out
+    assert "env [] False" in out, out
+    with pytest.raises(BlockingIOError):
+        server.accept()

@@ -12,6 +12,11 @@ per call (:mod:`.server`). Each child, before it runs anything (:mod:`.jail`), i
   inodes), its working directory, removed after the call; a fresh ``/proc`` (the host's processes are hidden);
 * has no network: the namespace has only a loopback that is down, whatever the API (``socket``, ``_socket``,
   ``ctypes``, a subprocess);
+* can open no socket but an inet one (which reaches nothing there) and stream ``socketpair``s, and no io_uring
+  (a seccomp filter, :mod:`.seccomp`): no Unix socket the job created (the preload server's, a database's) is
+  reachable, though the file system shows it;
+* starts from an allow-listed environment (``PATH``, ``TMPDIR``, locale, ``TZ``, thread counts;
+  :data:`CALL_ENVIRONMENT`): the job's tokens, keys and socket paths are not in it, nor in ``/proc/self/environ``;
 * holds no capability, and runs under ``RLIMIT_NPROC``, ``RLIMIT_AS``, ``RLIMIT_CPU``, ``RLIMIT_FSIZE``,
   ``RLIMIT_NOFILE``, no core dumps, and a pids/memory cgroup of its own where the hierarchy is writable;
 * keeps only its reply pipe open. Any failing step ends the call with :class:`SandboxError` naming the step, before
@@ -24,12 +29,12 @@ is raised; a call never returns a value for a timeout.
 
 Where the kernel refuses the isolation (e.g. unprivileged user namespaces disabled), :meth:`Sandbox.wait_ready`
 raises :class:`SandboxUnavailable` naming the failed step; ``isolation="process"`` is the opt-in weaker mode (fork per
-call, ``setsid``, uid drop, rlimits, session and cgroup kill, scratch removed, Python-level socket refusal), with a
-loud warning of what it does not guarantee.
+call, ``setsid``, uid drop, rlimits, session and cgroup kill, scratch removed, no socket at all but stream
+pairs (the seccomp filter), the allow-listed environment), with a loud warning of what it does not guarantee.
 
-Not guaranteed: the code can read every file the job's user (or uid 65534) can read; CPU time is bounded, not its
-share of the cores; a tmpfs the code mounts in a nested user namespace of its own is bounded only by the memory
-cgroup.
+Not guaranteed: the code can read every file the job's user (or uid 65534) can read (files, not sockets); CPU
+time is bounded, not its share of the cores; a tmpfs the code mounts in a nested user namespace of its own is
+bounded only by the memory cgroup.
 """
 
 from __future__ import annotations
@@ -51,6 +56,12 @@ __all__ = ["Sandbox", "SandboxError", "SandboxTimeout", "SandboxUnavailable"]
 logger = logging.getLogger(__name__)
 
 ISOLATION_MODES = ("namespaces", "process")
+#: The variables a sandbox server (and so every call it forks) keeps from the job's environment: what an interpreter
+#: needs to run as the job's does (TMPDIR: where the calls' scratch directories go). Nothing else (tokens, API keys,
+#: socket paths such as HFLLAMARL_PRELOAD).
+CALL_ENVIRONMENT = ("PATH", "TMPDIR", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "LD_LIBRARY_PATH",
+                    "PYTHONHASHSEED", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE", "OMP_NUM_THREADS",
+                    "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 _GRACE_S = 1.5  # the parent waits this much past a call's budget before it declares the server stuck
 _PROCESS_MODE_WARNING = (
     "SANDBOX RUNS WITH isolation='process' (WEAKER): calls are forked fresh, get their own session, run as uid "
@@ -279,8 +290,9 @@ class Sandbox:
             self._discard()
             ours, theirs = socket.socketpair()
             try:
+                env = {k: os.environ[k] for k in CALL_ENVIRONMENT if k in os.environ}
                 proc = _Launcher.popen([sys.executable, "-c", _BOOTSTRAP, str(theirs.fileno())],
-                                       pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                       pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
                                        stdout=subprocess.DEVNULL)  # stderr stays: a crash leaves a traceback
             except BaseException:
                 ours.close()

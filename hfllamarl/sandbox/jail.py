@@ -237,6 +237,16 @@ def close_fds_but(keep: set[int]) -> None:
     os.closerange(low, 1 << 20)
 
 
+def filter_system_calls(allow_inet: bool, fail_step: str | None) -> None:
+    """The seccomp filter (:mod:`.seccomp`): no socket but inet ones (none in process mode), no io_uring."""
+    from . import seccomp
+
+    if platform.machine() not in seccomp.ARCHES:
+        raise IsolationError("seccomp_filter", f"no system-call filter is written for {platform.machine()}")
+    result = _step("seccomp_filter", fail_step, lambda: seccomp.install(allow_inet, _LIBC))
+    _check("seccomp_filter", result, fail_step)
+
+
 def block_sockets() -> None:
     """Process mode only: Python-level refusal of sockets (C code, ctypes and subprocesses get around it)."""
     import _socket
@@ -284,6 +294,7 @@ def _runner(fn: Callable | None, args: list, reply_fd: int, job: dict) -> None:
         drop_capabilities(fail)
         set_limits(job, fail)
         _step("chdir_scratch", fail, lambda: os.chdir(job["scratch"]))
+        filter_system_calls(True, fail)  # (last: the steps above open no socket)
     except IsolationError as exc:
         _isolation_exit(reply_fd, exc)
     os.environ.update(HOME=job["scratch"], TMPDIR=job["scratch"])
@@ -310,6 +321,8 @@ def child_main(fn: Callable | None, args: list, reply_fd: int, job: dict) -> Non
             _step("chdir_scratch", fail, lambda: os.chdir(job["scratch"]))
             close_fds_but({reply_fd})
             _step("block_sockets", fail, block_sockets)
+            _check("no_new_privs", _LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), fail)
+            filter_system_calls(False, fail)
             os.environ.update(HOME=job["scratch"], TMPDIR=job["scratch"])
             _run_and_reply(fn, args, reply_fd)
         enter_namespaces(uid, gid, fail)
