@@ -439,3 +439,43 @@ def test_no_unix_socket_of_the_job_is_reachable_nor_its_environment(box, unix_li
     assert "env [] False" in out, out
     with pytest.raises(BlockingIOError):
         server.accept()
+
+
+def test_scratch_is_removed_on_every_exit_path(tmp_path):
+    """A job that exits without closing its sandbox, or is killed, takes its server's scratch directories with it
+    (the server is told by its parent's death and cleans up); a server killed itself (SIGKILL, no time to clean)
+    leaves them to the next server of the same user, which removes them when it starts."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(Path(__file__).parent))
+    script = ("import os, signal, sys\nfrom hfllamarl.sandbox import Sandbox\n"
+              "box = Sandbox('sandbox_targets:run_code')\nassert box.wait_ready(60)\n"
+              "print(box.call('print(1)', timeout=10).strip(), box.pid, flush=True)\n"
+              "if sys.argv[1] == 'kill_job': os.kill(os.getpid(), signal.SIGKILL)\n"
+              "if sys.argv[1] == 'kill_server': os.kill(box.pid, signal.SIGKILL); box._server.proc.wait()\n")
+
+    def bases():
+        return sorted(p.name for p in tmp.iterdir() if p.name.startswith("hfllamarl-sandbox-"))
+
+    def run(how):
+        proc = subprocess.run([sys.executable, "-c", script, how], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.stdout.startswith("1 "), proc.stderr[-2000:]
+        return int(proc.stdout.split()[1])
+
+    for how in ("exit", "kill_job"):
+        pid = run(how)
+        def server_alive():
+            try:
+                return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+            except OSError:
+                return False
+
+        deadline = time.monotonic() + 15
+        while (bases() or server_alive()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert bases() == [] and not server_alive(), how
+    pid = run("kill_server")
+    assert [b.split("-")[2] for b in bases()] == [str(pid)]  # left behind: nobody could clean
+    run("exit")  # the next server sweeps it
+    assert bases() == []

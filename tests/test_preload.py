@@ -189,3 +189,15 @@ def test_the_preload_command_serves_the_jobs_of_a_shell_and_refuses_an_open_dire
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_terminated_server_removes_its_socket_and_directory():
+    """SIGTERM (a scheduler's, a user's `kill`) ends the server as its owner's end does: its socket and the private
+    directory `start_server` made for it are removed, not left for the next job to find."""
+    from hfllamarl.runtime.world.preload import start_server
+
+    proc, client = start_server(modules=("json",), ready_timeout=120)
+    assert os.path.exists(client.path)
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+    assert not os.path.exists(client.path) and not os.path.exists(os.path.dirname(client.path))

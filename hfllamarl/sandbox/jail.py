@@ -304,6 +304,7 @@ def _runner(fn: Callable | None, args: list, reply_fd: int, job: dict) -> None:
 def child_main(fn: Callable | None, args: list, reply_fd: int, job: dict) -> None:
     """Entry of the forked child (never returns): isolation, then the call, per ``job["isolation"]``."""
     fail = job.get("fail_step")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the server's handler cleans the server up, not a call)
     try:
         close_fds_but({reply_fd})
         null = os.open(os.devnull, os.O_RDWR)

@@ -17,6 +17,7 @@ import ctypes
 import importlib
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -132,7 +133,8 @@ class Server:
         self.limits = config["limits"]
         self.isolation = config["isolation"]
         self.reply_cap = int(config["max_reply_bytes"])
-        self.base = tempfile.mkdtemp(prefix="hfllamarl-sandbox-")
+        sweep_stale_bases()
+        self.base = tempfile.mkdtemp(prefix=f"hfllamarl-sandbox-{os.getpid()}-")
         os.chmod(self.base, 0o711)  # uid 65534 must reach its scratch directory below
         self.cgroups = _Cgroups(os.getpid())
         self.hidden: dict[str, list[str]] = {}
@@ -341,10 +343,36 @@ class Server:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
+def sweep_stale_bases() -> None:
+    """Removes the scratch bases of this user's sandbox servers that are gone (killed with SIGKILL, which leaves no
+    time to clean): each base is named after its server's pid."""
+    root = tempfile.gettempdir()
+    for entry in os.scandir(root):
+        m = re.fullmatch(r"hfllamarl-sandbox-(\d+)-\w+", entry.name)
+        try:
+            if not m or not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.geteuid():
+                continue
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:  # (alive under another uid, or gone meanwhile)
+            continue
+
+
+_STOPPING = [False]
+
+
+def _terminate(signum, frame) -> None:
+    if not _STOPPING[0]:  # (once: a second SIGTERM must not cut the clean-up short)
+        _STOPPING[0] = True
+        raise SystemExit(0)  # (main's `finally` kills the calls and removes the scratch base)
+
+
 def main(sock: socket.socket, config: dict) -> None:
     """The server process: warm up, probe the isolation with a real child, report, serve."""
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(jail.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    signal.signal(signal.SIGTERM, _terminate)  # the parent's death (below) or a kill: clean up, then exit
+    libc.prctl(jail.PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != config["parent_pid"]:
         return
     libc.prctl(jail.PR_SET_DUMPABLE, 0, 0, 0, 0)  # calls run as another uid: they must not ptrace or read us
@@ -374,4 +402,10 @@ def main(sock: socket.socket, config: dict) -> None:
                           "cgroups": [kind for _, kind in server.cgroups.bases], "warmup_error": warmup_error})
         server.serve()
     finally:
-        server.shutdown()
+        while True:  # (the parent's death both ends `serve` and sends SIGTERM: either may come first)
+            try:
+                _STOPPING[0] = True
+                server.shutdown()
+                break
+            except SystemExit:
+                continue

@@ -45,12 +45,17 @@ def warm(modules) -> None:
     gc.freeze()  # the children's pages stay shared: no collection touches what was imported
 
 
+def _terminate(signum, frame) -> None:
+    raise SystemExit(0)
+
+
 def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
     """Import `modules`, then fork children on request until `owner` is gone. Returns the exit code."""
     import selectors
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a Ctrl-C in the owner's terminal: the owner ends this server)
+    signal.signal(signal.SIGTERM, _terminate)  # a kill: the `finally` below removes the socket, then exit
     os.environ.pop(ENV_ROOM, None)  # (its span stays: the children's environment is shown there)
     owner_fd = os.pidfd_open(owner)
     warm(modules)
@@ -69,6 +74,7 @@ def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
     os.chmod(tmp, 0o600)
     lsock.listen(64)
     os.replace(tmp, path)  # (the path exists only once the server answers)
+    own = os.stat(path).st_ino  # (the file's inode: fstat of the socket gives sockfs's, never the file's)
     rfd, wfd = os.pipe()
     os.set_blocking(wfd, False)
     signal.set_wakeup_fd(wfd)
@@ -95,8 +101,10 @@ def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
             _reap(children, sel)
     finally:
         try:
-            if os.path.exists(path) and os.stat(path).st_ino == os.fstat(lsock.fileno()).st_ino:
+            if os.path.exists(path) and os.stat(path).st_ino == own:  # (not a newer server's socket)
                 os.unlink(path)
+                if os.path.basename(os.path.dirname(path)).startswith("hfllamarl-preload-"):
+                    os.rmdir(os.path.dirname(path))  # (start_server's own directory; fails if anything else is in it)
         except OSError:
             pass
         for conn in children.values():
@@ -179,8 +187,8 @@ def _become(req: dict, fds: list[int], requester: int, requester_pid: int, state
     code = 1
     try:
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL if sig == signal.SIGCHLD else signal.default_int_handler)
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         state["sel"].close()
         state["lsock"].close()
         for fd in (*state["pipe"], state["owner_fd"]):
