@@ -479,3 +479,38 @@ def test_scratch_is_removed_on_every_exit_path(tmp_path):
     assert [b.split("-")[2] for b in bases()] == [str(pid)]  # left behind: nobody could clean
     run("exit")  # the next server sweeps it
     assert bases() == []
+
+
+def test_a_tools_timeout_counts_its_own_run_not_the_wait_for_a_worker():
+    """One worker, three rollouts: two slow calls hold it for longer than a call's bound, a fast one queues behind
+    them. The fast call still has its whole bound once it runs (it used to be charged the wait and time out); a call
+    that never finds a free worker within `wait_s` says so, rather than that its code ran too long."""
+    import threading
+
+    from hfllamarl.plugins.environments.python_sandbox import PythonSandbox
+
+    box = PythonSandbox(timeout_s=2.0, workers=1, memory_mb=256, wait_s=30.0)
+    results = {}
+
+    def run(name, code):
+        try:
+            results[name] = box.python(code)
+        except Exception as exc:  # noqa: BLE001 - what the model would read
+            results[name] = repr(exc)
+
+    slow = [threading.Thread(target=run, args=(f"slow{i}", f"import time; time.sleep(1.5); print('slow{i}')"))
+            for i in range(2)]
+    for t in slow:
+        t.start()
+    time.sleep(0.3)  # (the slow calls hold the worker, one after the other: about 3 s, past the fast one's 2 s)
+    run("fast", "print('fast')")
+    for t in slow:
+        t.join()
+    assert results == {"slow0": "slow0\n", "slow1": "slow1\n", "fast": "fast\n"}, results
+    impatient = PythonSandbox(timeout_s=2.0, workers=1, memory_mb=256, wait_s=0.2)
+    slow = threading.Thread(target=run, args=("slow", "import time; time.sleep(1.5); print('slow')"))
+    slow.start()
+    time.sleep(0.3)
+    with pytest.raises(TimeoutError, match="no sandbox worker came free within 0.2 s"):
+        impatient.python("print('fast')")
+    slow.join()

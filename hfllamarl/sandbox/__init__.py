@@ -5,6 +5,6 @@ memory, processes, files and network. Public for plugins: a reward or an environ
 Modules: `client` (the parent side, `Sandbox`), `server` (the forked server that starts each call), `jail` (the
 per-call child: limits, namespaces, the seccomp filter)."""
 
-from hfllamarl.sandbox.client import Sandbox, SandboxError, SandboxTimeout, SandboxUnavailable
+from hfllamarl.sandbox.client import Sandbox, SandboxBusy, SandboxError, SandboxTimeout, SandboxUnavailable
 
-__all__ = ["Sandbox", "SandboxError", "SandboxTimeout", "SandboxUnavailable"]
+__all__ = ["Sandbox", "SandboxBusy", "SandboxError", "SandboxTimeout", "SandboxUnavailable"]

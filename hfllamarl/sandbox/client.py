@@ -51,7 +51,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Sandbox", "SandboxError", "SandboxTimeout", "SandboxUnavailable"]
+__all__ = ["Sandbox", "SandboxBusy", "SandboxError", "SandboxTimeout", "SandboxUnavailable"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,10 @@ _PROCESS_MODE_WARNING = (
 
 class SandboxTimeout(Exception):
     """The call did not finish within its time budget; its whole process tree was killed."""
+
+
+class SandboxBusy(SandboxTimeout):
+    """The call never started: no slot came free (or the server did not start) within its wait."""
 
 
 class SandboxError(Exception):
@@ -348,12 +352,16 @@ class Sandbox:
             logger.warning(_PROCESS_MODE_WARNING)
         return True
 
-    def call(self, *args: Any, timeout: float) -> Any:
+    def call(self, *args: Any, timeout: float, wait_s: float | None = None) -> Any:
         """Runs ``fn(*args)`` in a fresh isolated child and returns its JSON result.
 
         Args:
             *args: JSON values for ``fn``.
-            timeout: Wall-clock budget in seconds, waiting for a free slot or a starting server included.
+            timeout: Wall-clock budget in seconds; without ``wait_s``, waiting for a free slot or a starting server
+                included (a batch's budget), with it the call's own run only (one call's bound, which another
+                call's slow code must not use up).
+            wait_s: Seconds the call may wait for a free slot and a ready server before it starts
+                (:class:`SandboxBusy` past them); None: within ``timeout``.
 
         Raises:
             SandboxTimeout: No result in time (the call's processes were killed).
@@ -366,12 +374,14 @@ class Sandbox:
             json.dumps(list(args), allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"Sandbox arguments must be JSON values (str, numbers, bool, None, lists, dicts): {exc}")
-        deadline = time.monotonic() + timeout
-        if not self._slots.acquire(timeout=max(timeout, 0.0)):
-            raise SandboxTimeout(f"all {self.parallel} sandbox slots stayed busy for {timeout:.2f} s")
+        wait = timeout if wait_s is None else wait_s
+        started = time.monotonic()
+        if not self._slots.acquire(timeout=max(wait, 0.0)):
+            raise SandboxBusy(f"all {self.parallel} sandbox slots stayed busy for {wait:.2f} s")
         try:
-            if not self.wait_ready(deadline - time.monotonic()):
-                raise SandboxTimeout("the sandbox server is still starting")
+            if not self.wait_ready(started + wait - time.monotonic()):
+                raise SandboxBusy("the sandbox server is still starting")
+            deadline = (started if wait_s is None else time.monotonic()) + timeout
             return self._call_ready(list(args), deadline)
         finally:
             self._slots.release()

@@ -4,7 +4,8 @@ The code is model output, so it never runs in the generator's process. Each call
 :class:`hfllamarl.sandbox.client.Sandbox` (fresh globals, fresh scratch directory, nothing left from other calls or
 rollouts) under these bounds:
 
-- time: `timeout_s` of wall clock per call; at the deadline the call's whole process tree is killed;
+- time: `timeout_s` of wall clock per call, counted from when it starts (the wait for a free worker has its own
+  bound, `wait_s`); at the deadline the call's whole process tree is killed;
 - memory: an address-space limit (`memory_mb`), so a huge allocation raises `MemoryError`;
 - isolation `"namespaces"` (default): its own user, mount, network, pid and IPC namespaces; a read-only file system
   but a 64 MiB tmpfs scratch directory (its working directory, removed after the call); no network at all; at most
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import threading
 
-from hfllamarl.sandbox import Sandbox, SandboxError, SandboxTimeout
+from hfllamarl.sandbox import Sandbox, SandboxBusy, SandboxError, SandboxTimeout
 
 
 def _execute(code: str, max_chars: int) -> str:
@@ -43,7 +44,9 @@ class PythonSandbox:
     """An environment with one tool, `python`; the sandbox server is shared by every instance of a job.
 
     Args:
-        timeout_s: wall-clock bound of one call (keep it under the job's `tool_call_timeout_s`).
+        timeout_s: wall-clock bound of one call's own run (keep it under the job's `tool_call_timeout_s`): the wait
+            for a free worker, behind other rollouts' calls, is not counted in it.
+        wait_s: how long a call may wait for a free worker before it fails with an error saying so (default 60 s).
         memory_mb: address-space limit of each process of a call.
         max_output_chars: longer output is cut.
         workers: calls that may run at once.
@@ -54,12 +57,12 @@ class PythonSandbox:
     _lock = threading.Lock()
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 2000,
-                 workers: int = 2, isolation: str = "namespaces"):
-        if not timeout_s > 0 or memory_mb < 64 or workers < 1:
-            raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64 and workers >= 1.")
+                 workers: int = 2, isolation: str = "namespaces", wait_s: float = 60.0):
+        if not timeout_s > 0 or memory_mb < 64 or workers < 1 or not wait_s > 0:
+            raise ValueError("PythonSandbox needs timeout_s > 0, memory_mb >= 64, workers >= 1 and wait_s > 0.")
         if isolation not in ("namespaces", "process"):
             raise ValueError(f"PythonSandbox isolation must be 'namespaces' or 'process', got {isolation!r}.")
-        self.timeout_s, self.max_output_chars = float(timeout_s), int(max_output_chars)
+        self.timeout_s, self.max_output_chars, self.wait_s = float(timeout_s), int(max_output_chars), float(wait_s)
         self._key = (int(memory_mb), int(workers), max(1.0, 2 * float(timeout_s)), isolation)
         # Refuse here, where the job builds its environments at start-up, rather than turn every call into an
         # error the model reads: SandboxUnavailable names the step the kernel refused and the opt-in way out.
@@ -80,7 +83,9 @@ class PythonSandbox:
         if not isinstance(code, str):
             raise ValueError(f"code must be a string, got {type(code).__name__}")
         try:
-            out = self._sandbox().call(code, self.max_output_chars, timeout=self.timeout_s)
+            out = self._sandbox().call(code, self.max_output_chars, timeout=self.timeout_s, wait_s=self.wait_s)
+        except SandboxBusy:
+            raise TimeoutError(f"no sandbox worker came free within {self.wait_s:g} s; the code did not run") from None
         except SandboxTimeout:
             raise TimeoutError(f"the code ran longer than {self.timeout_s:g} s and was stopped") from None
         except SandboxError as exc:
