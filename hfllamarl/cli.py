@@ -43,7 +43,9 @@ def _command(parent, name: str, help: str, module) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hfllamarl", description="Asynchronous off-policy RL fine-tuning of LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="action", required=True)
+    plugins_parser = sub.add_parser("plugins", help="installed plugins (`hfllamarl plugins` alone: list them)")
+    plugins_parser.set_defaults(func=_plugins_list)
+    plugins = plugins_parser.add_subparsers(dest="action")
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
     # light modules: heavy imports happen inside their run()
     from .commands import (bench_grader, bench_learning, bench_load, bench_multi_turn, bench_profile, bench_vs_trl,

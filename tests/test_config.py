@@ -34,6 +34,8 @@ def test_defaults_and_derived_sizes():
 @pytest.mark.parametrize("kw,match", [
     ({"algorithm": "on_policy_pg", "num_iterations": 2}, "has no `old_logprobs` parameter in its loss"),
     ({"num_iterations": 0}, "num_iterations=0; it must be a whole number >= 1"),
+    ({"learning_rate": -1e-5}, "learning_rate=-1e-05: it must be a finite number >= 0"),
+    ({"learning_rate": float("nan")}, "learning_rate=nan: it must be a finite number >= 0"),
     ({"algorithm": "on_policy_pg", "top_entropy_quantile": 0.2}, "has no `entropy_mask` parameter"),
     ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile=1.5; it must be in \[0, 1\]"),
     ({"sync_ref_model": True, "beta": 0.1, "ref_model_sync_steps": 0}, "ref_model_sync_steps=0"),

@@ -28,6 +28,9 @@ def test_cli_plugins_list():
                          check=True).stdout
     assert "algorithms" in out and "aipo" in out and "math_sympy" in out and "broadcast" in out
     assert "hfllamarl" in out  # the distribution column
+    alone = subprocess.run([sys.executable, "-m", "hfllamarl.cli", "plugins"], capture_output=True, text=True,
+                           check=True).stdout  # (`plugins` alone lists them too)
+    assert alone == out
 
 
 # the GPU-layout recipes (demo_cpu.yaml builds its own model and data: tests/test_recipe.py runs it)

@@ -298,6 +298,10 @@ class AsyncAIPOConfig(GRPOConfig):
         if optim not in ("adamw_torch", "adamw_torch_fused"):
             raise ValueError(f"AsyncAIPOConfig: optim={optim!r} is not supported: the trainer ranks build torch's "
                              "AdamW over the FSDP2 shards (optim='adamw_torch' or 'adamw_torch_fused').")
+        lr = self.learning_rate
+        if not (isinstance(lr, int | float) and math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"AsyncAIPOConfig: learning_rate={self.learning_rate!r}: it must be a finite number >= 0 "
+                             "(a negative rate climbs the loss).")
         scheduler = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
         if scheduler == "reduce_lr_on_plateau":
             raise ValueError("AsyncAIPOConfig: lr_scheduler_type='reduce_lr_on_plateau' steps on an evaluation "
