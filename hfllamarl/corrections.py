@@ -192,9 +192,25 @@ TRL_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_m
               "vllm_importance_sampling_clip_max", "aipo_rho")
 
 
+#: Losses no correction held under staleness on the study's harder task (`increment`): the share of the synchronous
+#: final reward they kept there at staleness 4, whatever the correction (see docs/operations/staleness.md).
+FRAGILE_UNDER_STALENESS = {"cispo": "45 %", "sapo": "90 %"}
+_WARNED: set[str] = set()
+
+
 def resolve_config(config, defaults: dict, written=frozenset()) -> str:
     """`resolve` for an `AsyncAIPOConfig` whose fields have these `defaults` (by name); `written`: the fields its
-    caller wrote (one of TRL's written with TRL's default value still asks for TRL's correction)."""
+    caller wrote (one of TRL's written with TRL's default value still asks for TRL's correction). A loss the study
+    found fragile under staleness, trained stale, is warned about (once per process)."""
+    loss = study_loss(config.algorithm, config.loss_type, config.importance_sampling_level)
+    if loss in FRAGILE_UNDER_STALENESS and config.max_staleness > 1 and loss not in _WARNED:
+        import warnings
+
+        _WARNED.add(loss)
+        warnings.warn(f"loss_type={loss!r} with max_staleness={config.max_staleness}: in the staleness study no "
+                      f"off-policy correction kept this loss near its synchronous reward on the harder task "
+                      f"({FRAGILE_UNDER_STALENESS[loss]} at staleness 4 with its default); keep max_staleness <= 1 "
+                      "or use a clipped loss (grpo, dapo, aipo), which held at staleness 16.", stacklevel=3)
     return resolve(config.off_policy_correction, algorithm=config.algorithm, loss_type=config.loss_type,
                    level=config.importance_sampling_level, max_staleness=config.max_staleness,
                    trl_fields_set=any(f in written or getattr(config, f) != defaults[f] for f in TRL_FIELDS))
