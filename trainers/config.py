@@ -300,7 +300,7 @@ class AsyncAIPOConfig(GRPOConfig):
                              "AdamW over the FSDP2 shards (optim='adamw_torch' or 'adamw_torch_fused').")
         lr = self.learning_rate
         if not (isinstance(lr, int | float) and math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"AsyncAIPOConfig: learning_rate={self.learning_rate!r}: it must be a finite number >= 0 "
+            raise ValueError(f"AsyncAIPOConfig: learning_rate={lr!r}: it must be a finite number >= 0 "
                              "(a negative rate climbs the loss).")
         scheduler = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
         if scheduler == "reduce_lr_on_plateau":

@@ -42,8 +42,8 @@ of distinct (gold, answer) pairs that need a worker, divided by ``workers``, plu
 (about 1 s; call :func:`warmup` at start-up to take it out of the training loop). One check gets at
 most ``sample_timeout_s`` of worker time, so a check that would run long (``\\sum_{k=1}^{9999} k^{k^{2}}``,
 which step 4's rules let through) ends at its own timeout. A completion whose check did not finish (its own
-timeout, the call's budget spent, a worker crash) is unscored: its score is None, which leaves it out of its group's baseline with
-advantage 0 (TRL's NaN), never 0.0. A call with more than 1 % of its completions unscored logs a
+timeout, the call's budget spent, a worker crash) is unscored: its score is None, which leaves it out of its
+group's baseline with advantage 0 (TRL's NaN), never 0.0. A call with more than 1 % of its completions unscored logs a
 warning (logger ``hfllamarl.plugins.rewards.math_sympy``) saying how many, why, and which setting
 raises the budget.
 

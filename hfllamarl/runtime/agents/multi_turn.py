@@ -253,10 +253,9 @@ class MultiTurn:
                     self._append_cut_turn(r)
                     self.finish(r, "length")
                 continue  # else its allowance is spent mid-turn: carried to the next tick
-            message = self._parse_turn(r)
+            message, parsed = self._parse_turn(r)
             r.episode.messages.append(message)
-            if message.get("unparsed"):  # the turn's text as it is: no tool calls run, the rollout ends
-                del message["unparsed"]
+            if not parsed:  # the turn's text as it is: no tool calls run, the rollout ends
                 self.finish(r, reason)
                 continue
             bound, calls = self.spec.max_iterations, message.get("tool_calls")
@@ -273,19 +272,19 @@ class MultiTurn:
             pending[self.runner.submit(calls, tools, self._time_left(r.episode), self._live(r.episode))] = r
         return tokens
 
-    def _parse_turn(self, r: Rollout) -> dict:
+    def _parse_turn(self, r: Rollout) -> tuple[dict, bool]:
         """The rollout's finished turn as a message (its strings made valid text: a tool call's JSON may write a
-        lone surrogate). A turn the parser refuses is model output, not a fault of the job: its decoded text, marked
-        `unparsed` (the rollout ends there), with a warning the first time."""
+        lone surrogate), and whether the parser took it. A turn the parser refuses is model output, not a fault of
+        the job: its decoded text (the rollout ends there), with a warning the first time."""
         ids = r.completion_ids[r.episode.turn_start:]
         try:
             return valid_text(self.chat.parse(ids, r.prompt_ids + r.completion_ids[:r.episode.turn_start],
-                                              self.tools(r.episode)))
+                                              self.tools(r.episode))), True
         except Exception as exc:  # noqa: BLE001 - the model's text, whatever the parser made of it
             self._warn_once("parse", f"a model turn the response parser refused ends its rollout ({exc!r}); "
                                      "further ones are not reported")
-            return {"role": "assistant", "unparsed": True,
-                    "content": self.ex.encoder.tokenizer.decode(ids, skip_special_tokens=True)}
+            text = self.ex.encoder.tokenizer.decode(ids, skip_special_tokens=True)
+            return {"role": "assistant", "content": text}, False
 
     def _warn_once(self, kind: str, text: str) -> None:
         if kind not in self._warned:
