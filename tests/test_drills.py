@@ -370,11 +370,12 @@ def test_a_lost_generator_replica_is_survived_or_named(tiny_model, tmp_path):
 EXIT_STEPS = 2  # the last step is checkpointed (checkpoint.due): the freeze comes right after that checkpoint
 
 
-def exit_drill(model: str, out: str, launch: str, victim: int, results: dict) -> None:
+def exit_drill(model: str, out: str, launch: str, victim: int, results: dict, past_end: bool = False) -> None:
     """Run a 2-step job (1 trainer + 1 generator) whose rank `victim` is SIGSTOPped right after the last checkpoint
-    is committed; record how long the job took to end after that and what it printed last."""
-    proc = start(model, out, launch, extra=["--steps", str(EXIT_STEPS), "--stop-after-checkpoint",
-                                            f"{EXIT_STEPS}:{victim}", "--num-generators", "1"], nproc=2)
+    is committed (`past_end`: right after it passed the end-of-job rendezvous); record how long the job took to end
+    after that and what it printed last."""
+    stop = ["--stop-after-end", str(victim)] if past_end else ["--stop-after-checkpoint", f"{EXIT_STEPS}:{victim}"]
+    proc = start(model, out, launch, extra=["--steps", str(EXIT_STEPS), *stop, "--num-generators", "1"], nproc=2)
     marker = os.path.join(out, "victim.pid")
     try:
         deadline = time.monotonic() + 600
@@ -442,6 +443,35 @@ def test_a_rank_frozen_after_the_last_checkpoint(family_model, tmp_path):
             assert r["code"] != 0 and not r["victim_left"], (case, r["code"], tail)
             assert name in tail and "stopped answering" in tail, (case, tail)
         assert not orphans(str(tmp_path / f"{launch}-{victim}")), case
+
+
+def test_a_rank_frozen_past_the_end_of_the_job_is_killed_and_the_launcher_returns(family_model, tmp_path):
+    """SIGSTOP a rank right after it passed the end-of-job rendezvous (a 2-step job under torchrun, 1 trainer + 1
+    generator, each rank in turn): the other rank exits 0 at once, and without a watcher torchrun would wait for the
+    frozen one forever. The watcher each rank leaves behind kills it after the heartbeat timeout (15 s at
+    collective_timeout_s=60): torchrun returns within a minute of the signal, non-zero, its last lines naming the
+    frozen rank as one that reached the end of the job; the last checkpoint is complete and no process is left."""
+    from hfllamarl.runtime.world.liveness import heartbeat_timeout
+
+    results: dict = {}
+    threads = [threading.Thread(target=exit_drill, args=(family_model("llama"), str(tmp_path / f"end-{victim}"),
+                                                         "torchrun", victim, results, True)) for victim in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print({case: r["seconds"] for case, r in results.items()})
+    for victim in (0, 1):
+        r = results.get(("torchrun", victim))
+        assert r is not None, f"victim {victim}: the drill itself failed"
+        tail = "\n".join(r["err"].strip().splitlines()[-40:])
+        name = "rank 0 (trainer 0)" if victim == 0 else "rank 1 (generator 0)"
+        assert r["seconds"] is not None and heartbeat_timeout(TIMEOUT_S) - 1 < r["seconds"] < 60, (victim, r, tail)
+        assert r["code"] != 0 and not r["victim_left"], (victim, r["code"], tail)
+        assert f"{name} (pid" in tail and "reached the end of the job but did not exit" in tail, (victim, tail)
+        out = tmp_path / f"end-{victim}"
+        assert (out / f"checkpoint-{EXIT_STEPS}").is_dir(), sorted(os.listdir(out))
+        assert not orphans(str(out)), victim
 
 
 def test_a_rank_hung_in_its_exit_is_named_after_the_collective_timeout_and_a_clean_exit_is_not_slowed():

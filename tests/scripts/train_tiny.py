@@ -169,6 +169,25 @@ def stop_after_checkpoint(step: int, rank: int, output_dir: str):
     checkpoint.commit = commit_then_stop
 
 
+def stop_after_end(rank: int, output_dir: str):
+    """SIGSTOP the job's rank `rank` (under a launcher) right after it passed the end-of-job rendezvous: all that is
+    left for it is its process's exit. The victim's pid goes to OUTPUT_DIR/victim.pid first."""
+    import signal
+
+    from hfllamarl.runtime.world.liveness import Liveness
+
+    finish = Liveness.finish
+
+    def finish_then_stop(self):
+        finish(self)
+        if self.topology.rank == rank:
+            with open(os.path.join(output_dir, "victim.pid"), "w") as fh:
+                fh.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    Liveness.finish = finish_then_stop
+
+
 def generator_raises(spec: str):
     """`TICK:REPLICA`: the generator ranks of that replica raise at that tick (a replica that fails on its own)."""
     tick, replica = map(int, spec.split(":"))
@@ -211,6 +230,8 @@ def main():
     p.add_argument("--kill-in-checkpoint", type=int, default=0, help="SIGKILL while this step's checkpoint is written")
     p.add_argument("--stop-after-checkpoint", default=None,
                    help="STEP:RANK: SIGSTOP that rank right after checkpoint STEP is committed")
+    p.add_argument("--stop-after-end", type=int, default=None,
+                   help="RANK: SIGSTOP that rank right after the end-of-job rendezvous (under a launcher)")
     p.add_argument("--generator-raises", default=None, help="TICK:REPLICA: that replica's ranks raise at that tick")
     p.add_argument("--verify-weight-sync", action="store_true", help="check every sync against vLLM's own loader")
     p.add_argument("--timeout", type=float, default=60, help="collective_timeout_s")
@@ -229,6 +250,8 @@ def main():
     if a.stop_after_checkpoint:
         stop_step, stop_rank = map(int, a.stop_after_checkpoint.split(":"))
         stop_after_checkpoint(stop_step, stop_rank, a.output_dir)
+    if a.stop_after_end is not None:
+        stop_after_end(a.stop_after_end, a.output_dir)
     if a.generator_raises:
         generator_raises(a.generator_raises)
     rewards = [{"digits": digits, "flat_zero": flat_zero}.get(a.reward, a.reward)] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))

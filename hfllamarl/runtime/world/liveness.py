@@ -225,8 +225,28 @@ class Liveness:
                               "it hangs (or works on alone for longer than that bound: raise collective_timeout_s).",
                               frozen=missing)
             time.sleep(0.05)  # (a clean exit waits for the last rank's mark: look often, the store answers at once)
+        if topo.mode == "launcher":  # nothing watches a rank past this point: a watcher sees that each one exits
+            from hfllamarl.runtime.world.exit_watch import watch
+
+            watch(self._local_peers(), self.stale_s, topo.job_id)
         self.mark_done()
         self._linger()  # (the store's host stays until the others have seen every rank arrive)
+
+    def _local_peers(self) -> dict[str, dict]:
+        """The other ranks on this machine (not of a lost replica), by description: their `process_identity`."""
+        topo = self.topology
+
+        def read(client):
+            for r in self._others():
+                if r not in self._where and client.check([self._key("process", r)]):
+                    self._where[r] = json.loads(client.get(self._key("process", r)).decode())
+
+        try:
+            timed(lambda: self._locked(read), STORE_CALL_S)
+        except Exception:  # (the ones read while the store answered still count)
+            pass
+        return {topo.describe(r): where for r, where in sorted(self._where.items())
+                if same_pid_space(where, self._here) and topo.replica_of(r) not in topo.lost}
 
     def mark_done(self) -> None:
         """This rank finished normally (it is not lost when its heartbeat stops)."""
