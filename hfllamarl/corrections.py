@@ -36,12 +36,15 @@ class Corrected:
     anchor: `[B, T]` log-probs the objective's ratio c = pi/anchor refers to (None: log pi_old).
     bounded: the share of tokens (sequences, for a sequence weight) whose weight was truncated or masked.
     metrics: logged as they are, averaged over micro-batches and ranks (`/max`, `/min`: the extreme).
+    trust: (low, high): drop the tokens whose objective ratio c = pi/anchor has left [1 - low, 1 + high] on the side
+        its advantage pushes (A > 0 and c > 1 + high, or A < 0 and c < 1 - low); None: no such mask.
     """
 
     weight: torch.Tensor | None
     anchor: torch.Tensor | None = None
     bounded: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    trust: tuple[float, float] | None = None
 
 
 def log_weight(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -127,6 +130,42 @@ class StepScaled:
         relative = min(1.0, ratio / self.base_ratio)
         scale = math.sqrt(relative) if self.rule == "sqrt" else relative
         return scale, {"correction/ess": ratio, "correction/step_scale": scale}
+
+
+class TrustMasked:
+    """Any correction with PPO's trust region as a mask on top (`off_policy_correction="<name>+trust"`): the
+    correction's weight and anchor as they are, and a token whose ratio c = pi/anchor has left [1 - low, 1 + high]
+    in the direction its advantage pushes gets no gradient. This is the token mask M_t of CISPO's general form
+    (MiniMax-M1, arXiv 2506.13585, section 3.1): for PPO's clipped losses it changes nothing (their clip already
+    zeroes exactly those tokens' gradient); for losses without a hard trust region (cispo's truncated weight, sapo's
+    soft gate) it bounds how far a stale batch moves a token's probability away from the anchor."""
+
+    def __init__(self, base, low: float = 0.2, high: float = 0.28):
+        for key, value in (("trust_low", low), ("trust_high", high)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"+trust: {key}={value!r} must be a positive number (the trust region is "
+                                 "[1 - trust_low, 1 + trust_high]).")
+        if low >= 1:
+            raise ValueError(f"+trust: trust_low={low!r} must be below 1 (the region's lower end 1 - trust_low > 0).")
+        self.base, self.low, self.high = base, float(low), float(high)
+        self.level = getattr(base, "level", "token")
+        if callable(getattr(base, "step_scale", None)):
+            self.step_scale = base.step_scale
+
+    def __repr__(self) -> str:
+        return f"TrustMasked({self.base!r}, low={self.low}, high={self.high})"
+
+    def __call__(self, old_logprobs, behavior_logprobs, mask, staleness=None) -> Corrected:
+        corrected = self.base(old_logprobs, behavior_logprobs, mask, staleness)
+        corrected.trust = (self.low, self.high)
+        return corrected
+
+
+def trust_mask(coef_1: torch.Tensor, advantages: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """`TrustMasked`'s keep mask (1.0 / 0.0) for objective ratios `coef_1` (`[B, T]` or `[B, 1]`) and `[B, 1]`
+    advantages: 0 where A > 0 and c > 1 + high, or A < 0 and c < 1 - low."""
+    out = ((advantages > 0) & (coef_1 > 1 + high)) | ((advantages < 0) & (coef_1 < 1 - low))
+    return (~out).to(coef_1.dtype).detach()
 
 
 def effective_sample_ratio(log_weights: torch.Tensor) -> float:
@@ -255,6 +294,10 @@ def build(name: str, kwargs: dict | None, trl_correction, trl_fields_set: bool, 
         kwargs = {**options, **(kwargs or {})}
     if name.endswith("+ess") and name != "+ess":  # any correction with VCPO's step rule on top
         return StepScaled(build(name[:-len("+ess")], kwargs, trl_correction, trl_fields_set, rho))
+    if name.endswith("+trust") and name != "+trust":  # any correction with the trust-region mask on top
+        kwargs = dict(kwargs or {})
+        low, high = kwargs.pop("trust_low", 0.2), kwargs.pop("trust_high", 0.28)
+        return TrustMasked(build(name[:-len("+trust")], kwargs or None, trl_correction, trl_fields_set, rho), low, high)
     if name == "auto":
         name = "trl"
     if name in ("trl", "none"):

@@ -9,7 +9,7 @@ one optimizer step per batch) and log mu (the generator's, which sampled t, mayb
                                                          anchor None: pi_old)
     c_t  = pi_t / anchor_t                       (token level; GSPO's exp(mean_t log(pi/anchor)) per sequence)
     l_t  = objective(loss_type, c_t, A)          (`hfllamarl.losses.per_token_objective`; vespo's phi(w))
-    l_t *= keep (off-policy mask) * entropy mask
+    l_t *= trust (the correction's trust-region mask, `+trust`) * keep (off-policy mask) * entropy mask
     l_t *= b_t
     l_t += beta * KL_t(pi || pi_ref) (* c_t with use_bias_correction_kl)
     loss = normalise(loss_type, l)
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hfllamarl.corrections import ImportanceSampling
+from hfllamarl.corrections import ImportanceSampling, share, trust_mask
 from hfllamarl.losses import (CLIPPED_LOSS_TYPES, LOSS_TYPES, StepShape, aggregate, check_choice, group_advantages,
                               off_policy_mask, per_token_objective, policy_ratio, ratio_metrics, reference_kl,
                               vespo_weight, weight_metrics)
@@ -147,6 +147,10 @@ class PolicyLoss:
         else:
             per_token = per_token_objective(o.loss_type, coef_1, adv, logprobs, o.epsilon_low, o.eps_high, o.delta,
                                             o.sapo_temperature_pos, o.sapo_temperature_neg)
+        if corrected is not None and corrected.trust is not None:
+            keep = trust_mask(coef_1.detach(), adv, *corrected.trust)
+            per_token = per_token * keep
+            metrics["correction/trust_masked_frac"] = share(keep.expand_as(mask) == 0, mask)
         if self.off_policy_mask_threshold is not None:
             keep = off_policy_mask(adv, logprobs, behavior_logprobs, mask, self.off_policy_mask_threshold)
             per_token = per_token * keep

@@ -161,6 +161,40 @@ def test_a3po_in_the_loss_clips_against_the_interpolated_policy():
     assert metrics["correction/alpha_mean"] == pytest.approx(0.75)
 
 
+def test_the_trust_mask_drops_cispos_tokens_past_the_trust_region_in_their_advantages_direction():
+    # One batch pass (pi = pi_old), coupled (anchor mu): c = pi/mu = 2, 1.1, 0.5, 2 with A = +1, +1, -1, -1 (one token
+    # per sequence). CISPO (epsilon_high = 5: its weight min(c, 5)) trains all four: gradient -min(c, 5) A / tokens.
+    old, mu = logs(2.0, 1.1, 0.5, 2.0)
+    old, mu = old.view(4, 1), mu.view(4, 1)
+    mask, adv = torch.ones(4, 1), torch.tensor([1.0, 1.0, -1.0, -1.0])
+    plain = load_plugin("algorithms", "grpo")(loss_type="cispo", epsilon_high=5.0, off_policy_correction="coupled")
+    grad, _ = _grad(plain, old, old, mu, adv, mask)
+    assert torch.allclose(grad, torch.tensor([[-2.0], [-1.1], [0.5], [2.0]]) / 4)
+    # "+trust" (CISPO's mask M_t, [1 - 0.2, 1 + 0.28]): A > 0 and c = 2 > 1.28, A < 0 and c = 0.5 < 0.8 get none;
+    # c = 1.1 (inside) and c = 2 with A < 0 (the advantage pushes it back) keep theirs; the normaliser is unchanged
+    masked = load_plugin("algorithms", "grpo")(loss_type="cispo", epsilon_high=5.0,
+                                               off_policy_correction="coupled+trust")
+    grad, metrics = _grad(masked, old, old, mu, adv, mask)
+    assert torch.allclose(grad, torch.tensor([[0.0], [-1.1], [0.0], [2.0]]) / 4)
+    assert metrics["correction/trust_masked_frac"] == pytest.approx(0.5)
+    # its bounds are options; for a PPO-clipped loss with the same bounds it changes nothing (the clip already did it)
+    wide = load_plugin("algorithms", "grpo")(loss_type="cispo", epsilon_high=5.0,
+                                             off_policy_correction="coupled+trust:trust_high=1.5,trust_low=0.6")
+    assert torch.allclose(_grad(wide, old, old, mu, adv, mask)[0], torch.tensor([[-2.0], [-1.1], [0.5], [2.0]]) / 4)
+    dapo = {c: load_plugin("algorithms", "grpo")(loss_type="dapo", epsilon_high=0.28, off_policy_correction=c)
+            for c in ("coupled", "coupled+trust")}
+    assert torch.equal(*(_grad(a, old, old, mu, adv, mask)[0] for a in dapo.values()))
+    # on top of a3po (anchor pi_prox), with a3po's own options in the same name
+    a3po = load_plugin("algorithms", "grpo")(loss_type="cispo", epsilon_high=5.0,
+                                             off_policy_correction="a3po+trust:lag=1")
+    grad, _ = _grad(a3po, old, old, mu, adv, mask, torch.full((4, 1), 4.0))
+    # alpha = 3/4: b = w^(3/4), c = w^(1/4) = 1.19, 1.02, 0.84, 1.19: all inside, gradient -min(c, 5) b A = -w A
+    assert torch.allclose(grad, torch.tensor([[-2.0], [-1.1], [0.5], [2.0]]) / 4, atol=1e-6)
+    with pytest.raises(ValueError, match="trust_low"):
+        AsyncAIPOConfig(output_dir="/tmp/x", algorithm="grpo", loss_type="cispo",
+                        off_policy_correction="coupled+trust:trust_low=1.5")
+
+
 @pytest.mark.parametrize("loss", ["aipo", "grpo", "dapo", "cispo", "gspo", "vespo"])
 def test_auto_is_trls_correction_when_synchronous_and_the_studys_default_when_stale(loss):
     fields = ({"algorithm": "aipo"} if loss == "aipo" else

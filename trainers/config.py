@@ -127,7 +127,7 @@ class AsyncAIPOConfig(GRPOConfig):
         metadata={"help": "How the loss corrects for tokens sampled by an older policy: a correction plugin (group "
                   "`hfllamarl.corrections`: aipo, token_truncate, token_mask, sequence_truncate, sequence_mask, "
                   "decoupled, a3po, m2po, ess, coupled; options may follow the name, 'a3po:lag=4'; '<name>+ess' adds "
-                  "VCPO's step rule), 'trl' (the vllm_importance_sampling_* fields' correction; "
+                  "VCPO's step rule, '<name>+trust' the trust-region mask), 'trl' (the vllm_importance_sampling_* fields' correction; "
                   "aipo_rho's truncation for algorithm='aipo'), or 'none'. 'auto': 'trl' when those fields or "
                   "aipo_rho are set or max_staleness is 0, else the loss's default under staleness, chosen by the "
                   "staleness study (docs: Learning under staleness). Taken by the aipo, grpo and rloo algorithms."},

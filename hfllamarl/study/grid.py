@@ -29,8 +29,10 @@ LOSSES = {
 CORRECTIONS = ("none", "aipo", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "coupled",
                "decoupled", "a3po", "m2po", "ess")
 SEQUENCE_LEVEL = ("sequence_truncate", "sequence_mask", "ess")  # (vespo takes token-level corrections only)
-#: Every correction name the study takes: the above, and each with VCPO's step rule on top ("<name>+ess").
-KNOWN_CORRECTIONS = CORRECTIONS + tuple(f"{c}+ess" for c in CORRECTIONS if c not in ("none", "ess"))
+#: Every correction name the study takes: the above, each with VCPO's step rule on top ("<name>+ess") and each with
+#: the trust-region mask on top ("<name>+trust").
+KNOWN_CORRECTIONS = (CORRECTIONS + tuple(f"{c}+ess" for c in CORRECTIONS if c not in ("none", "ess"))
+                     + tuple(f"{c}+trust" for c in CORRECTIONS if c != "none"))
 
 STALENESS = (0, 1, 2, 4, 8, 16)
 COMPLETIONS_PER_STEP, GENERATIONS = 64, 8
