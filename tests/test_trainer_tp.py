@@ -151,3 +151,34 @@ def test_a_tensor_parallel_run_checkpoints_and_resumes_on_another_layout(family_
     moved = max(float((a[k] - start[k]).abs().max()) for k in a)
     apart = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert apart <= 2 * moved + 1e-6, (apart, moved)  # two steps of lr 1e-3 Adam either way, from the same point
+
+
+def test_a_tensor_parallel_group_scores_once_and_its_peers_train_the_same_rewards(family_model, tmp_path):
+    """A TP-2 group (2 trainer ranks + a generator) trained on `reward = random.random()` (each process its own
+    unseeded stream, as an API judge or a sampled reward differs between calls): the group's first rank alone calls
+    the reward function, once per batch, and its peer trains the scores it broadcast: each step's reward and loss are
+    the same on both ranks (scored on each, they differed: 0.378 / 0.435, losses 0.015 / 0.012), and the parameters
+    the group holds whole (replicated over "tp") are bit-identical on both after 3 steps, and they moved."""
+    import torch
+    from safetensors.torch import load_file as load
+
+    model = family_model("qwen3")
+    out = str(tmp_path / "tp")
+    args = [str(SCRIPTS / "train_tiny.py"), model, out, "--steps", "3", "--max-staleness", "1", "--reward", "noise",
+            "--report-to", "none", "--dump-replicated", "--learning-rate", "1e-2",
+            "--extra", json.dumps({"trainer_tensor_parallel_size": 2, "per_device_train_batch_size": 16})]
+    proc = run_script(args, nproc=3, timeout=500)
+    assert proc.returncode == 0, tail(proc)
+    calls = [json.loads(line) for line in open(os.path.join(out, "noise-calls.jsonl"))]
+    assert {c["rank"] for c in calls} == {0}, calls  # (rank 1, its TP peer, called nothing; rank 2 is the generator)
+    assert len(calls) == 3 and all(c["n"] == 16 for c in calls), calls
+    histories = [[(h["reward"], h["loss"]) for h in json.load(open(os.path.join(out, f"history-rank{r}.json")))
+                  if "reward" in h] for r in (0, 1)]
+    assert len(histories[0]) == 3 and histories[0] == histories[1], histories
+    ranks = [torch.load(os.path.join(out, f"replicated-rank{r}.pt")) for r in (0, 1)]
+    assert ranks[0] and set(ranks[0]) == set(ranks[1])
+    for name in ranks[0]:
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+    init = load(os.path.join(model, "model.safetensors"))
+    moved = [n for n in ranks[0] if n in init and not torch.equal(init[n], ranks[0][n].to(init[n].dtype))]
+    assert moved, "training moved none of the replicated parameters"

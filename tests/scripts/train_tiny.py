@@ -34,6 +34,40 @@ def flat_zero(completions, answer, **kwargs):
     return [1.0 if a == "0" else score for a, score in zip(answer, digits(completions))]
 
 
+def noise(completions, **kwargs):
+    """A reward that is not the same in two calls (each process's own unseeded random stream, as an API judge or a
+    sampled reward is); every call is appended to OUTPUT_DIR/noise-calls.jsonl with the calling process."""
+    import random
+
+    scores = [random.SystemRandom().random() for _ in completions]
+    with open(os.path.join(NOISE_LOG[0], "noise-calls.jsonl"), "a") as fh:
+        fh.write(json.dumps({"pid": os.getpid(), "rank": int(os.environ.get("RANK", "0")), "n": len(scores)}) + "\n")
+    return scores
+
+
+NOISE_LOG = ["."]
+
+
+def dump_replicated(trainer, output_dir: str) -> None:
+    """Each trainer rank saves the parameters its tensor-parallel group holds whole (replicated over "tp") to
+    OUTPUT_DIR/replicated-rank<R>.pt, to compare the peers' copies."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if trainer.topology.role != "trainer":
+        return
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        names = p.device_mesh.mesh_dim_names or ()
+        if "tp" not in names or p.placements[names.index("tp")].is_replicate():  # (dp has one rank: local is whole)
+            out[name] = p.to_local().detach().clone()
+    torch.save(out, os.path.join(output_dir, f"replicated-rank{trainer.topology.rank}.pt"))
+    with open(os.path.join(output_dir, f"history-rank{trainer.topology.rank}.json"), "w") as fh:
+        json.dump(trainer.state.log_history, fh)
+
+
 class PrintEvaluations(TrainerCallback):
     """Says on stdout when `on_evaluate` fires (evaluation during training)."""
 
@@ -232,6 +266,8 @@ def main():
                    help="STEP:RANK: SIGSTOP that rank right after checkpoint STEP is committed")
     p.add_argument("--stop-after-end", type=int, default=None,
                    help="RANK: SIGSTOP that rank right after the end-of-job rendezvous (under a launcher)")
+    p.add_argument("--dump-replicated", action="store_true",
+                   help="after train(): each trainer rank saves its tensor-parallel-replicated parameters")
     p.add_argument("--generator-raises", default=None, help="TICK:REPLICA: that replica's ranks raise at that tick")
     p.add_argument("--verify-weight-sync", action="store_true", help="check every sync against vLLM's own loader")
     p.add_argument("--timeout", type=float, default=60, help="collective_timeout_s")
@@ -254,7 +290,8 @@ def main():
         stop_after_end(a.stop_after_end, a.output_dir)
     if a.generator_raises:
         generator_raises(a.generator_raises)
-    rewards = [{"digits": digits, "flat_zero": flat_zero}.get(a.reward, a.reward)] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
+    NOISE_LOG[0] = a.output_dir
+    rewards = [{"digits": digits, "flat_zero": flat_zero, "noise": noise}.get(a.reward, a.reward)] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
     if a.reward_model:
         rewards.insert(0, a.reward_model)
     config = AsyncAIPOConfig(**dict(dict(
@@ -293,6 +330,8 @@ def main():
         trainer.save_state()
         if a.save_model:
             trainer.save_model(a.save_model)
+        if a.dump_replicated:
+            dump_replicated(trainer, a.output_dir)
         trainer.model.generation_config.eos_token_id = trainer.processing_class.eos_token_id
         if trainer.accelerator.is_main_process:
             trainer.create_model_card(dataset_name="successor", tags=["tiny"])

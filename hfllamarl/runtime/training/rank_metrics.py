@@ -8,8 +8,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from hfllamarl.runtime.data.episodes import reward_arguments
 from hfllamarl.runtime.loop.rollout import RolloutGroup
+from hfllamarl.runtime.training import shared_rewards
 from hfllamarl.runtime.world.mesh import data_group, data_world_size
 
 
@@ -60,8 +60,7 @@ def evaluation_metrics(spec, groups: list[RolloutGroup]) -> dict[str, float]:
     logged: dict[str, tuple[float, int]] = {}
     if rollouts:
         unscored_before = spec.rewards.unscored_count
-        rewards, per_func = spec.rewards(**reward_arguments(rollouts), trainer_state=spec.trainer_state,
-                                         group_sizes=[len(g.rollouts) for g in groups])  # (unscored: NaN)
+        rewards, per_func = shared_rewards.score(spec, rollouts, [len(g.rollouts) for g in groups])  # (unscored: NaN)
         spec.rewards.unscored_count = unscored_before  # training's counter; these are eval_reward_unscored
         logged = spec.rewards.drain(len(rollouts))[0]
         scored = [x for x in rewards if not math.isnan(x)]  # unscored (NaN) out of the reward stats, as TRL

@@ -25,7 +25,7 @@ from hfllamarl.losses import StepShape, normalize_then_sum_advantages
 
 from hfllamarl.runtime.training.batching import completion_logprobs, pack_batch, packing_agrees, pad_batch
 from hfllamarl.runtime.training.moe import balancing_loss_fn
-from hfllamarl.runtime.data.episodes import reward_arguments, tool_counts, tool_metrics
+from hfllamarl.runtime.data.episodes import tool_counts, tool_metrics
 from hfllamarl.runtime.loop.executor import Executor, wait_for_startup
 from hfllamarl.corrections import sequence_log_weights
 from hfllamarl.runtime.training.iterations import (high_entropy_mask, loss_keywords, mix_reference, scaled_lr,
@@ -35,6 +35,7 @@ from hfllamarl.runtime.training.finite import (NonFiniteError, agree, first_bad_
 from hfllamarl.runtime.training.rank_metrics import all_max as _all_max, all_sum as _all_sum, evaluation_metrics
 from hfllamarl.runtime.training.rank_metrics import logged_means as _logged_means
 from hfllamarl.runtime.data.rewards import RewardRunner
+from hfllamarl.runtime.training import shared_rewards
 from hfllamarl.runtime.training.dynamic_sampling import GroupFilter, join_scored, split_scored
 from hfllamarl.runtime.loop.rollout import ROLLOUTS, Rollout, RolloutGroup
 from hfllamarl.runtime.loop.sampling import Sampling, within_support
@@ -326,8 +327,7 @@ class TrainerExecutor(Executor):
     def _score(self, rollouts: list[Rollout], group_sizes: list[int]) -> tuple[list[float], dict]:
         """Every rollout's combined reward (an unscored one: NaN, as TRL) and each reward function's scores
         (TRL's call)."""
-        return self.spec.rewards(**reward_arguments(rollouts), trainer_state=self.spec.trainer_state,
-                                 group_sizes=group_sizes)
+        return shared_rewards.score(self.spec, rollouts, group_sizes)  # (once per tensor-parallel group)
 
     def _checked_grad_norm(self) -> float:
         """The gradients' norm (clipped to max_grad_norm); a NaN/inf one stops the step before the optimizer."""

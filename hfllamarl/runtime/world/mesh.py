@@ -90,6 +90,16 @@ def data_group():
     return trainer_mesh(_device_type())["dp"].get_group()
 
 
+def tp_group():
+    """This trainer rank's tensor-parallel group (None without tensor parallelism or a distributed world): the ranks
+    that hold the same data, and so must agree on everything computed from it (rewards, the groups trained)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or _tp_size() == 1:
+        return None
+    return trainer_mesh(_device_type())["tp"].get_group()
+
+
 def data_world_size() -> int:
     """How many trainer ranks train different data (1 without a distributed world)."""
     import torch.distributed as dist
