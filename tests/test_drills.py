@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from conftest import (SCRIPTS, assert_on_policy, free_port, job_processes, launch_bare, orphans, popen_script,
+from conftest import (REPO, SCRIPTS, assert_on_policy, free_port, job_processes, launch_bare, orphans, popen_script,
                       step_logs, trained_rows)
 
 pytestmark = [pytest.mark.slow, pytest.mark.drill]
@@ -33,7 +33,7 @@ TP = ["--extra", json.dumps({"trainer_tensor_parallel_size": 2, "per_device_trai
 
 
 def start(model: str, out: str, launch: str, extra=(), nproc: int = 3) -> subprocess.Popen:
-    """`launch`: "torchrun", "python" (the trainer bootstraps: its first steps come while the generator starts), or
+    """`launch`: "torchrun", "accelerate" (accelerate launch), "python" (the trainer bootstraps: its first steps come while the generator starts), or
     "python-mid" (python without bootstrap: the first step is the generator's, the job is in its loop)."""
     if launch == "python-mid":
         launch, extra = "python", [*extra, "--no-bootstrap"]
@@ -42,6 +42,10 @@ def start(model: str, out: str, launch: str, extra=(), nproc: int = 3) -> subpro
     if launch == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), *args]
+    elif launch == "accelerate":
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "examples" / "accelerate" / "multi_process.yaml"), "--num_processes", str(nproc),
+               "--main_process_port", str(free_port()), *args]
     else:
         cmd = [sys.executable, *args]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -446,32 +450,34 @@ def test_a_rank_frozen_after_the_last_checkpoint(family_model, tmp_path):
 
 
 def test_a_rank_frozen_past_the_end_of_the_job_is_killed_and_the_launcher_returns(family_model, tmp_path):
-    """SIGSTOP a rank right after it passed the end-of-job rendezvous (a 2-step job under torchrun, 1 trainer + 1
-    generator, each rank in turn): the other rank exits 0 at once, and without a watcher torchrun would wait for the
-    frozen one forever. The watcher each rank leaves behind kills it after the heartbeat timeout (15 s at
-    collective_timeout_s=60): torchrun returns within a minute of the signal, non-zero, its last lines naming the
-    frozen rank as one that reached the end of the job; the last checkpoint is complete and no process is left."""
+    """SIGSTOP a rank right after it passed the end-of-job rendezvous (a 2-step job, 1 trainer + 1 generator, each
+    rank in turn, under torchrun and accelerate launch): the other rank exits 0 at once, and without a watcher the
+    launcher would wait for the frozen one forever. The watcher each rank leaves behind kills it after the heartbeat
+    timeout (15 s at collective_timeout_s=60): the launcher returns within a minute of the signal, non-zero, its last
+    lines naming the frozen rank as one that reached the end of the job; the last checkpoint is complete and no
+    process is left. Four jobs side by side."""
     from hfllamarl.runtime.world.liveness import heartbeat_timeout
 
     results: dict = {}
-    threads = [threading.Thread(target=exit_drill, args=(family_model("llama"), str(tmp_path / f"end-{victim}"),
-                                                         "torchrun", victim, results, True)) for victim in (0, 1)]
+    cases = [(launch, victim) for launch in ("torchrun", "accelerate") for victim in (0, 1)]
+    threads = [threading.Thread(target=exit_drill, args=(family_model("llama"), str(tmp_path / f"{launch}-{victim}"),
+                                                         launch, victim, results, True)) for launch, victim in cases]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     print({case: r["seconds"] for case, r in results.items()})
-    for victim in (0, 1):
-        r = results.get(("torchrun", victim))
-        assert r is not None, f"victim {victim}: the drill itself failed"
+    for case in cases:
+        r = results.get(case)
+        assert r is not None, f"{case}: the drill itself failed"
         tail = "\n".join(r["err"].strip().splitlines()[-40:])
-        name = "rank 0 (trainer 0)" if victim == 0 else "rank 1 (generator 0)"
-        assert r["seconds"] is not None and heartbeat_timeout(TIMEOUT_S) - 1 < r["seconds"] < 60, (victim, r, tail)
-        assert r["code"] != 0 and not r["victim_left"], (victim, r["code"], tail)
-        assert f"{name} (pid" in tail and "reached the end of the job but did not exit" in tail, (victim, tail)
-        out = tmp_path / f"end-{victim}"
+        name = "rank 0 (trainer 0)" if case[1] == 0 else "rank 1 (generator 0)"
+        assert r["seconds"] is not None and heartbeat_timeout(TIMEOUT_S) - 1 < r["seconds"] < 60, (case, r, tail)
+        assert r["code"] != 0 and not r["victim_left"], (case, r["code"], tail)
+        assert f"{name} (pid" in tail and "reached the end of the job but did not exit" in tail, (case, tail)
+        out = tmp_path / f"{case[0]}-{case[1]}"
         assert (out / f"checkpoint-{EXIT_STEPS}").is_dir(), sorted(os.listdir(out))
-        assert not orphans(str(out)), victim
+        assert not orphans(str(out)), case
 
 
 def test_a_rank_hung_in_its_exit_is_named_after_the_collective_timeout_and_a_clean_exit_is_not_slowed():
