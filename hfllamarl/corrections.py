@@ -185,12 +185,11 @@ def effective_sample_ratio(log_weights: torch.Tensor) -> float:
 #: study holds best for it (docs/operations/staleness.md). Keys: `study_loss` names; a value is a name, or
 #: (up to staleness, name) pairs. The clipped objectives (and vespo): A-3PO with its proximal policy 8 versions back,
 #: i.e. plain PPO against the sampler's log-probs up to staleness 8 and a trust region spanning 8 versions beyond.
-#: cispo and sapo bound pi/anchor themselves (a truncated weight, a soft gate): up to staleness 4 they take pi/mu
-#: directly ("coupled"); staler, that weight grows past what their bound holds (seeds collapsed at 8 and 16) and
-#: TRL's sequence mask holds best.
+#: cispo and sapo have no hard trust region of their own (a truncated weight that always passes gradient, a soft
+#: gate): the same A-3PO anchor with PPO's region as a token mask on top (`+trust`, CISPO's general-form mask).
 STALENESS_DEFAULTS: dict[str, str | tuple[tuple[float, str], ...]] = {
     **{loss: "a3po:lag=8" for loss in ("aipo", "grpo", "bnpo", "dr_grpo", "dapo", "luspo", "vespo", "gspo")},
-    **{loss: ((4, "coupled"), (math.inf, "sequence_mask")) for loss in ("cispo", "sapo")}}
+    **{loss: "a3po+trust:lag=8" for loss in ("cispo", "sapo")}}
 
 SPECIAL = ("auto", "trl", "none")
 
@@ -231,25 +230,9 @@ TRL_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_m
               "vllm_importance_sampling_clip_max", "aipo_rho")
 
 
-#: Losses no correction held under staleness on the study's harder task (`increment`): the share of the synchronous
-#: final reward they kept there at staleness 4, whatever the correction (see docs/operations/staleness.md).
-FRAGILE_UNDER_STALENESS = {"cispo": "45 %", "sapo": "90 %"}
-_WARNED: set[str] = set()
-
-
 def resolve_config(config, defaults: dict, written=frozenset()) -> str:
     """`resolve` for an `AsyncAIPOConfig` whose fields have these `defaults` (by name); `written`: the fields its
-    caller wrote (one of TRL's written with TRL's default value still asks for TRL's correction). A loss the study
-    found fragile under staleness, trained stale, is warned about (once per process)."""
-    loss = study_loss(config.algorithm, config.loss_type, config.importance_sampling_level)
-    if loss in FRAGILE_UNDER_STALENESS and config.max_staleness > 1 and loss not in _WARNED:
-        import warnings
-
-        _WARNED.add(loss)
-        warnings.warn(f"loss_type={loss!r} with max_staleness={config.max_staleness}: in the staleness study no "
-                      f"off-policy correction kept this loss near its synchronous reward on the harder task "
-                      f"({FRAGILE_UNDER_STALENESS[loss]} at staleness 4 with its default); keep max_staleness <= 1 "
-                      "or use a clipped loss (grpo, dapo, aipo), which held at staleness 16.", stacklevel=3)
+    caller wrote (one of TRL's written with TRL's default value still asks for TRL's correction)."""
     return resolve(config.off_policy_correction, algorithm=config.algorithm, loss_type=config.loss_type,
                    level=config.importance_sampling_level, max_staleness=config.max_staleness,
                    trl_fields_set=any(f in written or getattr(config, f) != defaults[f] for f in TRL_FIELDS))

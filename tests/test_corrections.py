@@ -245,18 +245,3 @@ def test_bad_correction_settings_are_refused_with_the_reason():
     config = AsyncAIPOConfig(output_dir="/tmp/x", off_policy_correction="m2po",
                              off_policy_correction_kwargs='{"tau": 0.1}')
     assert config.build_algorithm().correction.tau == 0.1
-
-
-def test_a_loss_the_study_found_fragile_under_staleness_is_warned_about_once():
-    import warnings
-
-    from hfllamarl import corrections
-
-    corrections._WARNED.clear()
-    with pytest.warns(UserWarning, match="loss_type='cispo' with max_staleness=4: in the staleness study"):
-        AsyncAIPOConfig(output_dir="/tmp/x", algorithm="grpo", loss_type="cispo", max_staleness=4)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*staleness study")  # once; not for dapo, nor at staleness 1
-        AsyncAIPOConfig(output_dir="/tmp/x", algorithm="grpo", loss_type="cispo", max_staleness=4)
-        AsyncAIPOConfig(output_dir="/tmp/x", algorithm="grpo", loss_type="dapo", max_staleness=16)
-        AsyncAIPOConfig(output_dir="/tmp/x", algorithm="grpo", loss_type="sapo", max_staleness=1)
