@@ -227,3 +227,14 @@ def test_lora_with_trainer_tensor_parallelism_is_refused():
                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
     with pytest.raises(TensorParallelError, match="LoRA: the adapters have no tensor-parallel plan"):
         check_trainer_tp(config, 2, peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+
+
+def test_use_vllm_false_written_is_warned_about_not_ignored_in_silence(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="hfllamarl"):
+        AsyncAIPOConfig(output_dir="/tmp/x")  # TRL's default, not written: nothing to say
+    assert "use_vllm=False" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="hfllamarl"):
+        AsyncAIPOConfig(output_dir="/tmp/x", use_vllm=False)
+    assert "use_vllm=False: hfllamarl always samples with vLLM" in caplog.text

@@ -86,3 +86,22 @@ def test_demo_recipe_trains_end_to_end(tmp_path):
     out = tmp_path / "outputs" / "demo_cpu"
     assert (out / "model.safetensors").exists() and (out / "config.json").exists()
     assert (tmp_path / "outputs" / "demo_cpu-data" / "successor.jsonl").exists()
+
+
+def test_a_recipe_written_for_trls_cli_checks_here(job, capsys, tmp_path):
+    """TRL's `datasets:` mixture (loaded by TRL's own get_dataset: two local files, fractions) and the reward names
+    `trl grpo` takes without a path: --check loads 4 rows (2 of each, as the fractions say) and scores row 0 with
+    TRL's functions."""
+    for name, count in (("a", 4), ("b", 2)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(
+            {"prompt": [{"role": "user", "content": f"{name}{k}: 1+1?"}], "solution": "$2$"}) + "\n"
+            for k in range(count)))
+    mixture = [{"path": "json", "data_files": str(tmp_path / f"{n}.jsonl"), "fraction": 0.5} for n in ("a", "b")]
+    assert job(dataset_name=None, prompt_column=None, datasets=mixture,
+               reward_funcs=["think_format_reward", "get_soft_overlong_punishment"]) == 0
+    out = capsys.readouterr().out
+    assert "recipe OK" in out and "4 rows" in out and "think_format_reward" in out, out
+    assert job(dataset_name=None, prompt_column=None, datasets=mixture, streaming=True) == 2
+    assert "streaming: true" in capsys.readouterr().err
+    assert job(reward_funcs=["accuracy_rewad"]) == 2
+    assert "TRL's, as `trl grpo` names them: accuracy_reward" in capsys.readouterr().err

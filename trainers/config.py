@@ -242,6 +242,14 @@ class AsyncAIPOConfig(GRPOConfig):
             self.bf16 = False  # TRL defaults to bf16; fp32 keeps pi == mu exact (bf16=True is faster on bf16 CPUs)
         self._check_quantization()
         self._check_training_loop()
+        if "use_vllm" in written_fields(self) and not self.use_vllm:
+            import logging
+
+            logging.getLogger("hfllamarl").warning(
+                "use_vllm=False: hfllamarl always samples with vLLM on its generator processes "
+                "(num_generator_processes), which is what lets generation overlap training; there is no "
+                "transformers-generate mode, so this field is not read. (A single-process job's first batches are "
+                "sampled by the trainer itself while vLLM starts: bootstrap_generation.)")
         # The launcher's processes must be split into a trainer world and a generator world
         # before TrainingArguments sets up the distributed state (it does so in __post_init__).
         from hfllamarl.runtime.world.topology import init_topology

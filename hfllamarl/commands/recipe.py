@@ -1,8 +1,9 @@
 """Recipes for `hfllamarl train`: a YAML file and/or command-line flags, read and checked before any process starts.
 
-A recipe holds the fields of three dataclasses, as TRL's `trl grpo --config` reads them with `TrlParser`:
+A recipe holds the fields of four dataclasses, as TRL's `trl grpo --config` reads them with `TrlParser`:
 `RecipeArguments` (below: the data set, the prompt, the rewards, environments and tools, a builder),
-`AsyncAIPOConfig` (the training run) and TRL's `ModelConfig` (`model_name_or_path`, `dtype`, LoRA).
+`AsyncAIPOConfig` (the training run), TRL's `ModelConfig` (`model_name_or_path`, `dtype`, LoRA) and TRL's
+`DatasetMixtureConfig` (`datasets:`, a mixture of data sets loaded by TRL's own `get_dataset`).
 A command-line flag overrides the YAML. Unlike `TrlParser` alone, every YAML value is converted and checked
 against its field's type and choices (`learning_rate: 1e-3` is a string to YAML; here it is the float it means),
 and an unknown key or flag is named with the closest field.
@@ -77,10 +78,11 @@ class Recipe:
     config: Any  # AsyncAIPOConfig
     model: Any  # trl.ModelConfig
     path: str | None = None
+    mixture: Any = None  # trl.DatasetMixtureConfig
 
 
 def _parser():
-    from trl import ModelConfig, TrlParser
+    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 
     from hfllamarl import AsyncAIPOConfig
 
@@ -88,7 +90,7 @@ def _parser():
         def error(self, message):  # argparse would print usage and exit: say it as a recipe error instead
             raise RecipeError(message)
 
-    return Parser((RecipeArguments, AsyncAIPOConfig, ModelConfig), prog="hfllamarl train")
+    return Parser((RecipeArguments, AsyncAIPOConfig, ModelConfig, DatasetMixtureConfig), prog="hfllamarl train")
 
 
 def parse_recipe(argv: list[str]) -> Recipe:
@@ -118,10 +120,14 @@ def parse_recipe(argv: list[str]) -> Recipe:
     if unknown:
         raise RecipeError("; ".join(_unknown(a.lstrip("-").split("=")[0], parser, "command-line flag")
                                     for a in flags) or f"unexpected arguments {unknown}")
-    script, config, model = parsed
+    script, config, model, mixture = parsed
     script.rename_columns = _mapping(script.rename_columns, "rename_columns")
     script.prepare_kwargs = _mapping(script.prepare_kwargs, "prepare_kwargs")
-    return Recipe(script, config, model, path)
+    if mixture.streaming:
+        raise RecipeError("streaming: true: prompts are picked by index from the data set (every rank and a resume "
+                          "must agree on them), which a streamed data set cannot give; load it whole (streaming: "
+                          "false) or save the part you train on to a file.")
+    return Recipe(script, config, model, path, mixture)
 
 
 def _read_yaml(path: str, parser) -> dict:
@@ -267,15 +273,31 @@ def run_prepare(recipe: Recipe) -> None:
 DATA_FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def load_splits(script: RecipeArguments, splits: list[str]) -> dict:
-    """The requested splits of the recipe's data set, as `datasets.Dataset`s, by split name."""
+def load_splits(script: RecipeArguments, splits: list[str], mixture=None) -> dict:
+    """The requested splits of the recipe's data set, as `datasets.Dataset`s, by split name: TRL's `datasets:`
+    mixture when the recipe has one (as `trl grpo`: it wins over dataset_name, its splits are "train" and, with
+    test_split_size, "test"), else dataset_name."""
     import datasets
 
     datasets.disable_progress_bars()
+    if mixture is not None and mixture.datasets:
+        from trl import get_dataset
+
+        if script.dataset_name:
+            import logging
+
+            logging.getLogger("hfllamarl").warning("Both `datasets` and `dataset_name` are given: the `datasets` "
+                                                   "mixture is loaded and `dataset_name` is not read (as trl grpo).")
+        try:
+            loaded = get_dataset(mixture)
+        except Exception as exc:  # noqa: BLE001 - a missing file, an unknown id, offline: the recipe's to fix
+            raise RecipeError(f"datasets (the mixture) could not be loaded: {type(exc).__name__}: {exc}") from None
+        return _pick(loaded, splits, script, "the `datasets` mixture")
     name = script.dataset_name
     if not name:
         raise RecipeError("dataset_name is not set: give a local file (.jsonl, .json, .parquet, .csv), a saved "
-                          "`datasets` directory or a Hub id (or a `prepare` builder that returns one).")
+                          "`datasets` directory or a Hub id, or TRL's `datasets:` mixture (or a `prepare` builder "
+                          "that returns one).")
     ext = os.path.splitext(name)[1].lower()
     if os.path.isfile(name):
         if ext not in DATA_FILES:
@@ -295,10 +317,14 @@ def load_splits(script: RecipeArguments, splits: list[str]) -> dict:
         except Exception as exc:  # noqa: BLE001 - offline, unknown id, missing config: all are the recipe's to fix
             raise RecipeError(f"dataset_name {name!r} (dataset_config {script.dataset_config!r}) could not be "
                               f"loaded: {type(exc).__name__}: {exc}") from None
+    return _pick(loaded, splits, script, repr(name))
+
+
+def _pick(loaded, splits: list[str], script: RecipeArguments, what: str) -> dict:
     missing = [s for s in splits if s not in loaded]
     if missing:
         field_of = {script.dataset_train_split: "dataset_train_split", script.dataset_test_split: "dataset_test_split"}
-        raise RecipeError("; ".join(f"{field_of.get(s, 'split')}={s!r}: {name!r} has no such split" for s in missing)
+        raise RecipeError("; ".join(f"{field_of.get(s, 'split')}={s!r}: {what} has no such split" for s in missing)
                           + f" (its splits: {sorted(loaded)}).")
     return {s: loaded[s] for s in splits}
 
@@ -349,6 +375,19 @@ def to_prompts(dataset, script: RecipeArguments):
 
 
 # ------------------------------------------------------------------------------------------------ rewards, agents
+#: The reward names `trl grpo` takes without a path (its script's registry), with the arguments it gives them.
+TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
+
+
+def trl_reward(name: str):
+    """The reward function `trl grpo` means by `name` (TRL's `trl.rewards`, as that script builds it)."""
+    import trl.rewards
+
+    if name == "get_soft_overlong_punishment":  # (the values trl grpo uses)
+        return trl.rewards.get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)
+    return getattr(trl.rewards, name)
+
+
 def resolve_rewards(names: list[str]) -> list:
     """Each reward name as the trainer takes it: a plugin name or a reward model stays a string (the trainer loads
     it; the plugin is imported here so that a broken one fails now), a dotted path becomes its function."""
@@ -364,6 +403,8 @@ def resolve_rewards(names: list[str]) -> list:
             except PluginError as exc:
                 raise RecipeError(f"reward_funcs: {exc}") from None
             out.append(name)
+        elif name in TRL_REWARDS:
+            out.append(trl_reward(name))
         elif is_dotted(name):
             func = import_object(name, "reward_funcs entry")
             if not callable(func):
@@ -373,8 +414,9 @@ def resolve_rewards(names: list[str]) -> list:
             out.append(name)  # a reward model: its directory, or its Hub id
         else:
             raise RecipeError(f"reward_funcs: no reward plugin named {name!r}.{did_you_mean(name, plugins)} Installed "
-                              f"reward plugins: {', '.join(sorted(plugins)) or '(none)'}. Or give a dotted path "
-                              "`pkg.module:function`, a reward model's directory or its Hub id.")
+                              f"reward plugins: {', '.join(sorted(plugins)) or '(none)'}; TRL's, as `trl grpo` names "
+                              f"them: {', '.join(TRL_REWARDS)}. Or give a dotted path `pkg.module:function`, a reward "
+                              "model's directory or its Hub id.")
     return out
 
 

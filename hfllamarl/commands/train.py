@@ -67,11 +67,12 @@ def prepare_job(argv: list[str]) -> dict:
     evaluating = config.eval_strategy != "no"
     splits = [script.dataset_train_split] + ([script.dataset_test_split] if evaluating else [])
     train_dataset = eval_dataset = None
-    if script.dataset_name or environments is None:  # an environment may write the prompts itself
-        loaded = load_splits(script, splits)
+    if script.dataset_name or recipe.mixture.datasets or environments is None:  # (an environment may write them)
+        loaded = load_splits(script, splits, recipe.mixture)
         train_dataset = to_prompts(loaded[script.dataset_train_split], script)
         if len(train_dataset) == 0:
-            raise RecipeError(f"split {script.dataset_train_split!r} of {script.dataset_name!r} has no rows.")
+            raise RecipeError(f"split {script.dataset_train_split!r} of "
+                              f"{script.dataset_name if not recipe.mixture.datasets else 'the mixture'!r} has no rows.")
         if evaluating:
             eval_dataset = to_prompts(loaded[script.dataset_test_split], script)
         dry_run_rewards(rewards, train_dataset)
