@@ -54,6 +54,8 @@ def test_a_valid_recipe_passes_and_yaml_values_get_their_field_types(job, capsys
     ((), {"model_name_or_path": "./missing-model"}, "model_name_or_path './missing-model': not a model directory"),
     ((), {"dataset_train_split": "validation"}, "dataset_train_split='validation'"),
     ((), {"reward_funcs": ["os.path:no_such_function"]}, "module 'os.path' has no 'no_such_function'"),
+    ((), {"trainer_tensor_parallel_size": 3, "num_processes": 4}, "attention heads do not split evenly over 3 ranks"),
+    ((), {"num_generator_processes": 8, "num_processes": 9}, "which do not split over generator_tensor_parallel_size=8"),
 ])
 def test_check_names_each_bad_input(job, capsys, flags, changes, expected):
     assert job(*flags, **changes) == 2

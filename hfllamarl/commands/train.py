@@ -63,7 +63,7 @@ def prepare_job(argv: list[str]) -> dict:
     run_prepare(recipe)
     if not model.model_name_or_path:
         raise RecipeError("model_name_or_path is not set: give a local model directory or a Hub id.")
-    check_model(model.model_name_or_path)
+    check_model(model.model_name_or_path, config, model)
     evaluating = config.eval_strategy != "no"
     splits = [script.dataset_train_split] + ([script.dataset_test_split] if evaluating else [])
     train_dataset = eval_dataset = None
@@ -80,8 +80,10 @@ def prepare_job(argv: list[str]) -> dict:
                 eval_dataset=eval_dataset)
 
 
-def check_model(name: str) -> None:
-    """A local model must be a directory saved with save_pretrained; a Hub id is fetched by the trainer."""
+def check_model(name: str, config=None, model_args=None) -> None:
+    """A local model must be a directory saved with save_pretrained (a Hub id is fetched by the trainer); its shape
+    must split over the trainer's and the generator's tensor-parallel sizes (`config`: the recipe's AsyncAIPOConfig),
+    checked here as the ranks would check it at start (after the queue, on a cluster)."""
     from hfllamarl.runtime.weights.loading import looks_like_hub_id
 
     from .recipe import RecipeError
@@ -91,6 +93,25 @@ def check_model(name: str) -> None:
     if not os.path.isfile(os.path.join(name, "config.json")):
         raise RecipeError(f"model_name_or_path {name!r}: not a model directory (no config.json there) and not a Hub "
                           "id (`org/name`); give a directory saved with save_pretrained().")
+    if config is None:
+        return
+    from transformers import AutoConfig
+
+    from hfllamarl.runtime.generation.preflight import PreflightError, check_generator
+    from hfllamarl.runtime.weights.tensor_parallel import TensorParallelError, check_trainer_tp
+
+    try:
+        hf = AutoConfig.from_pretrained(name, trust_remote_code=config.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - an unreadable config.json is the recipe's to fix
+        raise RecipeError(f"model_name_or_path {name!r}: its config.json cannot be read: {exc}") from None
+    lora = bool(getattr(model_args, "use_peft", False))
+    try:
+        check_trainer_tp(hf, config.trainer_tensor_parallel_size, peft_config=True if lora else None)
+        dtype = config.generator_dtype if config.generator_dtype != "auto" else ("bfloat16" if config.bf16 else "float32")
+        check_generator(hf, use_cpu=config.use_cpu, dtype=dtype,
+                        tensor_parallel_size=config.generator_tensor_parallel_size, model_impl=config.vllm_model_impl)
+    except (TensorParallelError, PreflightError) as exc:
+        raise RecipeError(f"model_name_or_path {name!r}: {exc}") from None
 
 
 def check_layout(recipe, launched: bool) -> None:
