@@ -514,3 +514,40 @@ def test_a_tools_timeout_counts_its_own_run_not_the_wait_for_a_worker():
     with pytest.raises(TimeoutError, match="no sandbox worker came free within 0.2 s"):
         impatient.python("print('fast')")
     slow.join()
+
+
+def test_a_calls_memory_is_bounded_as_a_whole_or_the_per_process_bound_is_said(caplog):
+    """Five processes of one call each fill 100 MB under memory_mb=256: within each process's address-space limit,
+    500 MB together, past the call's cgroup limit (memory_mb + scratch_mb + 64 MB). Where the call gets a memory
+    cgroup the kernel enforces (a writable hierarchy: root here) they cannot all finish;
+    where it gets none (a container without delegation, a job that does not run as root) they do, and the sandbox
+    said so at start, naming the per-process bound. Either way the outcome and the warning agree."""
+    import logging
+
+    from hfllamarl.plugins.environments.python_sandbox import PythonSandbox
+    from hfllamarl.sandbox import client
+
+    client._NO_CGROUP_WARNED[0] = False
+    with caplog.at_level(logging.WARNING, logger="hfllamarl.sandbox.client"):
+        box = PythonSandbox(timeout_s=20, memory_mb=256)
+        sandbox = box._sandbox()
+        try:
+            out = box.python(textwrap.dedent("""
+                import os, time
+                kids = []
+                for _ in range(5):
+                    pid = os.fork()
+                    if pid == 0:
+                        block = b"x" * (100 << 20)
+                        time.sleep(1.5)
+                        os._exit(0)
+                    kids.append(pid)
+                print(all(os.waitpid(k, 0)[1] == 0 for k in kids))
+            """))
+        except (TimeoutError, RuntimeError) as exc:  # the whole call killed by the cgroup
+            out = f"killed: {exc}"
+        finally:
+            sandbox.close()
+    warned = any("bounded per process, not per call" in r.getMessage() for r in caplog.records)
+    all_finished = out.strip() == "True"
+    assert all_finished == warned, (out, warned)

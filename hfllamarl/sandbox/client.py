@@ -34,7 +34,9 @@ pairs (the seccomp filter), the allow-listed environment), with a loud warning o
 
 Not guaranteed: the code can read every file the job's user (or uid 65534) can read (files, not sockets); CPU
 time is bounded, not its share of the cores; a tmpfs the code mounts in a nested user namespace of its own is
-bounded only by the memory cgroup.
+bounded only by the memory cgroup. A call's memory is bounded as a whole only where its memory cgroup is enforced (the
+server checks at start that a limited cgroup really stops a process); elsewhere each process is bounded (RLIMIT_AS)
+and the call to max_processes of them, which the sandbox says in a warning at start.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ ISOLATION_MODES = ("namespaces", "process")
 CALL_ENVIRONMENT = ("PATH", "TMPDIR", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "LD_LIBRARY_PATH",
                     "PYTHONHASHSEED", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE", "OMP_NUM_THREADS",
                     "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+_NO_CGROUP_WARNED = [False]  # the per-process memory bound is said once per process
 _GRACE_S = 1.5  # the parent waits this much past a call's budget before it declares the server stuck
 _PROCESS_MODE_WARNING = (
     "SANDBOX RUNS WITH isolation='process' (WEAKER): calls are forked fresh, get their own session, run as uid "
@@ -350,6 +353,16 @@ class Sandbox:
         if info.get("isolation") == "process" and not getattr(server, "warned", False):
             server.warned = True
             logger.warning(_PROCESS_MODE_WARNING)
+        if not info.get("memory_cgroup") and not _NO_CGROUP_WARNED[0]:
+            _NO_CGROUP_WARNED[0] = True
+            mb, n = self._limits["memory_mb"], self._limits["max_processes"]
+            logger.warning(
+                "Sandbox: no writable memory cgroup here (a container without cgroup delegation, or a read-only "
+                "/sys/fs/cgroup), so a call's memory is bounded per process, not per call: each process gets "
+                "memory_mb=%d MB of address space (RLIMIT_AS), and a call may run up to max_processes=%d of them "
+                "(up to %d MB together). Lower max_processes for a tighter bound, or run the job where the "
+                "cgroup hierarchy is writable (systemd-run --user --scope -p Delegate=yes, or a container with "
+                "cgroupns=private and a writable cgroup mount).", mb, n, mb * n)
         return True
 
     def call(self, *args: Any, timeout: float, wait_s: float | None = None) -> Any:

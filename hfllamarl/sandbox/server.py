@@ -84,6 +84,37 @@ class _Cgroups:
                 self.remove(path)
         return made
 
+    def enforces_memory(self) -> bool:
+        """Whether a memory cgroup made here really bounds its processes: a child in one limited to 16 MB fills
+        64 MB; the kernel kills it where the limit is enforced (some container runtimes accept the limit and
+        enforce nothing)."""
+        paths = self.create(-1, 4, 16 << 20)
+        memory = [p for p in paths if os.path.exists(os.path.join(p, "memory.max"))
+                  or os.path.exists(os.path.join(p, "memory.limit_in_bytes"))]
+        try:
+            if not memory:
+                return False
+            pid = os.fork()
+            if pid == 0:  # the probe: join (4: could not), fill (3: refused, the limit working), 0: nothing stopped it
+                try:
+                    for path in memory:
+                        with open(os.path.join(path, "cgroup.procs"), "w") as fh:
+                            fh.write(str(os.getpid()))
+                except BaseException:  # noqa: BLE001
+                    os._exit(4)
+                try:
+                    block = bytearray(b"x" * (64 << 20))
+                    os._exit(0 if block else 1)
+                except BaseException:  # noqa: BLE001 - a MemoryError is the limit working too
+                    os._exit(3)
+            _, status = os.waitpid(pid, 0)
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+            return code not in (0, 4)
+        finally:
+            for path in paths:
+                self.kill_all(path)
+                self.remove(path)
+
     @staticmethod
     def kill_all(path: str) -> None:
         for _ in range(20):
@@ -399,7 +430,8 @@ def main(sock: socket.socket, config: dict) -> None:
                               "error": probe.get("error", "no reply")})
             return
         send_frame(sock, {"type": "ready", "pid": os.getpid(), "isolation": server.isolation,
-                          "cgroups": [kind for _, kind in server.cgroups.bases], "warmup_error": warmup_error})
+                          "cgroups": [kind for _, kind in server.cgroups.bases], "warmup_error": warmup_error,
+                          "memory_cgroup": server.cgroups.enforces_memory()})
         server.serve()
     finally:
         while True:  # (the parent's death both ends `serve` and sends SIGTERM: either may come first)
