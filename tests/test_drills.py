@@ -506,3 +506,20 @@ def test_a_rank_hung_in_its_exit_is_named_after_the_collective_timeout_and_a_cle
            if line.startswith("MET ")]
     # (well under the 4 s a missing rank would be waited for, and the 10 s of silence that would name one)
     assert len(met) == 2 and max(met) < 2.0, met
+
+
+def test_a_bootstrap_batch_longer_than_the_generators_start_up_wait_does_not_fail_the_job(family_model, tmp_path):
+    """Plain python, vllm_server_timeout=45: the bootstrap batch in progress when the generator becomes ready takes
+    60 s more. The trainer announced the batch (bounded by collective_timeout_s), so the ready generator waits for
+    it past its 45 s start-up wait, and the job trains its 8 steps (the generator used to give up: "rank 0 (trainer 0)
+    did not reach 'start-up' within 45 s")."""
+    out = str(tmp_path / "slow")
+    proc = popen_script([str(SCRIPTS / "train_tiny.py"), family_model("llama"), out, "--steps", "8", "--report-to",
+                         "none", "--startup-timeout", "45", "--slow-bootstrap", "60", "--timeout", "120"],
+                        {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    try:
+        stdout, stderr = proc.communicate(timeout=500)
+    finally:
+        end_job(proc, out)
+    assert "SLOW_BOOTSTRAP generator ready" in stdout, stderr[-3000:]
+    assert proc.returncode == 0 and "TRAINED global_step=8" in stdout, stderr[-3000:]

@@ -222,6 +222,34 @@ def stop_after_end(rank: int, output_dir: str):
     Liveness.finish = finish_then_stop
 
 
+def slow_bootstrap(seconds: float):
+    """The trainer's bootstrap batch in progress when the generator becomes ready lasts `seconds` more (a batch
+    longer than the generator's start-up wait)."""
+    import time as clock
+
+    from hfllamarl.runtime.training.bootstrap import BootstrapSampler
+    from hfllamarl.runtime.world.liveness import STARTUP, _reached
+    from hfllamarl.runtime.world.startup import generators_reached
+
+    sample, slowed = BootstrapSampler.sample, [False]
+
+    def slow(self, batch_index, version):
+        if not slowed[0]:
+            from hfllamarl.runtime.world.topology import _TOPOLOGY
+
+            began = clock.monotonic()
+            while clock.monotonic() - began < 300 and not generators_reached(_TOPOLOGY, _reached(STARTUP)):
+                if generators_reached(_TOPOLOGY, "joining"):
+                    _TOPOLOGY.join_bridges()  # (as the trainer does between batches; built once)
+                clock.sleep(0.5)
+            print(f"SLOW_BOOTSTRAP generator ready; this batch takes {seconds:.0f} s more", flush=True)
+            slowed[0] = True
+            clock.sleep(seconds)
+        return sample(self, batch_index, version)
+
+    BootstrapSampler.sample = slow
+
+
 def generator_raises(spec: str):
     """`TICK:REPLICA`: the generator ranks of that replica raise at that tick (a replica that fails on its own)."""
     tick, replica = map(int, spec.split(":"))
@@ -268,6 +296,8 @@ def main():
                    help="RANK: SIGSTOP that rank right after the end-of-job rendezvous (under a launcher)")
     p.add_argument("--dump-replicated", action="store_true",
                    help="after train(): each trainer rank saves its tensor-parallel-replicated parameters")
+    p.add_argument("--slow-bootstrap", type=float, default=0,
+                   help="the bootstrap batch in progress when the generator is ready lasts this many seconds more")
     p.add_argument("--generator-raises", default=None, help="TICK:REPLICA: that replica's ranks raise at that tick")
     p.add_argument("--verify-weight-sync", action="store_true", help="check every sync against vLLM's own loader")
     p.add_argument("--timeout", type=float, default=60, help="collective_timeout_s")
@@ -288,6 +318,8 @@ def main():
         stop_after_checkpoint(stop_step, stop_rank, a.output_dir)
     if a.stop_after_end is not None:
         stop_after_end(a.stop_after_end, a.output_dir)
+    if a.slow_bootstrap:
+        slow_bootstrap(a.slow_bootstrap)
     if a.generator_raises:
         generator_raises(a.generator_raises)
     NOISE_LOG[0] = a.output_dir

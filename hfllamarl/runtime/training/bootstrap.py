@@ -195,11 +195,15 @@ def run(executor, sampler: BootstrapSampler, limit: int, generator_ready) -> int
     """Bootstrap batches 0, 1, ... on `executor` (the trainer's) until `generator_ready()` (called before each batch;
     it raises when a generator failed), `limit` batches, a prompt too long for the trainer to judge, or a callback's
     stop. Returns how many batches were trained (the generator's first batch)."""
-    schedule = executor.spec.schedule
+    from hfllamarl.runtime.world import startup
+
+    schedule, topology = executor.spec.schedule, executor.topology
     done = 0
     executor.bootstrapping = True
     try:
         while done < limit and not generator_ready():
+            # (a generator that becomes ready meanwhile waits for this batch: it is bounded like any step)
+            startup.bootstrapping(topology, topology.timeout_s)
             groups = sampler.sample(done, executor.version)
             if groups is None:
                 break
@@ -211,4 +215,8 @@ def run(executor, sampler: BootstrapSampler, limit: int, generator_ready) -> int
                 break
     finally:
         executor.bootstrapping = False
+        try:
+            startup.bootstrapping(topology, None)
+        except Exception:  # (the store's silence is the verdict's to judge; the generators' wait is bounded)
+            pass
     return done

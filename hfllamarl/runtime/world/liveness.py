@@ -332,7 +332,10 @@ class Liveness:
             if verdict:
                 raise PeerLostError(f"{topo.describe(topo.rank)} stops because {verdict}")
             if time.monotonic() > deadline:
-                raise PeerLostError(late(", ".join(topo.describe(r) for r in missing)))
+                from hfllamarl.runtime.world.startup import busy_bootstrapping
+
+                if not (kind == _reached(STARTUP) and busy_bootstrapping(topo)):
+                    raise PeerLostError(late(", ".join(topo.describe(r) for r in missing)))
             time.sleep(poll_s)
 
     def _patient(self, call, deadline: float):

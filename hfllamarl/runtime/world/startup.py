@@ -154,5 +154,33 @@ def handover_tick(topology) -> int:
     return int(value)
 
 
+def bootstrapping(topology, seconds: float | None) -> None:
+    """The trainer: it is about to sample and train one bootstrap batch, which may take up to `seconds` (None: it
+    is done bootstrapping). A generator waiting at the start-up rendezvous waits for that batch even past its
+    start-up budget (`busy_bootstrapping`): the trainer joins the rendezvous between batches, and its liveness is
+    the watchdog's to judge meanwhile."""
+    from hfllamarl.runtime.world.liveness import STORE_CALL_S, timed
+
+    value = "0" if seconds is None else repr(time.time() + seconds)
+    timed(lambda: topology.liveness._locked(lambda c: c.set(_bootstrap_key(topology), value)), STORE_CALL_S)
+
+
+def busy_bootstrapping(topology) -> bool:
+    """Whether the trainer is inside a bootstrap batch it announced, within that batch's bound."""
+    from hfllamarl.runtime.world.liveness import STORE_CALL_S, timed
+
+    key = _bootstrap_key(topology)
+    try:
+        value = timed(lambda: topology.liveness._locked(lambda c: c.get(key) if c.check([key]) else b"0"),
+                      STORE_CALL_S)
+    except Exception:  # (the store's silence is the verdict's to judge)
+        return False
+    return float(value) > time.time()
+
+
+def _bootstrap_key(topology) -> str:
+    return f"hfllamarl/{topology.job_id}/startup/bootstrapping"
+
+
 def _handover_key(topology) -> str:
     return f"hfllamarl/{topology.job_id}/startup/handover"
