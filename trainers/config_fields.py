@@ -85,8 +85,6 @@ _OPTION_OF_REFUSED = "an option of {}, which is refused when set"
 _REPORT_TO = "read by transformers' report_to integrations (the callbacks this runtime fires)"
 
 NOT_READ_HERE = {
-    "use_vllm": "generation always runs on vLLM on the generator processes (num_generator_processes); "
-                "use_vllm=False, when written, is warned about: there is no transformers-generate mode",
     "warmup_steps": "read by TrainingArguments.get_warmup_steps, which sets the scheduler's warm-up",
     "tf32": "applied by TrainingArguments itself (torch's TF32 switch, on GPUs)",
     "logging_first_step": "read by transformers' DefaultFlowCallback, which decides when to log",
@@ -160,7 +158,7 @@ READ_HERE = {
     **dict.fromkeys((
         "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "generation_kwargs", "max_completion_length",
         "num_generations", "num_generations_eval", "chat_template_kwargs", "mask_truncated_completions",
-        "max_tool_calling_iterations", "vllm_max_model_length", "vllm_gpu_memory_utilization",
+        "max_tool_calling_iterations", "use_vllm", "vllm_max_model_length", "vllm_gpu_memory_utilization",
         "vllm_tensor_parallel_size", "vllm_model_impl", "vllm_server_timeout"), _SAMPLING),
     **dict.fromkeys((
         "loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "num_iterations",
