@@ -100,6 +100,7 @@ def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
                     _handle(key.fileobj, children, state)
             _reap(children, sel)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second kill must not cut the cleanup short)
         try:
             if os.path.exists(path) and os.stat(path).st_ino == own:  # (not a newer server's socket)
                 os.unlink(path)
