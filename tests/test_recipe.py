@@ -107,3 +107,15 @@ def test_a_recipe_written_for_trls_cli_checks_here(job, capsys, tmp_path):
     assert "streaming: true" in capsys.readouterr().err
     assert job(reward_funcs=["accuracy_rewad"]) == 2
     assert "TRL's, as `trl grpo` names them: accuracy_reward" in capsys.readouterr().err
+
+
+def test_train_help_is_a_page_that_starts_with_the_config_and_help_all_has_every_field(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    short = capsys.readouterr().out
+    assert short.startswith("usage: hfllamarl train --config recipe.yaml") and len(short.splitlines()) < 80
+    assert "--prompt_template" in short and "--help-all" in short
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help-all"])
+    every = capsys.readouterr().out
+    assert "--learning_rate" in every and "--model_name_or_path" in every and "--datasets" in every

@@ -105,8 +105,11 @@ def parse_recipe(argv: list[str]) -> Recipe:
                 raise RecipeError("--config needs the path of a recipe YAML file.")
             break
     parser = _parser()
-    if any(a in ("-h", "--help") for a in argv):
+    if "--help-all" in argv:
         parser.print_help()
+        raise SystemExit(0)
+    if any(a in ("-h", "--help") for a in argv):
+        print(short_help())
         raise SystemExit(0)
     if path is not None:
         parser.set_defaults_with_config(**_read_yaml(path, parser))
@@ -128,6 +131,34 @@ def parse_recipe(argv: list[str]) -> Recipe:
                           "must agree on them), which a streamed data set cannot give; load it whole (streaming: "
                           "false) or save the part you train on to a file.")
     return Recipe(script, config, model, path, mixture)
+
+
+def short_help() -> str:
+    """`hfllamarl train --help`: how to run a recipe and the recipe's own fields; the hundreds of training fields
+    are behind --help-all."""
+    lines = ["usage: hfllamarl train --config recipe.yaml [--field value ...] [--check]",
+             "",
+             "Train from a recipe: a YAML file of field: value (TRL's `trl grpo --config` format), each field also a",
+             "flag that overrides the file (`--learning_rate 1e-6`). --check validates the recipe (fields, data set,",
+             "rewards, layout) and exits without training.",
+             "",
+             "The recipe's own fields:"]
+    for f in dataclasses.fields(RecipeArguments):
+        text = f.metadata.get("help", "")
+        lines.append(f"  --{f.name}")
+        lines += [f"      {part}" for part in _wrap(text, 100)]
+    lines += ["",
+              "Also: every AsyncAIPOConfig field (TRL's GRPOConfig fields and the asynchronous runtime's: output_dir,",
+              "learning_rate, num_generator_processes, max_staleness, ...), TRL's ModelConfig (model_name_or_path,",
+              "use_peft, lora_r, ...) and TRL's DatasetMixtureConfig (datasets:). `hfllamarl train --help-all` lists",
+              "every flag with its help; the docs' Configuration and TRL fields pages list them by topic."]
+    return "\n".join(lines)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width) or [""]
 
 
 def _read_yaml(path: str, parser) -> dict:
@@ -168,7 +199,8 @@ def _unknown(key: str, parser, where: str) -> str:
 
     fields = sorted({a.dest for a in parser._actions if a.dest != "help"})
     return (f"{where} {key!r} is not a recipe field.{did_you_mean(key, fields, n=3)} The fields are those of "
-            "AsyncAIPOConfig, TRL's ModelConfig and the recipe's own (`hfllamarl train --help` lists them all).")
+            "AsyncAIPOConfig, TRL's ModelConfig and DatasetMixtureConfig, and the recipe's own "
+            "(`hfllamarl train --help-all` lists them all).")
 
 
 def _coerce(action, value):
