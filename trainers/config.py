@@ -15,7 +15,7 @@ from hfllamarl.runtime.loop.sampling import NEUTRAL_KWARGS, TRANSFORM_KWARGS, Sa
 
 from . import trainer_layout
 from .config_fields import UNSUPPORTED as _UNSUPPORTED
-from .config_fields import remember_written_fields, written_fields
+from .config_fields import remember_written_fields, warn_written_use_vllm, written_fields
 from .tool_budget import check_tool_tick, default_tool_budget
 
 # generation_kwargs the trainer sets itself, with what to set instead.
@@ -242,14 +242,7 @@ class AsyncAIPOConfig(GRPOConfig):
             self.bf16 = False  # TRL defaults to bf16; fp32 keeps pi == mu exact (bf16=True is faster on bf16 CPUs)
         self._check_quantization()
         self._check_training_loop()
-        if "use_vllm" in written_fields(self) and not self.use_vllm:
-            import logging
-
-            logging.getLogger("hfllamarl").warning(
-                "use_vllm=False: hfllamarl always samples with vLLM on its generator processes "
-                "(num_generator_processes), which is what lets generation overlap training; there is no "
-                "transformers-generate mode, so this field is not read. (A single-process job's first batches are "
-                "sampled by the trainer itself while vLLM starts: bootstrap_generation.)")
+        warn_written_use_vllm(self)
         # The launcher's processes must be split into a trainer world and a generator world
         # before TrainingArguments sets up the distributed state (it does so in __post_init__).
         from hfllamarl.runtime.world.topology import init_topology

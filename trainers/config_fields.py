@@ -211,3 +211,16 @@ def remember_written_fields(cls):
 def written_fields(config) -> frozenset:
     """The fields `config`'s caller wrote (`remember_written_fields`; empty when unknown)."""
     return getattr(config, "_written_fields", frozenset())
+
+
+def warn_written_use_vllm(config) -> None:
+    """`use_vllm=False` written by the caller (TRL's default, so only when written): said, since generation here is
+    always vLLM's."""
+    if "use_vllm" in written_fields(config) and not config.use_vllm:
+        import logging
+
+        logging.getLogger("hfllamarl").warning(
+            "use_vllm=False: hfllamarl always samples with vLLM on its generator processes (num_generator_processes), "
+            "which is what lets generation overlap training; there is no transformers-generate mode, so this field is "
+            "not read. (A single-process job's first batches are sampled by the trainer itself while vLLM starts: "
+            "bootstrap_generation.)")
