@@ -33,6 +33,25 @@ def _plugins_list(args) -> int:
     return 0
 
 
+class _BothCases(argparse.ArgumentParser):
+    """Options written `--kebab-case` also answer to `--snake_case`, as `hfllamarl train` (TRL's field names) does:
+    one spelling works everywhere."""
+
+    def add_argument(self, *names, **kwargs):
+        return super().add_argument(*names, *_snake(names), **kwargs)
+
+    def add_mutually_exclusive_group(self, **kwargs):
+        group = super().add_mutually_exclusive_group(**kwargs)
+        add = group.add_argument
+        group.add_argument = lambda *names, **kw: add(*names, *_snake(names), **kw)
+        return group
+
+
+def _snake(names) -> list[str]:
+    return [f"--{n[2:].replace('-', '_')}" for n in names
+            if n.startswith("--") and "-" in n[2:] and f"--{n[2:].replace('-', '_')}" not in names]
+
+
 def _command(parent, name: str, help: str, module) -> None:
     """A sub-command served by a module with `add_arguments(parser)` and `run(args)`."""
     parser = parent.add_parser(name, help=help)
@@ -42,7 +61,7 @@ def _command(parent, name: str, help: str, module) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hfllamarl", description="Asynchronous off-policy RL fine-tuning of LLMs.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_BothCases)
     plugins_parser = sub.add_parser("plugins", help="installed plugins (`hfllamarl plugins` alone: list them)")
     plugins_parser.set_defaults(func=_plugins_list)
     plugins = plugins_parser.add_subparsers(dest="action")

@@ -401,3 +401,14 @@ def test_a_hybrid_sharded_plan_is_launched_as_planned(capsys):
     config = AsyncAIPOConfig(output_dir="/tmp/hfllamarl-test-config", report_to="none",
                              trainer_fsdp_shard_size=launch["trainer_fsdp_shard_size"])
     assert config.trainer_fsdp_shard_size == o["trainer_fsdp"]
+
+
+def test_plan_and_the_other_commands_take_snake_case_as_train_does(capsys):
+    """`--model_size` is `--model-size` (hfllamarl train takes TRL's snake_case field names; one spelling works
+    everywhere), in a mutually exclusive group too."""
+    outs = []
+    for argv in (["--model-size", "8B", "--gpus", "16", "--prompts-per-step", "64"],
+                 ["--model_size", "8B", "--gpus", "16", "--prompts_per_step", "64"]):
+        assert cli.main(["plan", *argv]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and "torchrun" in outs[0]
