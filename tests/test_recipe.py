@@ -119,3 +119,9 @@ def test_train_help_is_a_page_that_starts_with_the_config_and_help_all_has_every
         cli.main(["train", "--help-all"])
     every = capsys.readouterr().out
     assert "--learning_rate" in every and "--model_name_or_path" in every and "--datasets" in every
+
+
+def test_check_without_any_recipe_says_there_is_none(capsys):
+    assert cli.main(["train", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "no recipe: give one as a YAML file, `hfllamarl train --config recipe.yaml`" in err, err

@@ -47,6 +47,10 @@ def prepare_job(argv: list[str]) -> dict:
                          resolve_tools, run_prepare, to_prompts)
 
     launched = "WORLD_SIZE" in os.environ  # (building the config rewrites it to the executor's own world)
+    if not [a for a in argv if a not in ("--check", "--check=true", "--check=True")]:
+        raise RecipeError("no recipe: give one as a YAML file, `hfllamarl train --config recipe.yaml`, and/or as "
+                          "flags (`--model_name_or_path ... --dataset_name ... --reward_funcs ...`); "
+                          "`hfllamarl train --help` shows how, examples/recipes/ has recipes to start from.")
     recipe = parse_recipe(argv)
     script, config, model = recipe.script, recipe.config, recipe.model
     check_layout(recipe, launched)
