@@ -38,7 +38,7 @@ def resolve_model(model, args):
             raise FileNotFoundError(
                 f"Model {model!r} is not a local directory and could not be fetched from the Hugging Face Hub "
                 f"({type(exc).__name__}: {exc}). Download it first and pass its directory."
-            ) from exc
+            ) from None  # (the message holds the cause: the hub client's chained traceback would bury it)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"Model directory {path!r} has no config.json: is it a model saved with save_pretrained()?")
     return path, None, AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
