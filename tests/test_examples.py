@@ -69,7 +69,12 @@ def test_every_recipe_is_valid_and_fp8_is_refused_without_a_gpu(tmp_path, tiny_m
             stripped = str(tmp_path / f"without_fp8-{name}")
             yaml.safe_dump(without, open(stripped, "w"))
             cases[name + " without fp8"] = (stripped, without)
-    procs = {name: start_recipe_check(path, tiny_model, rows) for name, (path, _) in cases.items()}
+    # The stand-in for the recipes' models has heads enough for their tensor-parallel sizes (8), as the real ones do:
+    # --check now refuses a model whose heads do not split over them.
+    from hfllamarl.testing.tiny import build_tiny_model
+
+    wide = build_tiny_model(str(tmp_path / "wide"), hidden_size=256, num_heads=8, intermediate_size=256)
+    procs = {name: start_recipe_check(path, wide, rows) for name, (path, _) in cases.items()}
     bad_quantization = start_recipe_check(str(REPO / "examples" / "recipes" / "tiny_cpu.yaml"), tiny_model, rows,
                                           "--generator_quantization", "awq")
     for name, proc in procs.items():
