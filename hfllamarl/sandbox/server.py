@@ -45,6 +45,9 @@ def send_frame(sock: socket.socket, obj: Any) -> None:
     sock.sendall(len(data).to_bytes(4, "big") + data)
 
 
+_MEMORY_ENFORCED: dict[tuple, bool] = {}  # cgroup bases -> whether a memory limit there is enforced
+
+
 class _Cgroups:
     """Per-call pids and memory cgroups where the hierarchy is writable (best effort; v1 or v2)."""
 
@@ -87,7 +90,13 @@ class _Cgroups:
     def enforces_memory(self) -> bool:
         """Whether a memory cgroup made here really bounds its processes: a child in one limited to 16 MB fills
         64 MB; the kernel kills it where the limit is enforced (some container runtimes accept the limit and
-        enforce nothing)."""
+        enforce nothing). Probed once per process and hierarchy: a server started again reads the answer."""
+        key = tuple(self.bases)
+        if key not in _MEMORY_ENFORCED:
+            _MEMORY_ENFORCED[key] = self._probe_memory()
+        return _MEMORY_ENFORCED[key]
+
+    def _probe_memory(self) -> bool:
         paths = self.create(-1, 4, 16 << 20)
         memory = [p for p in paths if os.path.exists(os.path.join(p, "memory.max"))
                   or os.path.exists(os.path.join(p, "memory.limit_in_bytes"))]
