@@ -28,6 +28,7 @@ from hfllamarl.runtime.generation.generator import GeneratorExecutor, GeneratorS
 from hfllamarl.runtime.training import bootstrap
 from hfllamarl.runtime.training.moe import aux_loss_coef
 from hfllamarl.runtime.generation.preflight import check_generator
+from hfllamarl.runtime.weights.lora_adapters import adapter_config, choose_lora_sync, engine_rank
 from hfllamarl.runtime.weights.tensor_parallel import check_trainer_tp
 from hfllamarl.runtime.data.prompts import PromptEncoder, validate_dataset
 from hfllamarl.runtime.data.reward_models import RewardModel
@@ -161,6 +162,11 @@ class AsyncAIPOTrainer:
         self.model_config = model_config
         self.router_aux_loss_coef = aux_loss_coef(model_config, args.router_aux_loss_coef)  # MoE: as TRL adds it
         self._model_obj = model_obj
+        self._peft_config = peft_config
+        self.lora_sync, why = choose_lora_sync(args.lora_sync, peft_config, model_obj, model_config,
+                                               quantization=args.generator_quantization, model_impl=args.vllm_model_impl)
+        if self.lora_sync != "none" and self.topology.rank == 0:
+            logger.info("LoRA weight sync: %s (%s)", self.lora_sync, why)
         check_generator(model_config, use_cpu=args.use_cpu, dtype=self._generator_dtype(),
                         tensor_parallel_size=args.generator_tensor_parallel_size, model_impl=args.vllm_model_impl)
         args.check_trainer_processes()
@@ -241,7 +247,10 @@ class AsyncAIPOTrainer:
             start_tick = marker["tick"] + 1
             spec.unsampled = unsampled = checkpoint.unsampled_batches(marker, self.schedule)  # (a longer run)
             # The generator starts from the checkpoint's policy: what it would hold at the next tick.
-            spec.model_path = spec.tokenizer_path = resume_dir
+            if spec.lora_adapter is not None:  # the engine keeps the base weights; the checkpoint's adapters go on them
+                spec.lora_adapter["start"] = os.path.join(resume_dir, checkpoint.ADAPTER_DIR)
+            else:
+                spec.model_path = spec.tokenizer_path = resume_dir
             spec.initial_version, spec.resume_dir = marker["step"], resume_dir
         if topo.rank == 0:  # before any rank can start a checkpoint of this run
             for name in checkpoint.remove_partial(self.args.output_dir):
@@ -436,6 +445,8 @@ class AsyncAIPOTrainer:
             eval_delay=eval_delay(a, self.batches_per_epoch),
             num_generations_eval=a.num_generations_eval or a.num_generations,
             agent=self.agent.spec,
+            lora_adapter=({"config": adapter_config(self._peft_config), "rank": engine_rank(self._peft_config)}
+                          if self.lora_sync == "adapter" else None),
         )
 
     def _generator_dtype(self) -> str:

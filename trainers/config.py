@@ -167,6 +167,13 @@ class AsyncAIPOConfig(GRPOConfig):
     generator_enforce_eager: bool = field(
         default=True, metadata={"help": "Run vLLM without CUDA graphs / compilation."},
     )
+    lora_sync: str = field(
+        default="auto",
+        metadata={"help": "With LoRA, what a weight sync sends: 'adapter' (the adapters alone; the generator's vLLM "
+                  "engine keeps the base weights and applies them with its LoRA support), 'merged' (every adapted "
+                  "layer merged, under the model's own names), or 'auto' (adapters when the engine can apply them: "
+                  "fresh adapters on linear layers of a family checked here; otherwise merged, and the log says why)."},
+    )
     verify_weight_sync: bool = field(
         default=False,
         metadata={"help": "Debug: after every weight sync, each generator rank reloads the same weights from files the "

@@ -184,10 +184,11 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
     prepare_policy(trainer, device, resume_dir)
     model.train()
     weights = None
-    if is_peft(model):
+    if is_peft(model):  # the adapters alone, or the adapted layers merged (`lora_sync`)
         from hfllamarl.runtime.weights.lora import MergedLoraWeights
+        from hfllamarl.runtime.weights.lora_adapters import AdapterWeights
 
-        weights = MergedLoraWeights(model)
+        weights = AdapterWeights(model) if trainer.lora_sync == "adapter" else MergedLoraWeights(model)
     optimizer = build_optimizer(model, args)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer,
                               num_warmup_steps=args.get_warmup_steps(trainer.num_steps),

@@ -50,7 +50,9 @@ def run(model, out: str, peft_config) -> dict:
             # built on the meta device, the adapters start from peft's init: B zero (linear layers)
             "moved": sum(not torch.equal(before[n].cpu(), after[n].detach().cpu()) if n in before
                          else ".lora_B." in n and bool(after[n].abs().sum() > 0) for n in after),
-            "adapters": len(after)}
+            "adapters": len(after), "sync": trainer.lora_sync,
+            "bytes": [h.get("weight_sync/bytes", 0) for h in steps],
+            "adapter_bytes": sum(p.numel() * p.element_size() for p in after.values())}
 
 
 def peft_model(path: str, family: str):

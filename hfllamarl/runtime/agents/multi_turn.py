@@ -453,11 +453,9 @@ class MultiTurn:
     # ------------------------------------------------------------------ the engine
     def generate_local(self, requests: list) -> list:
         """This rank's engine call for `requests` [(prompt ids, n, max tokens)] (every rank of the engine makes it)."""
-        from vllm.inputs import TokensPrompt
-
         ex = self.ex
-        return ex.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _, _ in requests],
-                               [ex._sampling_params(n, max_tokens) for _, n, max_tokens in requests], use_tqdm=False)
+        return ex.sample([ids for ids, _, _ in requests],
+                         [ex._sampling_params(n, max_tokens) for _, n, max_tokens in requests])
 
 
 def _append_observation(prompt, observation: Any):

@@ -23,6 +23,7 @@ from hfllamarl.runtime.data.episodes import completion
 from hfllamarl.runtime.world import startup
 from hfllamarl.runtime.world.collector import collector_paused
 from hfllamarl.runtime.generation.engine import WeightSyncMismatch, build_engine, load_weights, loader_boxes, verify_against_disk
+from hfllamarl.runtime.weights.lora_adapters import engine_options
 from hfllamarl.runtime.world.core_lending import open_board
 from hfllamarl.runtime.loop.executor import Executor, wait_for_startup
 from hfllamarl.runtime.data.prompts import PromptEncoder, batch_rows
@@ -78,6 +79,8 @@ class GeneratorSpec:
     eval_delay: int = 0  # no evaluation of a version below this (eval_delay), but for eval_on_start's
     num_generations_eval: int = 1
     agent: Any = None  # tools / environments / rollout_func: `hfllamarl.runtime.agents.multi_turn.AgentSpec`
+    lora_adapter: dict | None = None  # lora_sync='adapter': {"config": adapter_config.json, "rank": max_lora_rank,
+    # "start": a resumed run's adapter directory or None}; the engine keeps the base weights and loads adapters
     bootstrapped: bool = False  # the trainer may sample the first batches (`runtime.training.bootstrap`): the
     # tick to start at is read past the start-up rendezvous (its weights come with that tick's sync)
 
@@ -98,6 +101,7 @@ class GeneratorExecutor(Executor):
         self.evaluated = spec.initial_version - 1 if spec.initial_version or spec.eval_on_start else 0
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.core_board = None  # single-process CPU job: where this child says it has finished a tick
+        self.adapters = None  # lora_sync='adapter': the engine's live adapter (`AdapterSlot`)
         self.agent = None  # `MultiTurn`, when the job has tools, environments or a rollout_func
         self.live = list(range(getattr(topology, "num_replicas", 1)))  # live replicas, told by the trainer each tick
         self.weights_broken = False  # the last weight sync lost its relay source part-way (re-sent before sampling)
@@ -113,6 +117,11 @@ class GeneratorExecutor(Executor):
 
             self.encoder = PromptEncoder(AutoTokenizer.from_pretrained(spec.tokenizer_path), spec.chat_template_kwargs)
             self.llm = self._build_engine()
+            if spec.lora_adapter is not None:
+                from hfllamarl.runtime.weights.lora_adapters import AdapterSlot
+
+                self.adapters = AdapterSlot(self.llm, spec.lora_adapter["config"], spec.lora_adapter.get("start"),
+                                            spec.initial_version)
             startup.mark("engine")
         self.core_board = open_board(self.topology.num_generators) if self.topology.mode == "child" else None
         self.slot = self.topology.rank - self.topology.num_trainers  # this generator's place on the core board
@@ -123,7 +132,9 @@ class GeneratorExecutor(Executor):
             self.first_tick = startup.handover_tick(self.topology)
         if self.backend is None:
             self.backend = build_backend(spec.weight_sync_backend, self.topology, **spec.weight_sync_options)
-        self.backend.setup_generator(lambda weights: loader_boxes(self.llm, weights))
+        # Adapters are no weights of the engine's model: every rank receives them whole (vLLM narrows them itself).
+        self.backend.setup_generator(None if self.adapters is not None
+                                     else lambda weights: loader_boxes(self.llm, weights))
         if spec.resume_dir:
             load_generator_side(self, spec.resume_dir)
         if self.topology.local_rank == 0:  # the rank that sends the rollouts scores them
@@ -157,7 +168,15 @@ class GeneratorExecutor(Executor):
                                        if topo.replica_size > 1 else ""),  # names its shared memory (engine.py)
                             enforce_eager=spec.enforce_eager, quantization=spec.quantization,
                             kv_cache_bytes=spec.kv_cache_bytes, gpu_memory_utilization=spec.gpu_memory_utilization,
-                            model_impl=spec.model_impl)
+                            model_impl=spec.model_impl,
+                            **(engine_options(spec.lora_adapter["rank"]) if spec.lora_adapter is not None else {}))
+
+    def sample(self, prompts: list, params):
+        """The engine's `generate` for token prompts, under the live adapter when the policy's adapters sync alone."""
+        from vllm.inputs import TokensPrompt
+
+        return self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False,
+                                 lora_request=self.adapters.request if self.adapters is not None else None)
 
     def _sampling_params(self, n: int, max_tokens: int):
         from vllm import SamplingParams
@@ -176,10 +195,17 @@ class GeneratorExecutor(Executor):
             return super().put_input(channel, value)
         version, weights = value
         start = time.perf_counter()
-        load_weights(self.llm, weights)
+        if self.adapters is not None:
+            self.adapters.load(version, weights)
+        else:
+            load_weights(self.llm, weights)
         if self.spec.verify_weight_sync:
             directory = verify_dir(self.spec.output_dir, version)
-            bad = verify_against_disk(self.llm, directory)
+            if self.adapters is not None:  # the adapter applied by the engine against the merged layers, loaded
+                bad = self.adapters.verify(directory, self.spec.model_path,
+                                           tolerance=1e-4 if self.spec.dtype in ("float32", "auto") else 5e-2)
+            else:
+                bad = verify_against_disk(self.llm, directory)
             if bad:
                 raise WeightSyncMismatch(
                     f"verify_weight_sync: after the weight sync of policy version {version}, "
@@ -188,6 +214,10 @@ class GeneratorExecutor(Executor):
                     + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
         self.version = version
         self.weight_load_seconds = time.perf_counter() - start
+
+    def close(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
 
     def get_output(self, channel: str):
         if channel != ROLLOUTS:
@@ -227,8 +257,6 @@ class GeneratorExecutor(Executor):
         this tick; one that neither stops nor reaches `max_completion_length` is carried to the next
         tick. Returns the groups of the batches that finished this tick, oldest batch first.
         """
-        from vllm.inputs import TokensPrompt
-
         spec = self.spec
         length = spec.max_completion_length
         budget = min(spec.partial_rollout_tokens or length, length)
@@ -241,8 +269,7 @@ class GeneratorExecutor(Executor):
             new = (indices, rows, [self.encoder.encode(row["prompt"]) for row in rows])
             requests += [(ids, self._sampling_params(spec.num_generations, budget)) for ids in new[2]]
         start = time.perf_counter()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in requests],
-                                    [params for _, params in requests], use_tqdm=False) if requests else []
+        outputs = self.sample([ids for ids, _ in requests], [params for _, params in requests]) if requests else []
         seconds = time.perf_counter() - start
         tokens = 0
         for r, n, out in zip(carried, asked, outputs[:len(carried)]):
@@ -286,8 +313,6 @@ class GeneratorExecutor(Executor):
         """Generate now, whole, the prompts of a lost replica that the trainer ranks never received
         (generator_failure="continue"): `work` maps a batch index to positions of it. Returns their groups,
         each with its position, sampled under the weights held now (fresher than the batch's own)."""
-        from vllm.inputs import TokensPrompt
-
         spec, length = self.spec, self.spec.max_completion_length
         jobs = []  # (batch, position, dataset row index)
         for batch, positions in sorted(work.items()):
@@ -296,8 +321,7 @@ class GeneratorExecutor(Executor):
         rows = [self.dataset[i] for _, _, i in jobs]
         prompts = [self.encoder.encode(row["prompt"]) for row in rows]
         start = time.perf_counter()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
-                                    self._sampling_params(spec.num_generations, length), use_tqdm=False)
+        outputs = self.sample(prompts, self._sampling_params(spec.num_generations, length))
         seconds, tokens, groups = time.perf_counter() - start, 0, []
         for (batch, position, index), row, ids, out in zip(jobs, rows, prompts, outputs):
             group = []
@@ -327,15 +351,13 @@ class GeneratorExecutor(Executor):
     def evaluate(self) -> list[RolloutGroup]:
         """`num_generations_eval` completions of every eval prompt under the weights held now, in one call
         between this tick's batch and the next; they go to the trainer ranks with the tick's rollouts."""
-        from vllm.inputs import TokensPrompt
-
         spec = self.spec
         self.evaluated = self.version
         rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))]
         prompts = [self.encoder.encode(row["prompt"]) for row in rows]
         params = self._sampling_params(spec.num_generations_eval, spec.max_completion_length)
         start = time.perf_counter()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+        outputs = self.sample(prompts, params)
         seconds = time.perf_counter() - start
         groups, tokens = [], 0
         for index, (row, ids, out) in enumerate(zip(rows, prompts, outputs)):

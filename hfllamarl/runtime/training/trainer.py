@@ -166,7 +166,9 @@ class TrainerExecutor(Executor):
 
         first = self.topology.rank == 0
         directory = self.spec.verify_dir(version)
-        export_weights(self.weights, directory, write=first, cast=self.backend.wire_dtype)
+        # (adapters alone: their merged layers, which the generator loads to compare its adapted engine with)
+        export_weights(getattr(self.weights, "merged", self.weights), directory, write=first,
+                       cast=self.backend.wire_dtype)
         previous = self.spec.verify_dir(version - 1)
         if first and os.path.isdir(previous):  # the generator checked it at the previous sync
             shutil.rmtree(previous, ignore_errors=True)
