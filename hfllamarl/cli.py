@@ -7,6 +7,7 @@
     hfllamarl bench profile ...       measure decode-step and training-token times for plan --profile (hfllamarl.commands.bench_profile)
     hfllamarl bench load ...          each trainer rank's memory while loading the policy, sharded vs whole (hfllamarl.commands.bench_load)
     hfllamarl bench vs-trl ...        TRL's GRPOTrainer and AsyncAIPOTrainer on the same job, timed (hfllamarl.commands.bench_vs_trl)
+    hfllamarl bench lora-sync ...     LoRA's weight sync: the adapters alone vs the adapted layers merged (hfllamarl.commands.bench_lora_sync)
     hfllamarl bench grader ...        math_sympy against graders' test suites, Math-Verify side by side (hfllamarl.commands.bench_grader)
     hfllamarl bench multi-turn ...    multi-turn tool calling, synchronous vs asynchronous throughput (hfllamarl.commands.bench_multi_turn)
     hfllamarl train --config recipe.yaml [--field value ...]   train from a recipe, as `trl grpo --config` (hfllamarl.commands.train)
@@ -67,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     plugins = plugins_parser.add_subparsers(dest="action")
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
     # light modules: heavy imports happen inside their run()
-    from .commands import (bench_grader, bench_learning, bench_load, bench_multi_turn, bench_profile, bench_vs_trl,
-                           evaluate, plan, preload, train)
+    from .commands import (bench_grader, bench_learning, bench_load, bench_lora_sync, bench_multi_turn, bench_profile,
+                           bench_vs_trl, evaluate, plan, preload, train)
     from .commands import bench_weight_sync as bench
 
     _command(sub, "eval", "generate on a JSONL data set and score it", evaluate)
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
              bench_profile)
     _command(bench_parser, "load", "each trainer rank's memory while loading the policy, sharded vs whole", bench_load)
     _command(bench_parser, "vs-trl", "TRL's GRPOTrainer and AsyncAIPOTrainer on the same job, timed", bench_vs_trl)
+    _command(bench_parser, "lora-sync", "LoRA's weight sync: the adapters alone vs the adapted layers merged",
+             bench_lora_sync)
     _command(bench_parser, "grader", "math_sympy against graders' test suites, Math-Verify side by side", bench_grader)
     _command(bench_parser, "multi-turn", "multi-turn tool calling: synchronous vs asynchronous throughput",
              bench_multi_turn)

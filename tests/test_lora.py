@@ -27,7 +27,7 @@ def test_lora_updates_reach_the_generator_every_step(tiny_model, tmp_path):
     out = str(tmp_path / "lora")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, out, "--lora", "--steps", "4", "--max-staleness",
                        "0", "--save-steps", "2", "--learning-rate", "2e-2", "--beta", "0.04", "--report-to", "none",
-                       "--verify-weight-sync"],
+                       "--verify-weight-sync", "--extra", '{"lora_sync": "adapter"}'],
                       nproc=3, timeout=400,
                       launcher=f"accelerate --config_file {REPO / 'examples' / 'accelerate' / 'fsdp2.yaml'}")
     check_greedy_follows(greedy.result())
@@ -57,7 +57,7 @@ def test_lora_updates_reach_the_generator_every_step(tiny_model, tmp_path):
         after = torch.log_softmax(model(ids).logits, -1)
     assert (before - after).abs().max() > 1e-2
 
-    # Only the adapters travel (lora_sync='auto': fresh adapters on q and v of a Llama), each trainer rank its
+    # Only the adapters travel (lora_sync='adapter': fresh adapters on q and v of a Llama), each trainer rank its
     # shard: r = 8 rows of A and r columns of B per adapted layer, far less than the layers themselves.
     adapters = sum(8 * (base[k].shape[0] + base[k].shape[1]) * 4 for k in layers)
     assert max(h["weight_sync/bytes"] for h in steps) == adapters < sum(base[k].numel() * 4 for k in layers) / 2
@@ -81,9 +81,9 @@ def test_lora_as_users_write_it_on_every_family(tmp_path):
         for h in r["steps"]:
             assert_on_policy(h)
         assert r["moved"] > 0 and all(h["grad_norm"] > 0 for h in r["steps"]), (run, r)  # the adapters trained
-        # Fresh adapters travel alone (lora_sync='auto'): the second sync's bytes are the adapters' own, counted
-        # from the trained parameters. A PeftModel's adapters are non-zero from the start: its layers go merged,
-        # more bytes than its adapters.
+        # Fresh adapters travel alone (lora_sync='adapter'): the second sync's bytes are the adapters' own, counted
+        # from the trained parameters. A PeftModel's adapters are non-zero from the start: under 'auto' its layers
+        # go merged, more bytes than its adapters.
         if run.endswith("/default"):
             assert r["sync"] == "adapter" and r["bytes"][-1] == r["adapter_bytes"], (run, r)
         else:

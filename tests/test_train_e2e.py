@@ -103,7 +103,7 @@ def test_kill_inside_a_checkpoint_and_resume_beside_a_notebook_run(tiny_model, t
     notebook_out = str(tmp_path / "run")
     notebook = beside(notebook_run, tiny_model, notebook_out)
     common = ["--lora", "--steps", "6", "--save-steps", "2", "--learning-rate", "2e-2", "--report-to", "none",
-              "--max-staleness", "0"]
+              "--extra", '{"lora_sync": "adapter"}', "--max-staleness", "0"]  # (a resumed engine: base + adapters)
     cut = str(tmp_path / "cut")
     proc = run_script([str(SCRIPTS / "train_tiny.py"), tiny_model, cut, *common, "--kill-in-checkpoint", "4"],
                       timeout=400, env=SIDE_BY_SIDE_ENV)

@@ -164,7 +164,8 @@ class AsyncAIPOTrainer:
         self._model_obj = model_obj
         self._peft_config = peft_config
         self.lora_sync, why = choose_lora_sync(args.lora_sync, peft_config, model_obj, model_config,
-                                               quantization=args.generator_quantization, model_impl=args.vllm_model_impl)
+                                               use_cpu=self.topology.use_cpu, quantization=args.generator_quantization,
+                                               model_impl=args.vllm_model_impl)
         if self.lora_sync != "none" and self.topology.rank == 0:
             logger.info("LoRA weight sync: %s (%s)", self.lora_sync, why)
         check_generator(model_config, use_cpu=args.use_cpu, dtype=self._generator_dtype(),

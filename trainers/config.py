@@ -171,8 +171,9 @@ class AsyncAIPOConfig(GRPOConfig):
         default="auto",
         metadata={"help": "With LoRA, what a weight sync sends: 'adapter' (the adapters alone; the generator's vLLM "
                   "engine keeps the base weights and applies them with its LoRA support), 'merged' (every adapted "
-                  "layer merged, under the model's own names), or 'auto' (adapters when the engine can apply them: "
-                  "fresh adapters on linear layers of a family checked here; otherwise merged, and the log says why)."},
+                  "layer merged, under the model's own names), or 'auto' (on GPUs, adapters when the engine can apply "
+                  "them: fresh adapters on linear layers of a family checked here; otherwise, and on the CPU where "
+                  "vLLM's LoRA kernels are slow, merged; the log says why)."},
     )
     verify_weight_sync: bool = field(
         default=False,

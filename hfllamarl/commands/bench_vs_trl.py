@@ -265,9 +265,19 @@ def _cpu_name() -> str:
     return platform.processor() or "an unnamed CPU"
 
 
-def run(args) -> int:
+def bench_model(output_dir: str, hidden_size: int, layers: int, seed: int) -> str:
+    """The bench's model in `output_dir` (built once): a random-init Llama, head size 64, SwiGLU width 8/3."""
     from hfllamarl.testing.tiny import build_tiny_model
 
+    os.makedirs(output_dir, exist_ok=True)
+    model = os.path.join(output_dir, f"llama-{hidden_size}x{layers}")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        build_tiny_model(model, hidden_size=hidden_size, num_layers=layers, num_heads=hidden_size // 64,
+                         intermediate_size=int(hidden_size * 8 / 3) // 64 * 64, max_position_embeddings=256, seed=seed)
+    return model
+
+
+def run(args) -> int:
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not sides or set(sides) - {"trl", "hfllamarl"}:
         raise SystemExit(f"--sides {args.sides!r}: choose from trl, hfllamarl")
@@ -281,12 +291,7 @@ def run(args) -> int:
     elif args.precision == "bf16" and not cpu_has_bf16():
         raise SystemExit("--precision bf16: this CPU has no bf16 instructions (avx512_bf16 or AMX), so vLLM cannot "
                          "run a bf16 generator on it; use --precision fp32")
-    os.makedirs(args.output_dir, exist_ok=True)
-    model = os.path.join(args.output_dir, f"llama-{args.hidden_size}x{args.layers}")
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        build_tiny_model(model, hidden_size=args.hidden_size, num_layers=args.layers,
-                         num_heads=args.hidden_size // 64, intermediate_size=int(args.hidden_size * 8 / 3) // 64 * 64,
-                         max_position_embeddings=256, seed=args.seed)
+    model = bench_model(args.output_dir, args.hidden_size, args.layers, args.seed)
     with open(os.path.join(model, "config.json")) as fh:
         cfg = json.load(fh)
     h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]

@@ -32,13 +32,13 @@ def digits(completions, **kwargs):
     return [float(sum(c.isdigit() for c in x)) for x in completions]
 
 
-def run(model, out: str, peft_config) -> dict:
+def run(model, out: str, peft_config, lora_sync: str = "auto") -> dict:
     from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
     from hfllamarl.testing.tiny import successor_rows
 
     config = AsyncAIPOConfig(output_dir=out, max_steps=2, per_device_train_batch_size=16, num_generations=4,
                              max_completion_length=4, learning_rate=5e-2, logging_steps=1, report_to="none",
-                             max_staleness=0, seed=0)
+                             max_staleness=0, seed=0, lora_sync=lora_sync)
     trainer = AsyncAIPOTrainer(model=model, reward_funcs=[digits], args=config, peft_config=peft_config,
                                train_dataset=Dataset.from_list(successor_rows(64, seed=2)))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if ".lora_" in n and not p.is_meta}
@@ -83,7 +83,7 @@ def main() -> None:
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        result[f"{family}/default"] = run(model, os.path.join(workdir, f"{family}-default"), LoraConfig())
+        result[f"{family}/default"] = run(model, os.path.join(workdir, f"{family}-default"), LoraConfig(), "adapter")
         result[f"{family}/peft_model"] = run(peft_model(path, family), os.path.join(workdir, f"{family}-peft"), None)
         print(f"DONE {family} {json.dumps(result[f'{family}/default'])}", flush=True)
     print("RESULT " + json.dumps(result), flush=True)

@@ -213,7 +213,8 @@ class GeneratorExecutor(Executor):
                     f"loader makes of the same weights ({directory}): " + "; ".join(bad[:5])
                     + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
         self.version = version
-        self.weight_load_seconds = time.perf_counter() - start
+        self.weight_load_seconds = time.perf_counter() - start  # (the sync's load into the engine; with
+        # verify_weight_sync, its check too)
 
     def close(self) -> None:
         if self.adapters is not None:
@@ -304,7 +305,7 @@ class GeneratorExecutor(Executor):
         finished = [f for f in self.in_flight if not f.unfinished()]
         self.in_flight = [f for f in self.in_flight if f.unfinished()]
         groups = [RolloutGroup(group, f.batch_index, f.policy_version, seconds, tokens, position=position,
-                               replica=self.topology.replica)
+                               replica=self.topology.replica, weights_load_seconds=self.weight_load_seconds)
                   for f in finished for group, position in zip(f.groups, f.positions or range(len(f.groups)))]
         self._score_with_models(groups)
         return groups

@@ -91,6 +91,7 @@ class RolloutGroup:
     eval_version: int | None = None  # an evaluation of this policy version (eval_dataset), not a training batch
     position: int = -1  # the prompt's place in its batch (`schedule.trainer_positions`); -1: not known
     replica: int = 0  # the generator replica that sampled it (`batch_tokens` and the seconds are that replica's)
+    weights_load_seconds: float = 0.0  # that replica's last load of new weights into its engine, before sampling
 
 
 @dataclass

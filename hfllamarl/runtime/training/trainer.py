@@ -491,6 +491,8 @@ class TrainerExecutor(Executor):
                                       (("tokens", g.batch_tokens), ("seconds", g.generation_seconds))})
         gen_seconds = max(v for k, v in per_replica.items() if k.endswith("/seconds/max"))
         metrics["generation/seconds"] = gen_seconds
+        # The generator side of the last weight sync: its load into the engine (vLLM's reload, or the adapter's).
+        metrics["weight_sync/load_seconds"] = max(g.weights_load_seconds for g in groups)
         tokens = sum(v for k, v in per_replica.items() if k.endswith("/tokens/max"))
         metrics["generation/tokens_per_s"] = tokens / gen_seconds if gen_seconds > 0 else 0.0
         return metrics

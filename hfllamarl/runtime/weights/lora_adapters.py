@@ -3,8 +3,10 @@ adapters into its own LoRA support, so a sync moves the adapters (megabytes) ins
 (with LoRA on every linear layer, the whole model).
 
 `lora_sync` chooses between this and the merged sync (`hfllamarl.runtime.weights.lora`). With 'auto', adapters travel
-alone when the engine can apply them exactly as the trainer does; otherwise the merged weights do, and the log says
-why (`choose_lora_sync`). The choice is made from the configuration alone, identically on every process of the job.
+alone on GPUs when the engine can apply them exactly as the trainer does; otherwise the merged weights do, and the
+log says why (`choose_lora_sync`). On the CPU 'auto' keeps the merged sync: vLLM's CPU LoRA kernels made a generation
+batch 2.8x as long on the bench's model (`hfllamarl bench lora-sync`), far more than the sync saves there. The choice
+is made from the configuration alone, identically on every process of the job.
 
 What travels (`AdapterWeights`): for every adapted linear layer, `A` and `scaling * B` under peft's file names
 (`base_model.model.<layer>.lora_A.weight`), still sharded as FSDP2 holds them, so every weight-sync backend sends
@@ -39,8 +41,8 @@ _EMBEDDINGS = ("embed_tokens", "lm_head", "wte", "wpe", "embed_in", "embed_out",
 SYNC_MODES = ("auto", "adapter", "merged")
 
 
-def choose_lora_sync(requested: str, peft_config, model_obj, model_config, *, quantization: str | None = None,
-                     model_impl: str = "vllm") -> tuple[str, str]:
+def choose_lora_sync(requested: str, peft_config, model_obj, model_config, *, use_cpu: bool = False,
+                     quantization: str | None = None, model_impl: str = "vllm") -> tuple[str, str]:
     """('adapter' or 'merged', why) for a LoRA run; ('none', '') for a run without LoRA. `requested='adapter'` that
     cannot be honoured raises with the reason; 'auto' falls back to 'merged' with it."""
     from hfllamarl.runtime.weights.lora import is_peft
@@ -56,6 +58,9 @@ def choose_lora_sync(requested: str, peft_config, model_obj, model_config, *, qu
     if requested == "merged":
         return "merged", "lora_sync='merged'"
     why = _cannot_load_adapters(peft_config, model_obj, model_config, quantization, model_impl)
+    if why is None and use_cpu and requested == "auto":
+        why = (f"on the CPU, vLLM's LoRA kernels cost more generation time than the merged sync saves (measured with "
+               "`hfllamarl bench lora-sync`: a batch 2.8x as long); lora_sync='adapter' sends the adapters alone")
     if why is None:
         return "adapter", "the engine loads each version's adapters (vLLM's LoRA support)"
     if requested == "adapter":
