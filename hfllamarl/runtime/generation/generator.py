@@ -6,7 +6,8 @@ behaviour log-prob (under the sampling transforms, `hfllamarl.runtime.loop.sampl
 the policy version.
 With partial rollouts a completion samples at most `partial_rollout_tokens` per tick; the
 unfinished ones are carried and continued at the next tick under the weights of that tick.
-New weights are loaded in place with vLLM's `reload_weights`, streaming from the weight sync; with
+New weights are loaded in place with vLLM's `reload_weights`, streaming from the weight sync (a LoRA policy's
+adapters alone, under lora_sync='adapter', go into vLLM's LoRA support instead: `AdapterSlot`); with
 `verify_weight_sync` every sync is then checked against vLLM's own loader reading the same weights.
 """
 

@@ -1,8 +1,10 @@
-"""LoRA through `peft_config` or a `PeftModel`: the trainer trains adapters, the generator gets merged weights.
+"""LoRA through `peft_config` or a `PeftModel`: the trainer trains adapters; the merged sync (lora_sync='merged', and
+'auto' where the adapters cannot travel alone: `hfllamarl.runtime.weights.lora_adapters`) gives the generator merged
+weights.
 
 The trainer ranks wrap the policy with peft (`get_peft_model`) before FSDP2 sharding, or take a `PeftModel` as the
-user built it (its adapters as given, its own config), so the optimizer holds only the adapters' states. The
-generator never sees an adapter: it starts from the merged policy (a model object is saved for it merged, under the
+user built it (its adapters as given, its own config), so the optimizer holds only the adapters' states. Under the
+merged sync the generator never sees an adapter: it starts from the merged policy (a model object is saved for it merged, under the
 model's own Hugging Face names) and at every sync it receives, for each adapted layer, the merged weight under the
 model's own name, and nothing for the layers no adapter touches:
 

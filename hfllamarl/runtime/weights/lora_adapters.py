@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 
 PEFT_PREFIX = "base_model.model."
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the LoRA ranks vLLM's engine accepts (`max_lora_rank`)
-# Families whose vLLM models apply adapters to every linear layer peft adapts with target_modules='all-linear', as
-# checked here against the merged weights (tests/test_lora_adapters.py). Others take the merged sync under 'auto'.
+# Families whose adapter sync is checked against the merged weights (tests/test_lora.py: pi/mu == 1 after a sync on
+# each, verify_weight_sync from two FSDP2 ranks). Others take the merged sync under 'auto'.
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _EMBEDDINGS = ("embed_tokens", "lm_head", "wte", "wpe", "embed_in", "embed_out", "word_embeddings", "output")
 SYNC_MODES = ("auto", "adapter", "merged")

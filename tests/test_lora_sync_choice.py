@@ -1,0 +1,57 @@
+"""Which LoRA weight sync a job gets (`lora_sync`), decided from the configuration alone: the cases that must send the
+merged layers, the ones that may send the adapters, and a refused 'adapter' naming its reason."""
+
+import pytest
+from peft import LoraConfig
+from transformers import LlamaConfig, GPT2Config
+
+from hfllamarl.runtime.weights.lora_adapters import adapter_config, choose_lora_sync, engine_rank
+
+LLAMA = LlamaConfig(architectures=["LlamaForCausalLM"])
+
+
+def choose(requested="auto", peft=None, model_obj=None, config=LLAMA, **kw):
+    return choose_lora_sync(requested, peft, model_obj, config, **kw)
+
+
+def test_fresh_adapters_on_linear_layers_travel_alone_on_gpus_and_merged_on_the_cpu():
+    peft = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
+    assert choose(peft=peft)[0] == "adapter"
+    mode, why = choose(peft=peft, use_cpu=True)
+    assert mode == "merged" and "CPU" in why
+    assert choose("adapter", peft=peft, use_cpu=True)[0] == "adapter"  # asked for: honoured on the CPU too
+    assert choose("merged", peft=peft)[0] == "merged"
+    assert choose(peft=None) == ("none", "")
+
+
+@pytest.mark.parametrize("peft, kw, reason", [
+    (LoraConfig(r=8, init_lora_weights="pissa"), {}, "init_lora_weights"),
+    (LoraConfig(r=8, rank_pattern={"q_proj": 4}), {}, "rank_pattern"),
+    (LoraConfig(r=1024), {}, "r=1024"),
+    (LoraConfig(r=8, target_modules=["q_proj", "embed_tokens"]), {}, "embedding"),
+    (LoraConfig(r=8, target_modules=".*proj"), {}, "pattern"),
+    (LoraConfig(r=8), {"quantization": "fp8"}, "generator_quantization"),
+    (LoraConfig(r=8), {"model_impl": "transformers"}, "vllm_model_impl"),
+    (LoraConfig(r=8), {"config": GPT2Config(architectures=["GPT2LMHeadModel"])}, "GPT2LMHeadModel"),
+])
+def test_what_the_engine_cannot_apply_goes_merged_under_auto_and_is_refused_when_asked(peft, kw, reason):
+    config = kw.pop("config", LLAMA)
+    mode, why = choose(peft=peft, config=config, **kw)
+    assert mode == "merged" and reason in why, why
+    with pytest.raises(ValueError, match="cannot be honoured") as err:
+        choose("adapter", peft=peft, config=config, **kw)
+    assert reason in str(err.value)
+
+
+def test_bad_values_and_adapter_without_lora_are_refused():
+    with pytest.raises(ValueError, match="choose one of"):
+        choose("adapters", peft=LoraConfig())
+    with pytest.raises(ValueError, match="needs a LoRA policy"):
+        choose("adapter", peft=None)
+
+
+def test_the_adapter_file_puts_the_scaling_in_b_and_the_engine_rank_holds_r():
+    # vLLM's scaling is lora_alpha / r: 1 with lora_alpha = r, whatever the user's alpha (it went into B).
+    config = adapter_config(LoraConfig(r=12, lora_alpha=48, use_rslora=True))
+    assert config["lora_alpha"] == config["r"] == 12 and config["use_rslora"] is False
+    assert [engine_rank(LoraConfig(r=r)) for r in (1, 2, 8, 12, 16, 300)] == [1, 8, 8, 16, 16, 320]
