@@ -415,7 +415,7 @@ def exit_drill(model: str, out: str, launch: str, victim: int, results: dict, pa
         end_job(proc, out)
 
 
-def run_side_by_side(model, tmp_path, cases, past_end: bool) -> dict:
+def run_exit_drills(model, tmp_path, cases, past_end: bool) -> dict:
     """One exit drill per (launch, victim) case, all at once, each in tmp_path/<launch>-<victim>; the results by case."""
     results: dict = {}
     threads = [threading.Thread(target=exit_drill, args=(model, str(tmp_path / f"{launch}-{victim}"), launch, victim,
@@ -436,7 +436,7 @@ def test_a_rank_frozen_after_the_last_checkpoint(family_model, tmp_path):
     A generator child frozen after it reached the end of the job (a race with the parent's signal) is killed after a
     short grace, with a warning naming it, and the complete run ends normally. Four jobs side by side."""
     cases = [(launch, victim) for launch in ("torchrun", "python") for victim in (0, 1)]
-    results = run_side_by_side(family_model("llama"), tmp_path, cases, past_end=False)
+    results = run_exit_drills(family_model("llama"), tmp_path, cases, past_end=False)
     for case in cases:
         launch, victim = case
         r = results.get(case)
@@ -465,7 +465,7 @@ def test_a_rank_frozen_past_the_end_of_the_job_is_killed_and_the_launcher_return
     from hfllamarl.runtime.world.liveness import heartbeat_timeout
 
     cases = [(launch, victim) for launch in ("torchrun", "accelerate") for victim in (0, 1)]
-    results = run_side_by_side(family_model("llama"), tmp_path, cases, past_end=True)
+    results = run_exit_drills(family_model("llama"), tmp_path, cases, past_end=True)
     for case in cases:
         r = results.get(case)
         assert r is not None, f"{case}: the drill itself failed"

@@ -98,6 +98,10 @@ def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int,
             atexit.register(release_cpu_shm, f"{engine_id}_")  # (a generator child calls it itself: `os._exit`)
     if use_cpu:
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes or (256 << 20)
+        if extra.get("enable_lora"):  # vLLM's CPU LoRA ops, grouped by adapter (lora_adapters.cpu_lora_kernels)
+            from hfllamarl.runtime.weights.lora_adapters import cpu_lora_kernels
+
+            cpu_lora_kernels()
         if enforce_eager:
             _eager_token_ranks()
     else:  # pragma: no cover - needs a GPU

@@ -4,9 +4,9 @@ adapters into its own LoRA support, so a sync moves the adapters (megabytes) ins
 
 `lora_sync` chooses between this and the merged sync (`hfllamarl.runtime.weights.lora`). With 'auto', adapters travel
 alone on GPUs when the engine can apply them exactly as the trainer does; otherwise the merged weights do, and the
-log says why (`choose_lora_sync`). On the CPU 'auto' keeps the merged sync: vLLM's CPU LoRA kernels made a generation
-batch 2.8x as long on the bench's model (`hfllamarl bench lora-sync`), far more than the sync saves there. The choice
-is made from the configuration alone, identically on every process of the job.
+log says why (`choose_lora_sync`). On the CPU 'auto' keeps the merged sync: applying adapters made a generation batch
+twice as long on the bench's model (`hfllamarl bench lora-sync`, with `cpu_lora_kernels`), far more than the sync
+saves there. The choice is made from the configuration alone, identically on every process of the job.
 
 What travels (`AdapterWeights`): for every adapted linear layer, `A` and `scaling * B` under peft's file names
 (`base_model.model.<layer>.lora_A.weight`), still sharded as FSDP2 holds them, so every weight-sync backend sends
@@ -59,8 +59,8 @@ def choose_lora_sync(requested: str, peft_config, model_obj, model_config, *, us
         return "merged", "lora_sync='merged'"
     why = _cannot_load_adapters(peft_config, model_obj, model_config, quantization, model_impl)
     if why is None and use_cpu and requested == "auto":
-        why = (f"on the CPU, vLLM's LoRA kernels cost more generation time than the merged sync saves (measured with "
-               "`hfllamarl bench lora-sync`: a batch 2.8x as long); lora_sync='adapter' sends the adapters alone")
+        why = ("on the CPU, applying adapters in vLLM costs more generation time than the merged sync saves (measured "
+               "with `hfllamarl bench lora-sync`: a batch twice as long); lora_sync='adapter' sends the adapters alone")
     if why is None:
         return "adapter", "the engine loads each version's adapters (vLLM's LoRA support)"
     if requested == "adapter":
@@ -210,3 +210,70 @@ class AdapterSlot:
 
     def close(self) -> None:
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _by_index(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype) -> torch.Tensor | None:
+    """Row t of the result is `inputs[t] @ weights[indices[t]]^T` (what vLLM's CPU LoRA ops compute with one copy of
+    the adapter matrix per token): one matrix product per distinct index instead (a batch uses one adapter here;
+    vLLM marks a token without adapter with index -1, which indexes here as it does there).
+    None where the shapes are not those (the caller then runs vLLM's own op)."""
+    if weights.dim() == 4:
+        weights = weights.squeeze(1)
+    if weights.dim() != 3 or indices.dim() != 1 or indices.numel() != inputs.shape[0]:
+        return None
+    inputs = inputs.to(dtype)
+    distinct = torch.unique(indices).tolist()
+    if len(distinct) == 1:
+        return inputs @ weights[distinct[0]].to(dtype).T
+    out = inputs.new_empty(inputs.shape[0], weights.shape[1])
+    for index in distinct:
+        rows = indices == index
+        out[rows] = inputs[rows] @ weights[index].to(dtype).T
+    return out
+
+
+def cpu_lora_kernels() -> None:
+    """vLLM's CPU LoRA ops (`vllm.lora.ops.torch_ops`) gather, for every token, a copy of its adapter's matrix and
+    multiply token by token: on the bench's model a generation batch took 2.8x as long as on merged weights (2.0x
+    with these). They are replaced, once per process, by the same products grouped by adapter (`_by_index`: one
+    matrix product per adapter in the batch), with vLLM's own op kept for any shape it is not written for. Applied
+    where an engine with LoRA support is built on the CPU."""
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    if getattr(lora_ops, "_hfllamarl_own", None):
+        return
+    own = {name: getattr(lora_ops, name) for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")}
+
+    def bgmv_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling=1.0):
+        out = _by_index(inputs, lora_a_weights, lora_indices_tensor, output_tensor.dtype)
+        if out is None:
+            return own["bgmv_shrink"](inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling)
+        output_tensor[:, : out.shape[1]] = scaling * out
+
+    def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs=True):
+        out = _by_index(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+        if out is None or out.shape[0] != output_tensor.shape[0]:
+            return own["bgmv_expand"](inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs)
+        common = min(out.shape[1], output_tensor.shape[1])
+        if add_inputs:
+            output_tensor[:, :common] += out[:, :common]
+        else:
+            output_tensor[:, :common] = out[:, :common]
+
+    def bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset, slice_size,
+                          add_inputs=True):
+        out = _by_index(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+        if out is None:
+            return own["bgmv_expand_slice"](inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset,
+                                            slice_size, add_inputs)
+        if add_inputs:
+            output_tensor[:, slice_offset: slice_offset + slice_size] += out
+        else:
+            output_tensor[:, slice_offset: slice_offset + slice_size] = out
+
+    for module in (lora_ops, punica_cpu):  # (the sgmv ops call these through lora_ops; the wrapper imported them)
+        for name, fn in (("bgmv_shrink", bgmv_shrink), ("bgmv_expand", bgmv_expand),
+                         ("bgmv_expand_slice", bgmv_expand_slice)):
+            setattr(module, name, fn)
+    lora_ops._hfllamarl_own = own  # (vLLM's own ops, kept for the shapes above and for comparison)

@@ -1,4 +1,4 @@
-"""Which LoRA weight sync a job gets (`lora_sync`), decided from the configuration alone: the cases that must send the
+"""LoRA's adapter-only sync. Which LoRA weight sync a job gets (`lora_sync`), decided from the configuration alone: the cases that must send the
 merged layers, the ones that may send the adapters, and a refused 'adapter' naming its reason."""
 
 import pytest
@@ -55,3 +55,36 @@ def test_the_adapter_file_puts_the_scaling_in_b_and_the_engine_rank_holds_r():
     config = adapter_config(LoraConfig(r=12, lora_alpha=48, use_rslora=True))
     assert config["lora_alpha"] == config["r"] == 12 and config["use_rslora"] is False
     assert [engine_rank(LoraConfig(r=r)) for r in (1, 2, 8, 12, 16, 300)] == [1, 8, 8, 16, 16, 320]
+
+
+@pytest.mark.parametrize("indices", [[0] * 7, [0, 1, 1, 0, -1, 1, 0]])
+def test_the_grouped_cpu_lora_ops_compute_what_vllms_own_ops_do(indices):
+    """vLLM's CPU LoRA ops (the reference: its own torch ops, one adapter copy per token) against the grouped ones the
+    generator installs, for one adapter and for a mix (with -1, a token without adapter), in fp32 and bf16 inputs."""
+    import torch
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    from hfllamarl.runtime.weights.lora_adapters import cpu_lora_kernels
+
+    cpu_lora_kernels()
+    own = lora_ops._hfllamarl_own  # vLLM's own ops, as they were before
+    g = torch.Generator().manual_seed(0)
+    idx = torch.tensor(indices)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(7, 64, generator=g).to(dtype)
+        a = torch.randn(2, 1, 16, 64, generator=g).to(dtype)  # [slots, 1, r, in]
+        b = torch.randn(2, 1, 96, 16, generator=g).to(dtype)  # [slots, 1, out, r]
+        h = torch.randn(7, 16, generator=g)
+        outs = {}
+        for which, ops in (("own", own), ("grouped", {n: getattr(lora_ops, n) for n in own})):
+            shrunk = torch.zeros(7, 16)
+            ops["bgmv_shrink"](x, a, shrunk, idx, 0.5)
+            expanded = torch.ones(7, 96, dtype=dtype)
+            ops["bgmv_expand"](h, b, expanded, idx, True)
+            sliced = torch.ones(7, 200, dtype=dtype)
+            ops["bgmv_expand_slice"](h, b, sliced, idx, 40, 96, True)
+            outs[which] = (shrunk, expanded, sliced)
+        assert lora_ops.bgmv_shrink is not own["bgmv_shrink"]
+        for mine, theirs in zip(outs["grouped"], outs["own"]):
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(mine.float(), theirs.float(), rtol=tol, atol=tol * 8), (mine - theirs).abs().max()
