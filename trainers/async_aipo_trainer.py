@@ -36,6 +36,7 @@ from hfllamarl.runtime.data.rewards import RewardRunner, resolve_reward_funcs
 from hfllamarl.runtime.loop.schedule import Schedule
 from hfllamarl.runtime.loop.weights_channel import build_backend
 from hfllamarl.runtime.world import startup
+from hfllamarl.runtime.world.topology import launcher_attempt
 
 from .agent_setup import build_agent, check_dataset, placeholder_dataset, prepare_tokenizer, reward_weights
 from .config import AsyncAIPOConfig
@@ -238,6 +239,10 @@ class AsyncAIPOTrainer:
         startup.reset()
         startup.mark("train")
         spec = self._generator_spec()
+        resume_from_checkpoint, restarted = checkpoint.after_restart(  # (torchrun --max-restarts)
+            resume_from_checkpoint, self.args.output_dir, launcher_attempt())
+        if restarted and topo.rank == 0:
+            logger.warning(restarted)
         resume = checkpoint.resolve(resume_from_checkpoint, self.args.output_dir)
         start_tick, resume_dir, unsampled = 0, None, []
         if resume is not None:

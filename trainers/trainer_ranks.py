@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import time
 
 import torch
 
@@ -205,9 +206,10 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
     holder = {}
 
     def on_step(step: int, metrics: dict) -> bool:
-        # Which dataset rows each step trained on (the last line for a step wins after a resume).
+        # Which dataset rows each step trained on, and when it ended (the last line for a step wins after a resume).
         with open(prompts_log, "a") as fh:
-            fh.write(json.dumps({"step": step, "rows": holder["executor"].trained_rows[-1]}) + "\n")
+            fh.write(json.dumps({"step": step, "rows": holder["executor"].trained_rows[-1],
+                                 "time": round(time.time(), 3)}) + "\n")
         reporter.step_end(step, metrics)
         if args.torch_empty_cache_steps and step % args.torch_empty_cache_steps == 0:  # as transformers' Trainer
             from accelerate.utils.memory import clear_device_cache

@@ -77,7 +77,8 @@ class PrintEvaluations(TrainerCallback):
 
 
 class KillAt(TrainerCallback):
-    """SIGKILL this process at the end of a given step (the generator child then dies with it)."""
+    """SIGKILL this process at the end of a given step (the generator child then dies with it); the time of the kill
+    goes to OUTPUT_DIR/killed_at."""
 
     def __init__(self, step):
         self.step = step
@@ -87,6 +88,8 @@ class KillAt(TrainerCallback):
             import os
             import signal
 
+            with open(os.path.join(args.output_dir, "killed_at"), "w") as fh:
+                fh.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -348,9 +351,10 @@ def main():
                                    train_dataset=Dataset.from_list(successor_rows(a.rows, seed=2)), eval_dataset=eval_dataset,
                                    callbacks=[PrintEvaluations()] if a.eval_rows else None)
         trainer.add_callback(PrintChildren(trainer.topology))
-        if a.kill_at_step:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # (a launcher's restart: no drill)
+        if a.kill_at_step and first_attempt:
             trainer.add_callback(KillAt(a.kill_at_step))
-        if a.signal_rank_at:
+        if a.signal_rank_at and first_attempt:
             trainer.add_callback(SignalRankAt(a.signal_rank_at, a.output_dir))
         if a.stop_at_step:
             trainer.add_callback(StopAt(a.stop_at_step))

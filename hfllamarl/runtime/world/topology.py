@@ -538,6 +538,8 @@ def _launcher_topology(num_generators: int, timeout_s: float, use_cpu: bool, tp:
         store_addr=(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
         tensor_parallel_size=tp,
         failure=failure,
+        # A launcher's restart (torchrun --max-restarts) keeps its store: each attempt's keys are its own.
+        job_id=launcher_attempt() * 1000,
     )
     # From here on, RANK/WORLD_SIZE describe this executor's own world (Accelerate, vLLM's external
     # launcher and FSDP read them); LOCAL_RANK stays the device index on this node.
@@ -572,3 +574,12 @@ def _refuse_single_process_accelerate_launch() -> None:
             f"  torchrun --nproc_per_node {n} script.py\n"
             "or simply `python script.py` (the generator then runs as a child process)."
         )
+
+
+def launcher_attempt() -> int:
+    """Which attempt of the job this process is: 0, or the launcher's restart count (torchrun --max-restarts,
+    accelerate launch --max_restarts: TORCHELASTIC_RESTART_COUNT)."""
+    try:
+        return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), 0)
+    except ValueError:
+        return 0
