@@ -380,42 +380,7 @@ class AsyncAIPOConfig(GRPOConfig):
             raise ValueError("AsyncAIPOConfig: num_generations_eval must be >= 1 (completions per eval prompt).")
 
     def _check_replicas(self) -> None:
-        """The generator layout: num_generator_processes = replicas x generator_tensor_parallel_size."""
-        for name in ("max_staleness", "num_generator_processes", "num_generations"):
-            if not _is_whole(getattr(self, name)):
-                raise ValueError(f"AsyncAIPOConfig: {name}={getattr(self, name)!r}; it must be a whole number.")
-        for name in ("generator_tensor_parallel_size", "vllm_data_parallel_size"):
-            value = getattr(self, name)
-            if value is not None and (not _is_whole(value) or value < 1):
-                raise ValueError(f"AsyncAIPOConfig: {name}={value!r}; it must be a whole number >= 1.")
-        n, dp = self.num_generator_processes, self.vllm_data_parallel_size
-        if n < 1:
-            raise ValueError("AsyncAIPOConfig: num_generator_processes must be >= 1.")
-        if self.generator_tensor_parallel_size is None:
-            if self.vllm_tensor_parallel_size != 1:
-                self.generator_tensor_parallel_size = self.vllm_tensor_parallel_size
-            elif dp is not None:
-                if n % dp:
-                    raise ValueError(f"AsyncAIPOConfig: vllm_data_parallel_size={dp} replicas do not split "
-                                     f"num_generator_processes={n} evenly; set num_generator_processes to a multiple "
-                                     f"of {dp}.")
-                self.generator_tensor_parallel_size = n // dp
-            else:  # one engine across all generator ranks
-                self.generator_tensor_parallel_size = n
-        tp = self.generator_tensor_parallel_size
-        if n % tp:
-            raise ValueError(
-                f"AsyncAIPOConfig: num_generator_processes ({n}) must be a multiple of generator_tensor_parallel_size "
-                f"({tp}): the generator processes form replicas of {tp} ranks each (e.g. num_generator_processes="
-                f"{(n // tp + 1) * tp} for {n // tp + 1} replicas).")
-        if dp is not None and dp != n // tp:
-            raise ValueError(
-                f"AsyncAIPOConfig: vllm_data_parallel_size={dp} replicas, but num_generator_processes={n} with "
-                f"generator_tensor_parallel_size={tp} make {n // tp}: set vllm_data_parallel_size={n // tp}, or "
-                f"num_generator_processes={dp * tp} for {dp} replicas of {tp}.")
-        if self.generator_failure not in ("stop", "continue"):
-            raise ValueError(f"AsyncAIPOConfig: generator_failure must be 'stop' or 'continue', not "
-                             f"{self.generator_failure!r}.")
+        trainer_layout.check_generator_replicas(self)
 
     def _check_trainer_tp(self) -> int:
         return trainer_layout.check_fields(self)

@@ -1,5 +1,5 @@
-"""The trainer ranks' layout fields of `AsyncAIPOConfig` checked: tensor parallelism, its sequence parallelism, FSDP2's
-shard groups (hybrid sharding), against the processes the launcher started."""
+"""The layout fields of `AsyncAIPOConfig` checked: the trainer ranks' tensor parallelism, its sequence parallelism,
+FSDP2's shard groups (hybrid sharding), against the processes the launcher started; the generator ranks' replicas."""
 
 from __future__ import annotations
 
@@ -59,3 +59,45 @@ def check_processes(config) -> None:
             "`python script.py` runs one. Launch the script with torchrun or accelerate launch, e.g. "
             f"`torchrun --nproc_per_node {tp + config.num_generator_processes} script.py` ({tp} trainer, "
             f"{config.num_generator_processes} generator processes).")
+
+
+def check_generator_replicas(config) -> None:
+    """The generator layout: num_generator_processes = replicas x generator_tensor_parallel_size (sets the latter
+    when it is None, from TRL's vllm_tensor_parallel_size / vllm_data_parallel_size or one engine over all)."""
+    from .config import _is_whole
+
+    for name in ("max_staleness", "num_generator_processes", "num_generations"):
+        if not _is_whole(getattr(config, name)):
+            raise ValueError(f"AsyncAIPOConfig: {name}={getattr(config, name)!r}; it must be a whole number.")
+    for name in ("generator_tensor_parallel_size", "vllm_data_parallel_size"):
+        value = getattr(config, name)
+        if value is not None and (not _is_whole(value) or value < 1):
+            raise ValueError(f"AsyncAIPOConfig: {name}={value!r}; it must be a whole number >= 1.")
+    n, dp = config.num_generator_processes, config.vllm_data_parallel_size
+    if n < 1:
+        raise ValueError("AsyncAIPOConfig: num_generator_processes must be >= 1.")
+    if config.generator_tensor_parallel_size is None:
+        if config.vllm_tensor_parallel_size != 1:
+            config.generator_tensor_parallel_size = config.vllm_tensor_parallel_size
+        elif dp is not None:
+            if n % dp:
+                raise ValueError(f"AsyncAIPOConfig: vllm_data_parallel_size={dp} replicas do not split "
+                                 f"num_generator_processes={n} evenly; set num_generator_processes to a multiple "
+                                 f"of {dp}.")
+            config.generator_tensor_parallel_size = n // dp
+        else:  # one engine across all generator ranks
+            config.generator_tensor_parallel_size = n
+    tp = config.generator_tensor_parallel_size
+    if n % tp:
+        raise ValueError(
+            f"AsyncAIPOConfig: num_generator_processes ({n}) must be a multiple of generator_tensor_parallel_size "
+            f"({tp}): the generator processes form replicas of {tp} ranks each (e.g. num_generator_processes="
+            f"{(n // tp + 1) * tp} for {n // tp + 1} replicas).")
+    if dp is not None and dp != n // tp:
+        raise ValueError(
+            f"AsyncAIPOConfig: vllm_data_parallel_size={dp} replicas, but num_generator_processes={n} with "
+            f"generator_tensor_parallel_size={tp} make {n // tp}: set vllm_data_parallel_size={n // tp}, or "
+            f"num_generator_processes={dp * tp} for {dp} replicas of {tp}.")
+    if config.generator_failure not in ("stop", "continue"):
+        raise ValueError(f"AsyncAIPOConfig: generator_failure must be 'stop' or 'continue', not "
+                         f"{config.generator_failure!r}.")
