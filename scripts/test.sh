@@ -18,4 +18,4 @@ NO_MKDOCS_2_WARNING=1 timeout 600 "$VENV/bin/python" -m mkdocs build --strict --
 WORKERS=${HFLLAMARL_TEST_WORKERS:-2}
 XDIST=()
 if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadfile); fi
-"$VENV/bin/python" -m pytest -q "${XDIST[@]}" "$@"
+"$VENV/bin/python" -m pytest -q --durations=20 "${XDIST[@]}" "$@"

@@ -379,7 +379,8 @@ class Topology:
 
     def exited_children(self, ended=()) -> list[tuple[int, int]]:
         """(rank, exit code) of the generator children that exited with an error. A child of `ended` (seen gone)
-        is waited for up to a second: poll() answers None while another thread of this process reaps it."""
+        is waited for up to 5 s: poll() answers None while another thread of this process reaps it, or (a child forked
+        by the preload server) until the server's report of its status arrives, late on a loaded machine."""
         import subprocess
 
         out = []
@@ -387,7 +388,7 @@ class Topology:
             code = proc.poll()
             if code is None and rank in ended:
                 try:
-                    code = proc.wait(timeout=1.0)
+                    code = proc.wait(timeout=5.0)
                 except subprocess.TimeoutExpired:
                     pass
             if code not in (None, 0):
