@@ -316,7 +316,7 @@ def main():
     a = p.parse_args()
     if a.kill_in_checkpoint:
         kill_inside_checkpoint(a.kill_in_checkpoint)
-    if a.stop_after_checkpoint:
+    if a.stop_after_checkpoint and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # (not on a restart)
         stop_step, stop_rank = map(int, a.stop_after_checkpoint.split(":"))
         stop_after_checkpoint(stop_step, stop_rank, a.output_dir)
     if a.stop_after_end is not None:

@@ -210,8 +210,10 @@ class GeneratorExecutor(Executor):
             if bad:
                 raise WeightSyncMismatch(
                     f"verify_weight_sync: after the weight sync of policy version {version}, "
-                    f"{self.topology.describe(self.topology.rank)} holds parameters that differ from what vLLM's own "
-                    f"loader makes of the same weights ({directory}): " + "; ".join(bad[:5])
+                    f"{self.topology.describe(self.topology.rank)} "
+                    + ("computes, under the adapters it received, other log-probs than under the merged layers "
+                       if self.adapters is not None else "holds parameters that differ from ")
+                    + f"what vLLM's own loader makes of the same weights ({directory}): " + "; ".join(bad[:5])
                     + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
         self.version = version
         self.weight_load_seconds = time.perf_counter() - start  # (the sync's load into the engine; with
