@@ -4,6 +4,7 @@ eval), with real processes: each attack is contained and the next normal call st
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -189,6 +190,45 @@ def test_writes_outside_scratch_are_refused(box):
     assert {p: _digest(p) for p in before} == before
     assert not any(t.exists() for t in targets[1:2] + targets[3:])
     shutil.rmtree(ckpt.parent)
+    assert_unharmed(box)
+
+
+def test_the_call_sees_a_minimal_root_not_the_hosts_temp_dirs_nor_homes(box):
+    """A file another process of the job left readable to all in /tmp or /var/tmp (a token, a socket, another
+    job's data) does not exist for the call, whose root shows those directories, /run and the homes empty but for
+    the interpreter's own directories; the call still imports what the job can."""
+    probes = []
+    for top in ("/tmp", "/var/tmp"):
+        directory = Path(tempfile.mkdtemp(dir=top, prefix="hfllamarl-probe-"))
+        directory.chmod(0o755)
+        (directory / "token").write_text("hunter3")
+        (directory / "token").chmod(0o644)
+        probes.append(directory)
+    code = f"""
+    import json, os, sys
+    import hfllamarl
+    for directory in {[str(p) for p in probes]!r}:
+        try:
+            print("READ", open(os.path.join(directory, "token")).read())
+        except OSError as exc:
+            print("absent", exc.errno)
+    for top in ("/tmp", "/var/tmp", "/run", "/home"):
+        if os.path.isdir(top) and not os.path.islink(top):
+            print("list", top, json.dumps([e for e in os.listdir(top) if not e.startswith("hfllamarl-sandbox-")]))
+    print("cwd", os.getcwd() == os.environ["TMPDIR"])
+    """
+    try:
+        out = box.run(code)
+    finally:
+        for directory in probes:
+            shutil.rmtree(directory)
+    assert "READ" not in out and out.count("absent 2") == 2, out
+    assert "cwd True" in out, out
+    shown = {line.split()[1]: line.split(" ", 2)[2] for line in out.splitlines() if line.startswith("list ")}
+    kept = [os.path.realpath(p) for p in sys.path if p] + [sys.prefix, os.path.dirname(sys.executable)]
+    for top, entries in shown.items():
+        # Only the way to the interpreter's own directories (a venv under /home/<user>, say) is left.
+        assert all(any(k.startswith(f"{top}/{e}") for k in kept) for e in json.loads(entries)), (top, entries)
     assert_unharmed(box)
 
 
@@ -551,3 +591,22 @@ def test_a_calls_memory_is_bounded_as_a_whole_or_the_per_process_bound_is_said(c
     warned = any("bounded per process, not per call" in r.getMessage() for r in caplog.records)
     all_finished = out.strip() == "True"
     assert all_finished == warned, (out, warned)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="this run is not root: every test above already ran unprivileged")
+def test_every_case_holds_for_a_job_that_is_not_root():
+    """The suite again, as uid 65534 (`tests/scripts/as_nobody.py`): a job that does not run as root keeps its own uid
+    in the calls, so what the file system, the sockets and the environment show the call is the job's own, and
+    nothing but the sandbox stands between them (no uid drop)."""
+    here = Path(__file__).resolve()
+    env = {k: v for k, v in os.environ.items() if k not in ("HFLLAMARL_PRELOAD", "PYTEST_ADDOPTS")}
+    home = tempfile.mkdtemp(prefix="hfllamarl-nobody-home-")  # (pytest's tmp_path is below a 0700 directory)
+    os.chown(home, 65534, 65534)
+    env.update(HOME=home, HFLLAMARL_TEST_PRELOAD="0", PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([sys.executable, str(here.parent / "scripts" / "as_nobody.py"), "-m", "pytest", "-q",
+                           "-p", "no:cacheprovider", str(here), "-k", "not not_root"],
+                          cwd=here.parents[1], env=env, capture_output=True, text=True, timeout=600)
+    shutil.rmtree(home, ignore_errors=True)
+    tail = proc.stdout[-3000:]
+    assert proc.returncode == 0, tail + proc.stderr[-2000:]
+    assert " passed" in tail and "failed" not in tail and "skipped" not in tail and "error" not in tail, tail

@@ -8,8 +8,10 @@ per call (:mod:`.server`). Each child, before it runs anything (:mod:`.jail`), i
 * starts its own session and, when the job runs as root, drops to uid/gid 65534;
 * enters new user, mount, network, pid and IPC namespaces and forks PID 1 of the new pid namespace, which runs the
   call: when it ends or is killed, the kernel kills every process left in the namespace (``setsid`` children too);
-* sees the whole file system read-only, except its own tmpfs scratch directory (``scratch_mb``, ``max_files``
-  inodes), its working directory, removed after the call; a fresh ``/proc`` (the host's processes are hidden);
+* sees a minimal root: the host's temp, run-time and home directories (:data:`.jail.COVERED`, the job user's home)
+  empty but for the interpreter's own directories below them; everything read-only, except its own tmpfs scratch
+  directory (``scratch_mb``, ``max_files`` inodes), its working directory, removed after the call; a fresh ``/proc``
+  (the host's processes are hidden);
 * has no network: the namespace has only a loopback that is down, whatever the API (``socket``, ``_socket``,
   ``ctypes``, a subprocess);
 * can open no socket but an inet one (which reaches nothing there) and stream ``socketpair``s, and no io_uring
@@ -32,7 +34,8 @@ raises :class:`SandboxUnavailable` naming the failed step; ``isolation="process"
 call, ``setsid``, uid drop, rlimits, session and cgroup kill, scratch removed, no socket at all but stream
 pairs (the seccomp filter), the allow-listed environment), with a loud warning of what it does not guarantee.
 
-Not guaranteed: the code can read every file the job's user (or uid 65534) can read (files, not sockets); CPU
+Not guaranteed: outside the covered directories the code can read every file the job's user (or uid 65534) can
+read (files, not sockets); CPU
 time is bounded, not its share of the cores; a tmpfs the code mounts in a nested user namespace of its own is
 bounded only by the memory cgroup. A call's memory is bounded as a whole only where its memory cgroup is enforced (the
 server checks at start that a limited cgroup really stops a process); elsewhere each process is bounded (RLIMIT_AS)

@@ -184,10 +184,55 @@ def reveal_interpreter(hidden: dict[str, list[str]], fail_step: str | None) -> N
             os.close(fd)
 
 
+#: Host directories a call sees empty (each covered by a read-only tmpfs that holds only the interpreter's directories
+#: found below it, and the call's scratch): other jobs' and the user's files, sockets and credentials live there.
+COVERED = ("/tmp", "/var/tmp", "/run", "/var/run", "/home", "/root", "/mnt", "/media", "/srv", "/var/lib", "/var/spool",
+           "/var/mail")
+
+#: Never covered, whatever the job's home is.
+SYSTEM_DIRS = ("/", "/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/opt", "/var", "/dev", "/proc", "/sys")
+
+
+def covered_dirs(kept: list[str], extra: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Of :data:`COVERED` and ``extra`` (the job user's home), the real directories (not symlinks) on this machine,
+    each with the ``kept`` paths below it (the interpreter's own directories: what the call imports) to bind back.
+    A directory that is kept itself, or lies below a kept one, is not covered."""
+    kept = sorted({os.path.realpath(p) for p in kept if p and os.path.isdir(p)})
+    found: dict[str, list[str]] = {}
+    for top in dict.fromkeys((*COVERED, *extra)):
+        if (not top.startswith("/") or top in SYSTEM_DIRS or os.path.islink(top) or not os.path.isdir(top)
+                or os.path.realpath(top) != top or any(top.startswith(t + "/") for t in found)):
+            continue
+        if any(k == top or top.startswith(k.rstrip("/") + "/") for k in kept):
+            continue
+        below: list[str] = []
+        for path in kept:
+            if path.startswith(top + "/") and not any(path.startswith(b + "/") for b in below):
+                below.append(path)
+        found[top] = below
+    return found
+
+
+def cover_host_dirs(covered: dict[str, list[str]], fail_step: str | None) -> None:
+    """Covers each of ``covered`` with an empty tmpfs and binds back the interpreter's directories below it."""
+    for top, paths in covered.items():
+        fds = {p: _step("open_kept_dirs", fail_step, lambda p=p: os.open(p, os.O_PATH | os.O_DIRECTORY))
+               for p in paths}
+        _mount("cover_host_dir", "tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=256,mode=0755",
+               fail_step)
+        for path, fd in fds.items():
+            _step("bind_kept_dirs", fail_step, lambda p=path: os.makedirs(p, exist_ok=True))
+            _mount("bind_kept_dirs", f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, fail_step)
+            os.close(fd)
+
+
 def build_file_system(job: dict, fail_step: str | None) -> None:
-    """Read-only view of everything but a capped tmpfs on ``scratch``; a fresh /proc; a tiny /dev/shm."""
+    """A minimal root: the host's directories of :data:`COVERED` empty but for the interpreter's (see
+    :func:`covered_dirs`), everything read-only but a capped tmpfs on ``scratch``; a fresh /proc; a tiny /dev/shm."""
     scratch, scratch_mb, max_files = job["scratch"], job["scratch_mb"], job["max_files"]
     _mount("make_mounts_private", None, "/", None, MS_REC | MS_PRIVATE, None, fail_step)
+    cover_host_dirs(job.get("covered") or {}, fail_step)
+    _step("make_scratch_dir", fail_step, lambda: os.makedirs(scratch, mode=0o700, exist_ok=True))
     _mount("mount_scratch_tmpfs", "tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={scratch_mb}m,nr_inodes={max_files},mode=0700", fail_step)
     _mount_setattr("make_tree_read_only", "/", AT_RECURSIVE, MOUNT_ATTR_RDONLY, 0, fail_step)

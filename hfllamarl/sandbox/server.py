@@ -174,7 +174,8 @@ class Server:
         self.isolation = config["isolation"]
         self.reply_cap = int(config["max_reply_bytes"])
         sweep_stale_bases()
-        self.base = tempfile.mkdtemp(prefix=f"hfllamarl-sandbox-{os.getpid()}-")
+        # (its real path: the call rebuilds it below the host directories it covers, where a symlink may not exist)
+        self.base = os.path.realpath(tempfile.mkdtemp(prefix=f"hfllamarl-sandbox-{os.getpid()}-"))
         os.chmod(self.base, 0o711)  # uid 65534 must reach its scratch directory below
         self.cgroups = _Cgroups(os.getpid())
         self.hidden: dict[str, list[str]] = {}
@@ -184,6 +185,19 @@ class Server:
             # (the scratch directories too: a TMPDIR under a private directory, e.g. a SLURM job's or root's home)
             self.hidden = jail.hidden_paths([*sys.path, sys.prefix, sys.base_prefix, sys.exec_prefix,
                                              sys.base_exec_prefix, self.base])
+        self.covered: dict[str, list[str]] = {}
+        if self.isolation == "namespaces":
+            import pwd
+            import sys
+
+            kept = [os.path.abspath(p or os.curdir) for p in sys.path]
+            kept += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                     os.path.dirname(os.path.realpath(sys.executable))]
+            try:
+                home = (pwd.getpwuid(os.getuid()).pw_dir,)
+            except KeyError:  # (a uid without a passwd entry, as in some containers)
+                home = ()
+            self.covered = jail.covered_dirs(kept, extra=home)
         self.calls: dict[int, _Call] = {}  # by reply fd
         self.queue: list[tuple[Any, list, float]] = []  # requests waiting for a free slot
         self.inbox = bytearray()
@@ -201,7 +215,8 @@ class Server:
         memory = (lim["memory_mb"] + lim["scratch_mb"] + 64) << 20
         cgroups = self.cgroups.create(self.counter, lim["max_processes"] + 2, memory)
         job = {**lim, "scratch": scratch, "cgroups": cgroups, "isolation": self.isolation, "fail_step": fail,
-               "server_pid": os.getpid(), "parallel": self.config["parallel"], "hidden": self.hidden}
+               "server_pid": os.getpid(), "parallel": self.config["parallel"], "hidden": self.hidden,
+               "covered": self.covered}
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:
