@@ -21,6 +21,8 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# (no hub is reachable; and the jobs that say so themselves then share the preload server's import-time environment)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

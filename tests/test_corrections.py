@@ -205,6 +205,14 @@ def test_auto_is_trls_correction_when_synchronous_and_the_studys_default_when_st
     assert sync.algorithm_options["off_policy_correction"] == "trl"
     stale = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, **fields)
     assert stale.algorithm_options["off_policy_correction"] == staleness_default(loss, 4) != "trl"
+    # what docs/operations/staleness.md's table of defaults says, by hand
+    at_4 = {"cispo": "a3po+trust:lag=8"}.get(loss, "a3po:lag=8")
+    at_1 = {"aipo": "token_truncate", "grpo": "token_truncate", "dapo": "token_truncate"}.get(loss, at_4)
+    assert stale.algorithm_options["off_policy_correction"] == at_4
+    one = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=1, **fields)
+    assert one.algorithm_options["off_policy_correction"] == at_1
+    assert AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=2, **fields).algorithm_options[
+        "off_policy_correction"] == at_4
     # a TRL correction field set by the user is honoured as set
     set_ = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, vllm_importance_sampling_mode="token_mask", **fields)
     assert set_.algorithm_options["off_policy_correction"] == "trl"

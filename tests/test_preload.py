@@ -146,6 +146,26 @@ def test_a_forked_child_gets_the_requesters_env_stdio_and_exit_status(tmp_path, 
     assert "ERR" in res.stderr and "CODE 7" in res.stdout, res
 
 
+def test_a_job_whose_import_time_environment_differs_is_spawned_not_forked(tmp_path, server):
+    """huggingface_hub reads HF_HOME once, when the server imports it: a child forked for a job with another HF_HOME
+    would look for models in the server's cache. The server refuses to fork it, naming the variable and not its
+    value (the job then spawns the child: `spawn._forked` falls back on that error)."""
+    client = server
+    (tmp_path / "probe.py").write_text("from huggingface_hub import constants\nprint('HOME', constants.HF_HOME)\n")
+    code = ("import os, sys\nfrom hfllamarl.runtime.world.preload import Client\n"
+            f"env = {{**os.environ, 'HF_HOME': {str(tmp_path / 'hf')!r}, 'PYTHONPATH': {str(tmp_path)!r}}}\n"
+            "try:\n"
+            f"    Client({client.path!r}).run('probe', [], env).wait(60)\n"
+            "except OSError as e:\n    print('REFUSED', e, flush=True)\n"
+            "same = {**os.environ, 'PYTHONPATH': env['PYTHONPATH']}\n"
+            f"print('CODE', Client({client.path!r}).run('probe', [], same).wait(60), flush=True)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "REFUSED" in res.stdout and "differs from the server's in HF_HOME," in res.stdout, res
+    refused = next(line for line in res.stdout.splitlines() if line.startswith("REFUSED"))
+    assert str(tmp_path / "hf") not in refused  # (names only: a value may be a token)
+    assert "CODE 0" in res.stdout and "HOME " in res.stdout, res  # the same environment still forks
+
+
 def test_the_preload_command_serves_the_jobs_of_a_shell_and_refuses_an_open_directory(tmp_path):
     """`hfllamarl preload`: a directory others can write to is refused (anyone there could stand in for the
     server); a private one is made, the server answers there, forks a child whose command line reads as a spawned

@@ -45,6 +45,18 @@ def warm(modules) -> None:
     gc.freeze()  # the children's pages stay shared: no collection touches what was imported
 
 
+#: Environment variables the warm modules read once, at import (huggingface_hub's cache and offline constants,
+#: transformers' and datasets', torch's, the interpreter's hash seed): a child whose environment differs from the
+#: server's in one of them would run with the server's value, so it is spawned instead.
+IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH_", "PYTORCH_")
+IMPORT_TIME_NAMES = ("HOME", "XDG_CACHE_HOME", "PYTHONHASHSEED")
+
+
+def import_time_environment(env) -> dict:
+    """The part of `env` the warm modules read at import (see `IMPORT_TIME_PREFIXES`)."""
+    return {k: v for k, v in env.items() if k in IMPORT_TIME_NAMES or k.startswith(IMPORT_TIME_PREFIXES)}
+
+
 def _terminate(signum, frame) -> None:
     raise SystemExit(0)
 
@@ -85,7 +97,7 @@ def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
     sel.register(rfd, selectors.EVENT_READ, "sigchld")
     children: dict[int, socket.socket] = {}
     state = {"lsock": lsock, "sel": sel, "pipe": (rfd, wfd), "owner_fd": owner_fd, "threads": threads,
-             "native_threads": native, "code": code}
+             "native_threads": native, "code": code, "import_env": import_time_environment(os.environ)}
     try:
         while True:
             for key, _ in sel.select(timeout=1.0):
@@ -161,6 +173,15 @@ def _handle(conn: socket.socket, children: dict, state: dict) -> None:
                      "native_threads": state["native_threads"], "code": state["code"]})
         for fd in fds:
             os.close(fd)
+        return
+    theirs, ours = import_time_environment(req.get("env", {})), state["import_env"]
+    differs = sorted(k for k in {*theirs, *ours} if theirs.get(k) != ours.get(k))
+    if differs:  # (names only: the values may be tokens)
+        _send(conn, {"error": f"the job's environment differs from the server's in {', '.join(differs)}, read once "
+                              "when the server imported its modules: start the server with the job's environment"})
+        for fd in fds:
+            os.close(fd)
+        _forget(conn, sel)
         return
     requester = os.pidfd_open(pid)
     child = os.fork()

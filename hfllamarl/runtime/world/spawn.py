@@ -169,7 +169,7 @@ def _forked(env: dict, spec_path: str):
     try:
         return client.run(_cmd(spec_path)[2], _cmd(spec_path)[3:], env)
     except (OSError, ValueError) as e:
-        preload._fallback(f"the server did not fork ({e})")
+        preload._fallback(f"the server did not fork ({e})", named=os.environ.get(preload.ENV_PRELOAD) not in ("1", None))
         return None
 
 
