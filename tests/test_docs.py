@@ -126,3 +126,23 @@ def test_site_builds_strict_without_importing_torch_or_vllm(tmp_path):
     assert (tmp_path / "reference" / "configuration" / "index.html").is_file()
     html = (tmp_path / "reference" / "trl-fields" / "index.html").read_text()
     assert "vllm_server_base_url" in html
+    # Offline: no page loads a script, a style sheet or a font from the network; formulas are MathML, diagrams SVG.
+    import re
+
+    for page in tmp_path.rglob("*.html"):
+        text = page.read_text()
+        remote = re.findall(r'<(?:script|link)[^>]*(?:src|href)="(?:https?:)?//[^"]*"', text)
+        assert not [r for r in remote if "rel=\"canonical\"" not in r], (page, remote[:3])
+        assert "sequenceDiagram" not in text and "flowchart LR" not in text, page
+    algorithms = (tmp_path / "guides" / "algorithms" / "index.html").read_text()
+    assert algorithms.count("<math") > 20 and "\\(" not in algorithms and "$$" not in algorithms
+    concepts = (tmp_path / "concepts" / "index.html").read_text()
+    assert "img/loop-tick.svg" in concepts and (tmp_path / "img" / "loop-tick.svg").is_file()
+
+
+def test_the_diagrams_on_the_pages_are_what_their_script_draws(tmp_path):
+    diagrams = _load("diagrams")
+    diagrams.main(str(tmp_path))
+    for name in diagrams.DIAGRAMS:
+        assert (tmp_path / name).read_text() == (ROOT / "docs" / "img" / name).read_text(), (
+            f"docs/img/{name} is not what docs/hooks/diagrams.py draws: run python docs/hooks/diagrams.py")
