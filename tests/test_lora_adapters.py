@@ -88,3 +88,24 @@ def test_the_grouped_cpu_lora_ops_compute_what_vllms_own_ops_do(indices):
         for mine, theirs in zip(outs["grouped"], outs["own"]):
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             assert torch.allclose(mine.float(), theirs.float(), rtol=tol, atol=tol * 8), (mine - theirs).abs().max()
+
+
+def test_scratch_left_by_a_process_that_is_gone_is_swept_and_a_live_ones_kept(tmp_path, monkeypatch):
+    """A generator that leaves by os._exit or SIGKILL keeps its adapter scratch: the next one to start removes it
+    (named after its owner's pid), and never a directory whose owner still runs."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from hfllamarl.runtime.world.processes import sweep_dead_owners
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"hfllamarl-lora-{int(gone.stdout)}-abc123"
+    alive = tmp_path / f"hfllamarl-lora-{os.getpid()}-def456"
+    other = tmp_path / f"hfllamarl-sandbox-{int(gone.stdout)}-ghi789"
+    for d in (dead, alive, other):
+        (d / "version-3").mkdir(parents=True)
+    sweep_dead_owners("hfllamarl-lora-")
+    assert not dead.exists() and alive.exists() and other.exists()

@@ -17,7 +17,6 @@ import ctypes
 import importlib
 import json
 import os
-import re
 import select
 import shutil
 import signal
@@ -401,17 +400,9 @@ class Server:
 def sweep_stale_bases() -> None:
     """Removes the scratch bases of this user's sandbox servers that are gone (killed with SIGKILL, which leaves no
     time to clean): each base is named after its server's pid."""
-    root = tempfile.gettempdir()
-    for entry in os.scandir(root):
-        m = re.fullmatch(r"hfllamarl-sandbox-(\d+)-\w+", entry.name)
-        try:
-            if not m or not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.geteuid():
-                continue
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(entry.path, ignore_errors=True)
-        except OSError:  # (alive under another uid, or gone meanwhile)
-            continue
+    from hfllamarl.runtime.world.processes import sweep_dead_owners
+
+    sweep_dead_owners("hfllamarl-sandbox-")
 
 
 _STOPPING = [False]

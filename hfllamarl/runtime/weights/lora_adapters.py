@@ -143,7 +143,10 @@ class AdapterSlot:
 
     def __init__(self, llm, config: dict, start: str | None = None, version: int = 0):
         self.llm, self.config = llm, config
-        self.scratch = tempfile.mkdtemp(prefix="hfllamarl-lora-")
+        from hfllamarl.runtime.world.processes import sweep_dead_owners
+
+        sweep_dead_owners("hfllamarl-lora-")  # (what a generator that left by os._exit or SIGKILL kept)
+        self.scratch = tempfile.mkdtemp(prefix=f"hfllamarl-lora-{os.getpid()}-")
         self.request = None
         self.bytes = 0
         if start is not None:  # a resumed run: the checkpoint's adapters, in peft's own format (scaling in its config)

@@ -87,3 +87,23 @@ def release_cpu_shm(engine_id: str) -> None:
             os.unlink(path)
         except OSError:  # (already gone: another rank of the engine released it)
             pass
+
+
+def sweep_dead_owners(prefix: str) -> None:
+    """Removes this user's directories `<temp dir>/<prefix><pid>-...` whose owner process `pid` is gone: scratch a
+    process killed with SIGKILL (or ended by `os._exit`) had no time to clean up."""
+    import re
+    import shutil
+    import tempfile
+
+    pattern = re.compile(re.escape(prefix) + r"(\d+)-\w+")
+    for entry in os.scandir(tempfile.gettempdir()):
+        m = pattern.fullmatch(entry.name)
+        try:
+            if not m or not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.geteuid():
+                continue
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:  # (alive under another uid, or gone meanwhile)
+            continue
