@@ -86,6 +86,10 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     for name in ("trl", "hfllamarl"):
         result = json.load(open(tmp_path / "vs" / f"{name}.json"))
         assert result["steps"] == 2 and len(result["rewards"]) == 2
+    # ours logs each step's CPU time on both sides (what the profile's bound is made of); a batch the trainer sampled
+    # itself has no generator time
+    history = json.load(open(tmp_path / "vs" / "hfllamarl.json"))["history"]
+    assert all(h["time/cpu_seconds"] > 0 and h["generation/cpu_seconds"] >= 0 for h in history), history
 
     out, err = multi_turn.communicate(timeout=600)
     assert multi_turn.returncode == 0, err[-3000:]

@@ -44,8 +44,18 @@ def start_recipe_check(path, model, data, *extra) -> subprocess.Popen:
                          model, "--dataset_name", data, *extra])
 
 
+def shared_copy(recipe: dict) -> str | None:
+    """The public copy of the recipe's data file in ../shared/data (MATH, GSM8K), which the docs' data section
+    describes: the recipe's prompt and rewards are checked on its real rows (None: no copy here)."""
+    from conftest import SHARED_DATA
+
+    path = SHARED_DATA / str(recipe.get("dataset_name", "")).rsplit("/", 1)[-1]
+    return str(path) if path.is_file() else None
+
+
 def test_every_recipe_is_valid_and_fp8_is_refused_without_a_gpu(tmp_path, tiny_model):
-    """Each shipped recipe parses into AsyncAIPOConfig (TRL's --config) and passes the layout checks; one that
+    """Each shipped recipe parses into AsyncAIPOConfig (TRL's --config) and passes the layout checks, on the public
+    MATH or GSM8K copy it names where ../shared/data has it (its prompt built, row 0 scored by its rewards); one that
     asks for an fp8 generator cannot run here and says so, and passes without that one setting; a quantization
     the generator does not take (awq) is refused with the reason. (The checks run side by side: each is a fresh
     process, mostly imports.)"""
@@ -74,7 +84,7 @@ def test_every_recipe_is_valid_and_fp8_is_refused_without_a_gpu(tmp_path, tiny_m
     from hfllamarl.testing.tiny import build_tiny_model
 
     wide = build_tiny_model(str(tmp_path / "wide"), hidden_size=256, num_heads=8, intermediate_size=256)
-    procs = {name: start_recipe_check(path, wide, rows) for name, (path, _) in cases.items()}
+    procs = {name: start_recipe_check(path, wide, shared_copy(data) or rows) for name, (path, data) in cases.items()}
     bad_quantization = start_recipe_check(str(REPO / "examples" / "recipes" / "tiny_cpu.yaml"), tiny_model, rows,
                                           "--generator_quantization", "awq")
     for name, proc in procs.items():
@@ -85,6 +95,8 @@ def test_every_recipe_is_valid_and_fp8_is_refused_without_a_gpu(tmp_path, tiny_m
             assert "generator_quantization='fp8' needs CUDA GPUs" in err, (name, err[-2000:])
             continue
         assert proc.returncode == 0, (name, err[-3000:])
+        copy = shared_copy(data)
+        assert copy is None or f"data:    {copy} [train]" in out, (name, out[-2000:])
         trainers = data["num_processes"] - data["num_generator_processes"]
         assert f"{data['num_processes']} processes = {trainers} trainer + {data['num_generator_processes']} generator" \
             in out, name

@@ -240,6 +240,7 @@ def _profile_rows(side: str, r: dict) -> dict[str, float]:
             "weight sync (transfer)": mean("weight_sync_seconds"),
             "trainer waiting on channels": mean("time/channels"), "step (wall)": step,
             "start-up before step 1": r["first_step_after"] or 0.0}
+    rows.update(_work_rows([x for x in h if x.get("generation/cpu_seconds", 0.0) > 0]))
     s = r.get("startup") or {}  # milestones, seconds after train() (`hfllamarl.runtime.world.startup`)
     for key, label in (("generator_started", "generator process began"), ("generator_imported", "generator imports done"),
                        ("generator_engine", "generator engine built"), ("generator_ready", "generator ready"),
@@ -250,6 +251,22 @@ def _profile_rows(side: str, r: dict) -> dict[str, float]:
     if s.get("bootstrapped_batches"):  # sampled by the trainer itself while the generator started
         rows["  batches the trainer sampled itself"] = s["bootstrapped_batches"]
     return rows
+
+
+def _work_rows(h: list[dict]) -> dict[str, float]:
+    """The steps after the generators took over, in core-seconds measured in the same run (each process's CPU time,
+    every thread, over the step: `generation/cpu_seconds`, `time/cpu_seconds`): the work, the bound a step cannot
+    beat on these cores (the work spread over all of them), and how far the step is from it."""
+    if not h:
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    gen = sum(x["generation/cpu_seconds"] for x in h) / len(h)
+    train = sum(x.get("time/cpu_seconds", 0.0) for x in h) / len(h)
+    wall = sum(x.get("step_time", 0.0) for x in h) / len(h)
+    bound = (gen + train) / cores
+    return {"work: generator processes, core-s": gen, "work: trainer, core-s": train,
+            f"bound: work / {cores} cores": bound, "step (wall) / bound": wall / bound if bound else 0.0,
+            "cores idle, share of the step": 1.0 - bound / wall if wall else 0.0}
 
 
 def _cpu_name() -> str:

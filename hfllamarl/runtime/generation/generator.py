@@ -96,6 +96,7 @@ class GeneratorExecutor(Executor):
         self.pending: list[RolloutGroup] = []  # finished batches, sent at the next rollouts channel
         self.in_flight: list[InFlightBatch] = []  # started batches with completions still carried
         self.weight_load_seconds = 0.0
+        self.cpu_mark = time.process_time()  # (this process's CPU time when its last tick closed)
         self.eval_dataset = None  # `init` loads spec.eval_dataset
         # The newest version evaluated. A resume evaluates the checkpoint's own version when it is due (an
         # uninterrupted run evaluates it at the tick the resume starts with, after the checkpoint was written).
@@ -307,8 +308,11 @@ class GeneratorExecutor(Executor):
         others stay in flight. `seconds`, `tokens`: this tick's generation time and sampled tokens."""
         finished = [f for f in self.in_flight if not f.unfinished()]
         self.in_flight = [f for f in self.in_flight if f.unfinished()]
+        now = time.process_time()
+        cpu, self.cpu_mark = now - self.cpu_mark, now
         groups = [RolloutGroup(group, f.batch_index, f.policy_version, seconds, tokens, position=position,
-                               replica=self.topology.replica, weights_load_seconds=self.weight_load_seconds)
+                               replica=self.topology.replica, weights_load_seconds=self.weight_load_seconds,
+                               cpu_seconds=cpu)
                   for f in finished for group, position in zip(f.groups, f.positions or range(len(f.groups)))]
         self._score_with_models(groups)
         return groups

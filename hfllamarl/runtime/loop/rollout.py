@@ -92,6 +92,7 @@ class RolloutGroup:
     position: int = -1  # the prompt's place in its batch (`schedule.trainer_positions`); -1: not known
     replica: int = 0  # the generator replica that sampled it (`batch_tokens` and the seconds are that replica's)
     weights_load_seconds: float = 0.0  # that replica's last load of new weights into its engine, before sampling
+    cpu_seconds: float = 0.0  # that replica's process CPU time (every thread) since its previous tick closed
 
 
 @dataclass

@@ -111,6 +111,7 @@ class TrainerExecutor(Executor):
         self.balancing = (balancing_loss_fn(spec.model)  # (router logits, token mask) -> an MoE's aux loss
                           if spec.router_aux_loss_coef else None)
         self._tick_started = time.perf_counter()  # when this tick began (`set_step`): a step's wall time
+        self._cpu_started: float | None = None  # this process's CPU time when its last step ended (or its first began)
         self._prepared = self._reported = False
         self.bootstrapping = False  # training on batches it sampled itself (`runtime.training.bootstrap`)
         self.first_tick = 0  # after a bootstrap: the generators' first tick; earlier batches are trained already
@@ -186,6 +187,8 @@ class TrainerExecutor(Executor):
     def set_step(self, tick: int) -> None:
         super().set_step(tick)
         self._tick_started = time.perf_counter()
+        if self._cpu_started is None:
+            self._cpu_started = time.process_time()
 
     def step(self) -> None:
         if self.eval_inbox:
@@ -264,7 +267,10 @@ class TrainerExecutor(Executor):
             metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
             metrics["train_step_seconds"] = time.perf_counter() - start
             metrics["step_time"] = time.perf_counter() - self._tick_started  # TRL's name: the step's wall time
+            # this process's CPU time since its previous step ended (core-seconds: every thread, borrowed cores too)
+            metrics["time/cpu_seconds"] = time.process_time() - (self._cpu_started or time.process_time())
             start = self._tick_started = time.perf_counter()  # the next pass's times start here
+            self._cpu_started = time.process_time()
             save_due = bool(spec.on_step(self.version, metrics)) or save_due
         self._save_due = save_due
         return metrics
@@ -493,6 +499,8 @@ class TrainerExecutor(Executor):
         metrics["generation/seconds"] = gen_seconds
         # The generator side of the last weight sync: its load into the engine (vLLM's reload, or the adapter's).
         metrics["weight_sync/load_seconds"] = max(g.weights_load_seconds for g in groups)
+        # The generator processes' CPU time (core-seconds, every thread) over their ticks that closed this batch.
+        metrics["generation/cpu_seconds"] = sum({g.replica: g.cpu_seconds for g in groups}.values())
         tokens = sum(v for k, v in per_replica.items() if k.endswith("/tokens/max"))
         metrics["generation/tokens_per_s"] = tokens / gen_seconds if gen_seconds > 0 else 0.0
         return metrics
