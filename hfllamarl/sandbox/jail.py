@@ -173,15 +173,7 @@ def reveal_interpreter(hidden: dict[str, list[str]], fail_step: str | None) -> N
     nothing else of, e.g., ``/root``)."""
     _check("unshare_mount_ns", _LIBC.unshare(CLONE_NEWNS), fail_step)
     _mount("make_mounts_private", None, "/", None, MS_REC | MS_PRIVATE, None, fail_step)
-    for blocked, paths in hidden.items():
-        fds = {p: _step("open_interpreter_dirs", fail_step, lambda p=p: os.open(p, os.O_PATH | os.O_DIRECTORY))
-               for p in paths}
-        _mount("cover_private_dir", "tmpfs", blocked, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755",
-               fail_step)
-        for path, fd in fds.items():
-            _step("bind_interpreter_dirs", fail_step, lambda p=path: os.makedirs(p, exist_ok=True))
-            _mount("bind_interpreter_dirs", f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None, fail_step)
-            os.close(fd)
+    cover_host_dirs(hidden, fail_step)
 
 
 #: Host directories a call sees empty (each covered by a read-only tmpfs that holds only the interpreter's directories
@@ -214,7 +206,8 @@ def covered_dirs(kept: list[str], extra: tuple[str, ...] = ()) -> dict[str, list
 
 
 def cover_host_dirs(covered: dict[str, list[str]], fail_step: str | None) -> None:
-    """Covers each of ``covered`` with an empty tmpfs and binds back the interpreter's directories below it."""
+    """Covers each directory of ``covered`` with an empty tmpfs and binds back the paths listed for it (the
+    interpreter's directories below it)."""
     for top, paths in covered.items():
         fds = {p: _step("open_kept_dirs", fail_step, lambda p=p: os.open(p, os.O_PATH | os.O_DIRECTORY))
                for p in paths}
