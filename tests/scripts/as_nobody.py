@@ -17,7 +17,5 @@ hidden = jail.hidden_paths([*sys.path, sys.prefix, sys.base_prefix, sys.exec_pre
                             os.getcwd()])
 if hidden:
     jail.reveal_interpreter(hidden, None)
-os.setgroups([])
-os.setresgid(jail.NOBODY, jail.NOBODY, jail.NOBODY)
-os.setresuid(jail.NOBODY, jail.NOBODY, jail.NOBODY)
+jail._drop_user(None)  # (the sandbox's own drop: no supplementary groups, uid and gid 65534)
 os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
