@@ -177,7 +177,9 @@ def test_a_turn_of_many_slow_calls_ends_within_the_rollouts_budget(tokenizer):
     assert all(env is not ran for env in mt.pool.free.get(None, []))
     # the other rollout finished its three quick turns long before the slow one's budget ran out
     quick_times = [t for name, t in STARTED if name == "quick"]
-    assert len(quick_times) == 3 and max(quick_times) - min(quick_times) < 0.5, STARTED
+    # (a turn that waited for the slow one would start a budget, 2 s, after the previous; half of it leaves room for a
+    # loaded machine's scheduling)
+    assert len(quick_times) == 3 and max(quick_times) - min(quick_times) < budget / 2, STARTED
     assert completion(good)[-1]["content"] == "done" and good.episode.ended_by is None
     metrics = tool_metrics(tool_counts([bad, good]), 2.0)
     assert metrics["tools/calls_refused"] == CALLS - made and metrics["tools/ended_by_budget"] == 1.0

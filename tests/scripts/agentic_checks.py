@@ -17,8 +17,8 @@ its calls, and its reward must count the calls of the whole rollout.
 `hang`: a tool that never returns and one that raises, with a 1 s bound: every rollout finishes, the model reads
 the errors, the tick takes seconds.
 
-`evaluation`: evaluation during training with tools (6 prompts x 3): multi-turn, finished within the tick even with
-a per-tick budget.
+`evaluation`: evaluation during training with tools (6 prompts x 3, the warmed-up weights):
+multi-turn, finished within the tick even with a per-tick budget.
 """
 
 import json
@@ -243,9 +243,16 @@ def check_evaluation(path: str, engine) -> dict:
     from hfllamarl.runtime.agents.multi_turn import AgentSpec
     from hfllamarl.testing.tiny_chat import calculator_rows
 
+    from safetensors.torch import load_file
+
+    from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS
+
     agent = AgentSpec(tools=[calculator], max_iterations=2, tool_call_timeout_s=30)
+    # The warmed-up model, which calls the tool in about half its answers (the engine still holds the noisy version 4
+    # of `rows`, which may call it in none of 18).
     gen = generator(path, calculator_rows(8, seed=9), agent, engine, schedule=Schedule(1, 1), prompts_per_batch=8,
                     num_generations=2, partial_rollout_tokens=BUDGET, num_generations_eval=3)
+    gen.put_input(POLICY_WEIGHTS, (0, iter(load_file(os.path.join(path, "model.safetensors")).items())))
     gen.eval_dataset = Dataset.from_list(calculator_rows(6, seed=11))
     groups = gen.agent._evaluation()
     rollouts = [r for g in groups for r in g.rollouts]
