@@ -1,6 +1,6 @@
 """Every Python code block of the docs parses, and the names it imports from hfllamarl, trl, peft, datasets and
 transformers exist in the installed packages (a renamed class or a moved function fails here, not in a reader's
-terminal). The blocks that can run here also run, under pytest-markdown-docs (docs/conftest.py); this check covers
+terminal). The blocks that can run here also run, under pytest-markdown-docs (tests/markdown_blocks.py); this check covers
 the ones marked ```python notest too (they need a model hub, a GPU, a cluster or a whole training job)."""
 
 import ast
