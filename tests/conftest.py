@@ -18,6 +18,8 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # queue on them while the others idle (three plain-python jobs: 52-60 s pinned, 38 s unpinned).
 SIDE_BY_SIDE_ENV = {"OMP_NUM_THREADS": "1"}
 SHARED_DATA = REPO.parent / "shared" / "data"
+# The docs' code blocks as tests (docs/ is in pytest.ini's testpaths): tests/markdown_blocks.py.
+pytest_plugins = ["markdown_blocks"]
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

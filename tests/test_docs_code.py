@@ -1,7 +1,7 @@
-"""The docs' Python code blocks parse, and the names they import from hfllamarl, trl, peft and datasets exist in
-the installed packages (a renamed class or a moved function fails here, not in a reader's terminal). The blocks that
-run whole jobs need a hub model or a GPU; the runnable examples are tested by their own scripts
-(examples/, tests/test_examples.py and the quickstart's)."""
+"""Every Python code block of the docs parses, and the names it imports from hfllamarl, trl, peft, datasets and
+transformers exist in the installed packages (a renamed class or a moved function fails here, not in a reader's
+terminal). The blocks that can run here also run, under pytest-markdown-docs (tests/markdown_blocks.py); this check covers
+the ones marked ```python notest too (they need a model hub, a GPU, a cluster or a whole training job)."""
 
 import ast
 import importlib
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^```python(?: [^\n]*)?\n(.*?)^```", re.S | re.M)  # ```python, ```python notest, ...
 CHECKED = ("hfllamarl", "trl", "peft", "datasets", "transformers")
 
 
