@@ -6,8 +6,8 @@ with AIPO's loss on fixed rows, its step's quorum, row share and gradient averag
 
 Prints one line per step attempt, `STEP t=<unix time> replica=.. step=.. index=.. parts=.. rows=a:b healed=0|1
 commit=0|1 quorum=..`, then `DONE`, and saves the final weights to OUT/final_<replica>.pt. `--pace` sleeps that many
-seconds per row trained after each attempt (a real step's compute, which a tiny model does not have), so that a drill
-can act mid-run.
+seconds per row trained before the gradient average (a real step's compute, which a tiny model does not have), so
+that a drill can act mid-run, and mostly lands inside a step.
 
 The rows: step k's batch is 8 synthetic completions of 2 prompts (groups of 4), fixed by k (`make_batch`), with
 behaviour log-probs drawn around the model's so that AIPO's truncated weight min(pi_old/mu, 4) varies per token.
@@ -95,6 +95,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--pace", type=float, default=0.0, help="seconds per trained row")
     ap.add_argument("--timeout", type=float, default=3.0)
+    ap.add_argument("--start-after", default=None,
+                    help="a file: imports done and the model loaded, wait until it exists before joining (a standby "
+                    "replacement, as a preloaded restart would be: the drill measures recovery, not Python's imports)")
     a = ap.parse_args()
 
     from hfllamarl.runtime.training.replica_quorum import ReplicaQuorum, group_store
@@ -102,6 +105,13 @@ def main() -> None:
 
     torch.set_num_threads(1)
     model, opt, algorithm = build(a.model)
+    if a.start_after:
+        print(f"STANDBY t={time.time():.3f} replica={a.replica}", flush=True)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(a.start_after):
+            if time.monotonic() > deadline:
+                sys.exit(f"{a.start_after} did not appear within 300 s")
+            time.sleep(0.02)
     store, host, port = group_store()
     quorum = ReplicaQuorum(a.replica, a.lighthouse, model, opt, collective_timeout_s=a.timeout, store=(host, port),
                            rank=0, world_size=1)
@@ -113,6 +123,8 @@ def main() -> None:
         opt.zero_grad()
         shape = replica_step_shape(sum(len(r.completion_ids) for r in rows), q.participants)
         backward(model, algorithm, [rows[i] for i in share], adv[share.start:share.stop], shape)
+        if a.pace:  # (a real step's compute, before its gradient average, grows with its rows: a lone survivor's too)
+            time.sleep(a.pace * len(share))
         quorum.average_gradients(model.parameters())
         committed = quorum.commit()
         if committed:
@@ -120,8 +132,6 @@ def main() -> None:
         print(f"STEP t={time.time():.3f} replica={a.replica} step={q.step} index={q.index} parts={q.participants} "
               f"rows={share.start}:{share.stop} healed={int(q.healed)} commit={int(committed)} quorum={q.quorum_id}",
               flush=True)
-        if a.pace:
-            time.sleep(a.pace * len(share))  # (a real step's time grows with its rows: a lone survivor trains all)
     torch.save(model.state_dict(), os.path.join(a.out, f"final_{a.replica}.pt"))
     print(f"DONE t={time.time():.3f} replica={a.replica} step={quorum.step}", flush=True)
     quorum.shutdown()
