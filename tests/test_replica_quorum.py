@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, SCRIPTS
+from conftest import REPO, SCRIPTS, popen_script
 
 os.environ.setdefault("RUST_LOG", "warn")  # (torchft's lighthouse, in this process, logs every quorum at INFO)
 
@@ -134,11 +134,11 @@ class Drill:
     def start(self, replica: int, log: str, pace: float, start_after: str | None = None) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn", TOKENIZERS_PARALLELISM="false",
                    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, str(SCRIPTS / "replica_drill.py"), self.model, self.out, "--replica", str(replica),
-               "--lighthouse", self.lighthouse.address(), "--steps", str(STEPS), "--pace", str(pace),
-               "--timeout", str(TIMEOUT_S)] + (["--start-after", start_after] if start_after else [])
-        with open(os.path.join(self.out, log), "w") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        args = [str(SCRIPTS / "replica_drill.py"), self.model, self.out, "--replica", str(replica),
+                "--lighthouse", self.lighthouse.address(), "--steps", str(STEPS), "--pace", str(pace),
+                "--timeout", str(TIMEOUT_S)] + (["--start-after", start_after] if start_after else [])
+        with open(os.path.join(self.out, log), "w") as fh:  # (forked from the session's preload server, if any)
+            proc = popen_script(args, env, stdout=fh, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
 
@@ -223,6 +223,7 @@ def test_replica_drill(drill_model, reference, tmp_path, fault):
             _wait(f"replica 1 commits step {FAULT_AT} or later with replica 0",
                   lambda: any(s["commit"] and s["parts"] == 2 and s["step"] >= FAULT_AT for s in _steps(r1)),
                   [p0, p1], 60, logs)
+            time.sleep(PACE_S * 2)  # (into the next step's compute: the survivor then waits in its gradient average)
             t_signal = time.time()
             if fault == "kill":
                 p1.kill()
