@@ -99,7 +99,7 @@ def _steps(path: str) -> list[dict]:
         for line in fh:
             if line.startswith("STEP "):
                 d = dict(re.findall(r"(\w+)=(\S+)", line))
-                out.append({k: (float(v) if k == "t" else v if k in ("rows", "index") else int(v)) for k, v in d.items()})
+                out.append({k: (float(v) if k in ("t", "sync_ms") else v if k in ("rows", "index") else int(v)) for k, v in d.items()})
     return out
 
 
@@ -247,6 +247,9 @@ def test_replica_drill(drill_model, reference, tmp_path, fault):
         assert _in_order(s1), "replica 1 committed one batch after the other, jumping ahead only when it healed"
         diffs = _check_final(out, reference)
         line = f"replica drill [{fault}]: max |w - w_ref| = {max(diffs):.2e} (replica 0: {diffs[0]:.2e}, 1: {diffs[1]:.2e})"
+        if fault == "none":
+            sync = sorted(s["sync_ms"] for s in s0 + s1)
+            line += f"; quorum + gradient average + commit: median {sync[len(sync) // 2]:.1f} ms a step"
         if fault != "none":
             after = [s for s in s0 if s["t"] > t_signal]
             assert not any(s["healed"] for s in after), "the survivor kept its own state"

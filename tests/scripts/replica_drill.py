@@ -5,7 +5,8 @@ with AIPO's loss on fixed rows, its step's quorum, row share and gradient averag
     python replica_drill.py MODEL OUT --replica 1 --lighthouse ADDR --steps 24 [--pace 0.1] [--timeout 3]
 
 Prints one line per step attempt, `STEP t=<unix time> replica=.. step=.. index=.. parts=.. rows=a:b healed=0|1
-commit=0|1 quorum=..`, then `DONE`, and saves the final weights to OUT/final_<replica>.pt. `--pace` sleeps that many
+commit=0|1 quorum=.. sync_ms=..` (sync_ms: the time in the quorum, the gradient average and
+the commit vote), then `DONE`, and saves the final weights to OUT/final_<replica>.pt. `--pace` sleeps that many
 seconds per row trained before the gradient average (a real step's compute, which a tiny model does not have), so
 that a drill can act mid-run, and mostly lands inside a step.
 
@@ -117,7 +118,9 @@ def main() -> None:
                            rank=0, world_size=1)
     print(f"UP t={time.time():.3f} replica={a.replica}", flush=True)
     while quorum.step < a.steps:
+        t0 = time.perf_counter()
         q = quorum.begin_step()
+        t_quorum = time.perf_counter() - t0
         rows, adv = make_batch(q.step, model.config.vocab_size)
         share = replica_slice(len(rows), q.index, q.participants)
         opt.zero_grad()
@@ -125,12 +128,15 @@ def main() -> None:
         backward(model, algorithm, [rows[i] for i in share], adv[share.start:share.stop], shape)
         if a.pace:  # (a real step's compute, before its gradient average, grows with its rows: a lone survivor's too)
             time.sleep(a.pace * len(share))
+        t1 = time.perf_counter()
         quorum.average_gradients(model.parameters())
         committed = quorum.commit()
+        t_sync = t_quorum + time.perf_counter() - t1  # the quorum's own time: quorum, gradient average, commit vote
         if committed:
             opt.step()
         print(f"STEP t={time.time():.3f} replica={a.replica} step={q.step} index={q.index} parts={q.participants} "
-              f"rows={share.start}:{share.stop} healed={int(q.healed)} commit={int(committed)} quorum={q.quorum_id}",
+              f"rows={share.start}:{share.stop} healed={int(q.healed)} commit={int(committed)} quorum={q.quorum_id} "
+              f"sync_ms={t_sync * 1e3:.1f}",
               flush=True)
     torch.save(model.state_dict(), os.path.join(a.out, f"final_{a.replica}.pt"))
     print(f"DONE t={time.time():.3f} replica={a.replica} step={quorum.step}", flush=True)
