@@ -4,11 +4,13 @@ Fast: the row split covers every row once; the shares' averaged gradients are th
 number of groups (the real AIPO loss on a tiny Llama, against one backward over the whole batch); a missing torchft
 names the install command.
 
-Drills (slow, torchft needed): two replica groups of one rank (plain subprocesses, each its own TCPStore) and a
-lighthouse in this process train 24 steps of fixed rows (tests/scripts/replica_drill.py). Without a failure, with
-group 1 SIGKILLed at step 8 and restarted, and with group 1 frozen (SIGSTOP) for 5 s: training never stops, the
-survivor commits every batch exactly once, the returning group copies its state from the survivor and both end with
-the weights of a single process that trained the same rows whole, without torchft (atol 1e-5, fp32).
+Drills (slow, torchft needed): two replica groups of one rank (processes forked from the session's preload server,
+or plain subprocesses without one; each hosts its own TCPStore) and a lighthouse in this process train 24 steps of
+fixed rows (tests/scripts/replica_drill.py). Without a failure; with group 1 SIGKILLed inside step 9 and a replacement
+(on standby, imported) joining 4 s later; and with group 1 frozen (SIGSTOP) inside step 9 for 5 s: the survivor
+trains on alone, commits every batch once, in order; the returning group copies its state from the survivor; both
+end with the weights of one process that trained the same rows as whole batches, without torchft (atol 1e-5, fp32).
+Each prints its recovery time and the step attempts lost.
 """
 
 from __future__ import annotations
@@ -81,6 +83,24 @@ def test_shares_average_to_the_whole_batch_gradient(drill_model, participants):
     assert max(float(g.abs().max()) for g in whole) > 1e-3  # (the loss reaches the weights)
 
 
+def test_gradient_buckets_keep_order_dtype_and_size():
+    from hfllamarl.runtime.training.replica_quorum import _buckets
+
+    tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.float64), torch.zeros(2)]
+    buckets = _buckets(tensors, limit=100)  # bytes: 40 + 40 fit, 120 alone, then a dtype change, then float32 again
+    assert [[t.numel() for t in b] for b in buckets] == [[10, 10], [30], [5], [2]]
+    assert all(a is b for a, b in zip([t for b in buckets for t in b], tensors, strict=True))
+
+
+def test_timeouts_follow_the_collective_timeout():
+    from hfllamarl.runtime.training.replica_quorum import ReplicaTimeouts
+
+    t = ReplicaTimeouts.from_collective_timeout(1800)
+    assert (t.collective, t.connect) == (1800, 60) and t.quorum > t.collective
+    with pytest.raises(ValueError):
+        ReplicaTimeouts.from_collective_timeout(0)
+
+
 def test_missing_torchft_names_the_install(monkeypatch):
     from hfllamarl.runtime.training import replica_quorum
 
@@ -132,8 +152,10 @@ class Drill:
                                            join_timeout_s=2.0)
 
     def start(self, replica: int, log: str, pace: float, start_after: str | None = None) -> subprocess.Popen:
+        # (this checkout's hfllamarl first, whatever checkout an editable install points at)
+        path = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn", TOKENIZERS_PARALLELISM="false",
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=os.pathsep.join(path))
         args = [str(SCRIPTS / "replica_drill.py"), self.model, self.out, "--replica", str(replica),
                 "--lighthouse", self.lighthouse.address(), "--steps", str(STEPS), "--pace", str(pace),
                 "--timeout", str(TIMEOUT_S)] + (["--start-after", start_after] if start_after else [])
