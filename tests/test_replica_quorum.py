@@ -151,14 +151,15 @@ class Drill:
         self.lighthouse = start_lighthouse(min_replicas=min_replicas, heartbeat_timeout_s=HEARTBEAT_S,
                                            join_timeout_s=2.0)
 
-    def start(self, replica: int, log: str, pace: float, start_after: str | None = None) -> subprocess.Popen:
+    def start(self, replica: int, log: str, pace: float, start_after: str | None = None,
+              extra: tuple = ()) -> subprocess.Popen:
         # (this checkout's hfllamarl first, whatever checkout an editable install points at)
         path = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn", TOKENIZERS_PARALLELISM="false",
                    PYTHONPATH=os.pathsep.join(path))
         args = [str(SCRIPTS / "replica_drill.py"), self.model, self.out, "--replica", str(replica),
                 "--lighthouse", self.lighthouse.address(), "--steps", str(STEPS), "--pace", str(pace),
-                "--timeout", str(TIMEOUT_S)] + (["--start-after", start_after] if start_after else [])
+                "--timeout", str(TIMEOUT_S), *extra] + (["--start-after", start_after] if start_after else [])
         with open(os.path.join(self.out, log), "w") as fh:  # (forked from the session's preload server, if any)
             proc = popen_script(args, env, stdout=fh, stderr=subprocess.STDOUT)
         self.procs.append(proc)
@@ -290,5 +291,33 @@ def test_replica_drill(drill_model, reference, tmp_path, fault):
                      f"survivor alone for {len(solo)} steps, longest pause between its commits {stall:.2f} s; "
                      f"replica 1 rejoined at step {healed[0]['step']}")
         print(line)
+    finally:
+        drill.close()
+
+
+@pytest.mark.slow
+def test_fsdp2_group_joins_late_with_sharded_state(drill_model, reference, tmp_path):
+    """Both groups' models sharded by FSDP2 (DTensor parameters, gradients and AdamW state): group 1 joins at step 4,
+    receives group 0's sharded weights and optimizer state, and both end on the reference's weights."""
+    pytest.importorskip("torchft", reason="pip install torchft==0.2.0")
+    out = str(tmp_path)
+    drill = Drill(drill_model, out, min_replicas=1)
+    try:
+        go = os.path.join(out, "go")
+        logs = [drill.log("r0.log"), drill.log("r1.log")]
+        p1 = drill.start(1, "r1.log", 0.05, start_after=go, extra=("--fsdp",))
+        _wait("group 1 is on standby", lambda: "STANDBY" in open(logs[1]).read(), [p1], 120, logs)
+        p0 = drill.start(0, "r0.log", 0.05, extra=("--fsdp",))
+        _wait("group 0 commits step 4", lambda: 4 in _committed(_steps(logs[0])), [p0, p1], 120, logs)
+        open(go, "w").close()
+        for p in (p0, p1):
+            _wait("both groups finish", lambda p=p: p.poll() is not None, [p0, p1], 90, logs)
+        assert (p0.returncode, p1.returncode) == (0, 0), [open(log).read()[-3000:] for log in logs]
+        s0, s1 = _steps(logs[0]), _steps(logs[1])
+        assert _in_order(s0) and _in_order(s1)
+        assert s1[0]["healed"] and s1[0]["step"] > 4 and s1[0]["parts"] == 2, s1[0]
+        diffs = _check_final(out, reference)
+        print(f"replica drill [fsdp2, late join]: group 1 joined at step {s1[0]['step']}; "
+              f"max |w - w_ref| = {max(diffs):.2e}")
     finally:
         drill.close()

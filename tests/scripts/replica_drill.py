@@ -2,7 +2,7 @@
 with AIPO's loss on fixed rows, its step's quorum, row share and gradient average from
 `hfllamarl.runtime.training.replica_quorum` / `replica_rows`.
 
-    python replica_drill.py MODEL OUT --replica 1 --lighthouse ADDR --steps 24 [--pace 0.1] [--timeout 3]
+    python replica_drill.py MODEL OUT --replica 1 --lighthouse ADDR --steps 24 [--pace 0.1] [--timeout 3] [--fsdp]
 
 Prints one line per step attempt, `STEP t=<unix time> replica=.. step=.. index=.. parts=.. rows=a:b healed=0|1
 commit=0|1 quorum=.. sync_ms=..` (sync_ms: the time in the quorum, the gradient average and
@@ -48,15 +48,25 @@ def make_batch(step: int, vocab: int) -> tuple[list, torch.Tensor]:
     return rows, group_advantages(rewards, GROUP)
 
 
-def build(model_path: str):
+def build(model_path: str, fsdp: bool = False):
     """The model (fp32, eval mode: no dropout), its AdamW and the AIPO loss (dapo objective, token weight
-    min(pi_old/mu, 4))."""
+    min(pi_old/mu, 4)). `fsdp`: the model sharded by FSDP2 over this group's ranks (the default process group),
+    each decoder layer a unit, as the trainer shards it: its parameters, gradients and AdamW state are DTensors."""
     from transformers import AutoModelForCausalLM
 
     from hfllamarl.policy_loss import Correction, Objective, PolicyLoss
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.eval()
+    if fsdp:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     return model, opt, PolicyLoss(Objective(loss_type="dapo"), Correction("token_truncate", None, 4.0))
 
@@ -96,6 +106,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--pace", type=float, default=0.0, help="seconds per trained row")
     ap.add_argument("--timeout", type=float, default=3.0)
+    ap.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (DTensor gradients and state)")
     ap.add_argument("--start-after", default=None,
                     help="a file: imports done and the model loaded, wait until it exists before joining (a standby "
                     "replacement, as a preloaded restart would be: the drill measures recovery, not Python's imports)")
@@ -105,7 +116,12 @@ def main() -> None:
     from hfllamarl.runtime.training.replica_rows import replica_slice, replica_step_shape
 
     torch.set_num_threads(1)
-    model, opt, algorithm = build(a.model)
+    if a.fsdp:  # (the group's own world: one rank here, FSDP2 over it; the store also serves torchft's Manager)
+        import torch.distributed as dist
+
+        store, host, port = group_store()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    model, opt, algorithm = build(a.model, fsdp=a.fsdp)
     if a.start_after:
         print(f"STANDBY t={time.time():.3f} replica={a.replica}", flush=True)
         deadline = time.monotonic() + 300
@@ -113,7 +129,8 @@ def main() -> None:
             if time.monotonic() > deadline:
                 sys.exit(f"{a.start_after} did not appear within 300 s")
             time.sleep(0.02)
-    store, host, port = group_store()
+    if not a.fsdp:
+        store, host, port = group_store()
     quorum = ReplicaQuorum(a.replica, a.lighthouse, model, opt, collective_timeout_s=a.timeout, store=(host, port),
                            rank=0, world_size=1)
     print(f"UP t={time.time():.3f} replica={a.replica}", flush=True)
@@ -138,7 +155,8 @@ def main() -> None:
               f"rows={share.start}:{share.stop} healed={int(q.healed)} commit={int(committed)} quorum={q.quorum_id} "
               f"sync_ms={t_sync * 1e3:.1f}",
               flush=True)
-    torch.save(model.state_dict(), os.path.join(a.out, f"final_{a.replica}.pt"))
+    final = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+    torch.save(final, os.path.join(a.out, f"final_{a.replica}.pt"))
     print(f"DONE t={time.time():.3f} replica={a.replica} step={quorum.step}", flush=True)
     quorum.shutdown()
     del store
