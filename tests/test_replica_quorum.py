@@ -6,11 +6,12 @@ names the install command.
 
 Drills (slow, torchft needed): two replica groups of one rank (processes forked from the session's preload server,
 or plain subprocesses without one; each hosts its own TCPStore) and a lighthouse in this process train 24 steps of
-fixed rows (tests/scripts/replica_drill.py). Without a failure; with group 1 SIGKILLed inside step 9 and a replacement
-(on standby, imported) joining 4 s later; and with group 1 frozen (SIGSTOP) inside step 9 for 5 s: the survivor
-trains on alone, commits every batch once, in order; the returning group copies its state from the survivor; both
-end with the weights of one process that trained the same rows as whole batches, without torchft (atol 1e-5, fp32).
-Each prints its recovery time and the step attempts lost.
+fixed rows (tests/scripts/replica_drill.py). Three cases: no failure; group 1 SIGKILLed inside step 9 (the first
+step after 8 it trains with group 0) and a replacement (on standby, imported) joining 3 s later; group 1 frozen
+(SIGSTOP) there for 4.5 s. The survivor trains on alone and commits every batch once, in order; the returning group
+copies its state from the survivor; both end with the weights of one process that trained the same rows as whole
+batches, without torchft (atol 1e-5, fp32). Each prints its recovery time and the step attempts lost. A fourth drill
+shards both groups with FSDP2 and has group 1 join late, healing from group 0's DTensor weights and AdamW state.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from hfllamarl.runtime.training.replica_rows import replica_slice, replica_step_
 STEPS, FAULT_AT = 24, 8
 TIMEOUT_S = 3.0  # the groups' collective timeout: a frozen group is dropped after it
 HEARTBEAT_S = 2.0  # the lighthouse's: a killed group is dropped after it
-PACE_S = 0.1  # per trained row: 0.4 s a step with both groups, 0.8 s alone
-FROZEN_S = 5.0  # longer than the collective timeout and the heartbeat: the survivor goes on alone meanwhile
-DOWN_S = 4.0  # a killed group's replacement joins this long after the kill (past the heartbeat, as a restart is)
+PACE_S = 0.05  # per trained row: 0.2 s a step with both groups, 0.4 s alone
+FROZEN_S = 4.5  # longer than the collective timeout and the heartbeat: the survivor goes on alone meanwhile
+DOWN_S = 3.0  # a killed group's replacement joins this long after the kill (past the heartbeat, as a restart is)
 ATOL = 1e-5
 
 
@@ -232,12 +233,11 @@ def test_replica_drill(drill_model, reference, tmp_path, fault):
         pace = 0.0 if fault == "none" else PACE_S
         r0, r1 = drill.log("r0.log"), drill.log("r1.log")
         logs = [r0, r1]
-        if fault == "kill":  # replica 1's replacement, imported and loaded first; it joins when `go` appears
+        p0, p1 = drill.start(0, "r0.log", pace), drill.start(1, "r1.log", pace)
+        if fault == "kill":  # replica 1's replacement, imported and loaded; it joins when `go` appears
             go = os.path.join(out, "go")
             standby = drill.start(1, "r1b.log", pace, start_after=go)
             logs.append(drill.log("r1b.log"))
-            _wait("the replacement is on standby", lambda: "STANDBY" in open(logs[-1]).read(), [standby], 120, logs)
-        p0, p1 = drill.start(0, "r0.log", pace), drill.start(1, "r1.log", pace)
         if fault == "none":
             for p in (p0, p1):
                 p.wait(timeout=90)
@@ -246,6 +246,8 @@ def test_replica_drill(drill_model, reference, tmp_path, fault):
             _wait(f"replica 1 commits step {FAULT_AT} or later with replica 0",
                   lambda: any(s["commit"] and s["parts"] == 2 and s["step"] >= FAULT_AT for s in _steps(r1)),
                   [p0, p1], 60, logs)
+            if fault == "kill":
+                _wait("the replacement is on standby", lambda: "STANDBY" in open(logs[-1]).read(), [standby], 60, logs)
             time.sleep(PACE_S * 2)  # (into the next step's compute: the survivor then waits in its gradient average)
             t_signal = time.time()
             if fault == "kill":

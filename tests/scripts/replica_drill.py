@@ -111,6 +111,7 @@ def main() -> None:
                     help="a file: imports done and the model loaded, wait until it exists before joining (a standby "
                     "replacement, as a preloaded restart would be: the drill measures recovery, not Python's imports)")
     a = ap.parse_args()
+    print(f"START t={time.time():.3f} replica={a.replica}", flush=True)
 
     from hfllamarl.runtime.training.replica_quorum import ReplicaQuorum, group_store
     from hfllamarl.runtime.training.replica_rows import replica_slice, replica_step_shape
@@ -122,6 +123,7 @@ def main() -> None:
         store, host, port = group_store()
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     model, opt, algorithm = build(a.model, fsdp=a.fsdp)
+    print(f"BUILT t={time.time():.3f} replica={a.replica}", flush=True)
     if a.start_after:
         print(f"STANDBY t={time.time():.3f} replica={a.replica}", flush=True)
         deadline = time.monotonic() + 300
