@@ -120,8 +120,15 @@ def _steps(path: str) -> list[dict]:
         for line in fh:
             if line.startswith("STEP "):
                 d = dict(re.findall(r"(\w+)=(\S+)", line))
-                out.append({k: (float(v) if k in ("t", "sync_ms") else v if k in ("rows", "index") else int(v)) for k, v in d.items()})
+                out.append({k: _value(k, v) for k, v in d.items()})
     return out
+
+
+def _value(key: str, text: str):
+    """A STEP line's field: times as floats, the row range and the index (maybe None) as text, the rest as ints."""
+    if key in ("t", "sync_ms"):
+        return float(text)
+    return text if key in ("rows", "index") else int(text)
 
 
 def _wait(what: str, done, procs: list, timeout: float, logs: list[str]):
@@ -271,7 +278,8 @@ def test_replica_drill(drill_model, reference, tmp_path, fault):
         assert _in_order(s0), "replica 0 committed one batch after the other"
         assert _in_order(s1), "replica 1 committed one batch after the other, jumping ahead only when it healed"
         diffs = _check_final(out, reference)
-        line = f"replica drill [{fault}]: max |w - w_ref| = {max(diffs):.2e} (replica 0: {diffs[0]:.2e}, 1: {diffs[1]:.2e})"
+        line = (f"replica drill [{fault}]: max |w - w_ref| = {max(diffs):.2e} "
+                f"(replica 0: {diffs[0]:.2e}, 1: {diffs[1]:.2e})")
         if fault == "none":
             sync = sorted(s["sync_ms"] for s in s0 + s1)
             line += f"; quorum + gradient average + commit: median {sync[len(sync) // 2]:.1f} ms a step"

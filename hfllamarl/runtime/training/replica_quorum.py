@@ -26,7 +26,8 @@ heartbeat timeout; a frozen one after the collective timeout; recovery copies we
 0.03-0.1 s for a small model. torchft's own `DistributedDataParallel` wrapper is not used (its comm hook asserts
 when a peer dies mid-allreduce); gradients are averaged here instead.
 
-torchft is imported only when a quorum is built (`pip install torchft==0.2.0`).
+torchft is imported only when a quorum is built (`pip install torchft==0.2.0`). The trainer does not use this module
+yet (groundwork: the plan is in docs/design/elastic.md).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def import_torchft():
     """The `torchft` module, or an ImportError saying how to install the version this module was measured with."""
     try:
         import torchft
-        from torchft.checkpointing.pg_transport import PGTransport  # noqa: F401 (checked here, used below)
+        import torchft.checkpointing.pg_transport  # noqa: F401 (the checkpoint transport ReplicaQuorum uses)
     except ImportError as e:
         raise ImportError(f"Fault-tolerant trainer replicas need torchft: pip install torchft=={TORCHFT_VERSION} "
                           f"({e})") from e
