@@ -34,6 +34,7 @@ def _delta(before: dict) -> dict:
     return {key: after[key] - before[key] for key in after}
 
 
+@pytest.mark.timing  # (the default budget on this machine's cores, not on what another test leaves of them)
 def test_several_hundred_math_completions_in_one_call_against_math_verify():
     """A batch of ~1000 completions (~320 need the sandbox), graded in one call. Against Math-Verify's own
     verdicts: no pair it calls correct is scored 0.0 for lack of time. A 0.0 on such a pair is accepted only

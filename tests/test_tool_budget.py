@@ -155,6 +155,7 @@ def test_a_turn_of_too_many_calls_runs_none_and_ends_the_rollout(tokenizer):
     assert metrics["tools/call_frequency"] == 1.5  # the 3 calls that ran, per completion
 
 
+@pytest.mark.timing  # (its turns' start times, to a fraction of a second)
 def test_a_turn_of_many_slow_calls_ends_within_the_rollouts_budget(tokenizer):
     """50 calls of 0.5 s each (25 s in a row, each under its own 1 s bound): the 2 s budget ends the rollout in 2 s;
     the rollout beside it goes on through its three turns meanwhile, without waiting for the slow one."""
