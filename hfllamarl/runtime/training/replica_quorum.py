@@ -13,8 +13,9 @@ process group (torchft's `PGTransport`), and trains on from the step they are at
 Per step, in every rank of every live group:
 
     q = quorum.begin_step()            # -> StepQuorum(step, index, participants, ...)
-    rows = rows_for_replica(batch(q.step), q.index, q.participants)
-    loss(rows, normalised for the whole batch).backward()
+    rows = batch(q.step)               # the same on every group
+    share = replica_slice(len(rows), q.index, q.participants)
+    loss(rows[share.start:share.stop], normalised for the whole batch).backward()
     quorum.average_gradients(model.parameters())
     if quorum.commit(): optimizer.step()   # else: the same q.step (the same batch) again
 

@@ -17,11 +17,7 @@ equal slices; that is not handled here.
 
 from __future__ import annotations
 
-from typing import Sequence, TypeVar
-
 from hfllamarl.losses import StepShape
-
-T = TypeVar("T")
 
 
 def replica_slice(num_rows: int, index: int | None, participants: int) -> range:
@@ -34,11 +30,6 @@ def replica_slice(num_rows: int, index: int | None, participants: int) -> range:
     base, extra = divmod(num_rows, participants)
     start = index * base + min(index, extra)
     return range(start, start + base + (1 if index < extra else 0))
-
-
-def rows_for_replica(rows: Sequence[T], index: int | None, participants: int) -> list[T]:
-    """This group's rows of the step's batch (`replica_slice`)."""
-    return [rows[i] for i in replica_slice(len(rows), index, participants)]
 
 
 def replica_step_shape(batch_tokens: float, participants: int, ranks_per_group: int = 1, micro_batches: int = 1,
