@@ -130,3 +130,25 @@ def test_a_stale_token_the_current_policy_can_no_longer_sample_weighs_zero():
     assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
     assert logits.grad[0, 1].abs().sum() == 0 and logits.grad[0, 0].abs().sum() > 0  # the outside token: no gradient
     assert m["is_ratio/min"] == 0.0
+
+
+def test_sampled_logprobs_reads_both_of_vllms_containers():
+    """The generator asks vLLM for the sampled token's log-prob at every position (`logprobs=0`); vLLM keeps them as
+    one dict per position or, with `flat_logprobs=True`, as flat lists. Both, built by vLLM's own code from the same
+    hand values, give those values; a container that misses a position or names another token is refused."""
+    from vllm.logprobs import append_logprobs_for_next_position, create_sample_logprobs
+
+    from hfllamarl.runtime.loop.rollout import sampled_logprobs
+
+    ids, values = [5, 9, 5, 2], [-0.25, -1.5, -0.125, -3.0]
+    for flat in (False, True):
+        container = create_sample_logprobs(flat)
+        for token, value in zip(ids, values):
+            append_logprobs_for_next_position(container, [token], [value], [None], rank=1, num_logprobs=0)
+        assert sampled_logprobs(container, ids) == values, flat
+        with pytest.raises(RuntimeError, match="4 tokens but"):
+            sampled_logprobs(container, ids[:3] + [7])  # the last position holds another token
+        with pytest.raises(RuntimeError, match="5 tokens but"):
+            sampled_logprobs(container, ids + [1])  # one position more than the container has
+    with pytest.raises(RuntimeError, match="2 tokens but 0"):
+        sampled_logprobs(None, [1, 2])

@@ -111,7 +111,7 @@ def partial(workdir: str) -> dict:
         "lengths_ok": all(len(r.completion_ids) == len(r.behavior_logprobs) == len(r.versions) for r in rollouts),
         "finish_ok": all(r.finish_reason == "stop" or len(r.completion_ids) == LENGTH for r in rollouts),
         "segments_ok": all(r.segments == max(1, -(-len(r.completion_ids) // BUDGET)) for r in rollouts),
-        "text_ok": all(r.completion_text == tok.decode(r.completion_ids, skip_special_tokens=True) for r in multi),
+        "text_ok": all(r.completion_text == tok.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts),
         "bad_versions": bad_versions,
         "max_error": max(errors),
         "num_tokens": len(errors),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from hfllamarl.runtime.loop.rollout import Rollout
+from hfllamarl.runtime.loop.rollout import Rollout, sampled_logprobs
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
 
@@ -88,7 +88,7 @@ class _Generation:
             comp = out.outputs[0]
             ids = list(comp.token_ids)
             completion_ids.append(ids)
-            logprobs.append([[float(lp[t].logprob)] for lp, t in zip(comp.logprobs or [], ids)])
+            logprobs.append([[lp] for lp in sampled_logprobs(comp.logprobs, ids)])
             token_ids.append([[t] for t in ids])
         return [list(ids) for ids, _, _ in requests], completion_ids, logprobs, token_ids
 

@@ -180,12 +180,28 @@ class GeneratorExecutor(Executor):
         return self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False,
                                  lora_request=self.adapters.request if self.adapters is not None else None)
 
+    @property
+    def _engine_text(self) -> bool:
+        """Whether a completion's text is the engine's own (generation_kwargs set how vLLM writes it:
+        `skip_special_tokens`, `spaces_between_special_tokens`) rather than its ids decoded as TRL decodes them."""
+        extra = self.spec.generation_kwargs or {}
+        return extra.get("detokenize", True) is not False and any(
+            k in extra for k in ("skip_special_tokens", "spaces_between_special_tokens"))
+
     def _sampling_params(self, n: int, max_tokens: int):
         from vllm import SamplingParams
 
         spec = self.spec
+        extra = spec.generation_kwargs or {}
         kw = dict(n=n, max_tokens=max_tokens, logprobs=0,  # the sampled token's log-prob at every position
-                  **spec.sampling.vllm_kwargs(), **(spec.generation_kwargs or {}))
+                  # The completion's text is decoded from its ids when it ends (`_extend`, as TRL decodes them),
+                  # so the engine detokenizes only to find stop strings or to write the text as generation_kwargs
+                  # ask; and it keeps the log-probs as flat lists (`FlatLogprobs`), not one dict of objects per
+                  # token, where this vLLM has them.
+                  detokenize=bool(extra.get("stop")) or self._engine_text, **spec.sampling.vllm_kwargs())
+        if "flat_logprobs" in _fields(SamplingParams):
+            kw["flat_logprobs"] = True
+        kw.update(extra)  # (the user's generation_kwargs, `detokenize` included, win)
         return SamplingParams(**kw)
 
     # ------------------------------------------------------------------ channels
@@ -408,9 +424,15 @@ class GeneratorExecutor(Executor):
         if reason == "length" and n == requested and len(r.completion_ids) < self.spec.max_completion_length:
             return n
         r.finish_reason = reason
-        r.completion_text = comp.text if r.segments == 1 else self.encoder.tokenizer.decode(
-            r.completion_ids, skip_special_tokens=True)
+        r.completion_text = comp.text if r.segments == 1 and self._engine_text else self.encoder.tokenizer.decode(
+            r.completion_ids, skip_special_tokens=True)  # (as TRL decodes a completion)
         return n
+
+
+def _fields(cls) -> tuple[str, ...]:
+    """The fields of vLLM's `SamplingParams` (a msgspec struct; a dataclass in older vLLMs)."""
+    names = getattr(cls, "__struct_fields__", None)
+    return tuple(names) if names is not None else tuple(getattr(cls, "__dataclass_fields__", {}))
 
 
 def _loaded(dataset):

@@ -48,9 +48,7 @@ class Rollout:
         """Append the tokens of one vLLM completion segment `comp`, each with its sampled log-prob and `version`
         (and a 1 in `env_mask` when the rollout keeps one); returns how many."""
         ids = list(comp.token_ids)
-        logprobs = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], ids)]
-        if len(logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(logprobs)} log-probs for a completion")
+        logprobs = sampled_logprobs(comp.logprobs, ids)
         self.completion_ids += ids
         self.behavior_logprobs += logprobs
         self.versions += [version] * len(ids)
@@ -149,3 +147,19 @@ def split_by_batch(groups: list[RolloutGroup], parts: int) -> list[list[RolloutG
                                       first.eval_version)]
             chunk.extend(share)
     return chunks
+
+
+def sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token `ids[t]` from a vLLM completion's `logprobs` (requested with
+    `logprobs=0`: the sampled token alone at each position). vLLM keeps them either as one `{token: Logprob}` dict
+    per position or, under `SamplingParams(flat_logprobs=True)`, as `FlatLogprobs`: flat lists whose position t
+    spans `start_indices[t]:end_indices[t]`, the sampled token first. Raises when they do not cover every token."""
+    logprobs = logprobs if logprobs is not None else []
+    if all(hasattr(logprobs, a) for a in ("start_indices", "token_ids", "logprobs")):  # FlatLogprobs
+        starts, tokens, values = logprobs.start_indices, logprobs.token_ids, logprobs.logprobs
+        out = [float(values[s]) for s, t in zip(starts, ids) if tokens[s] == t]
+    else:
+        out = [float(lp[t].logprob) for lp, t in zip(logprobs, ids) if t in lp]
+    if len(out) != len(ids) or len(logprobs) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(out)} matching log-probs for a completion")
+    return out
