@@ -53,6 +53,8 @@ def test_carried_tokens_keep_the_logprob_and_version_they_were_sampled_under(tmp
     assert res["carried_after"][1] and res["carried_after"][-1] == []
     assert res["multi_segment"] >= 6 and 3 in res["segments"]
     assert res["lengths_ok"] and res["finish_ok"] and res["segments_ok"] and res["text_ok"]
+    engine_text, text, decoded = res["undetokenized"]  # generation_kwargs={"detokenize": False}: no text from vLLM
+    assert engine_text == "" and text == decoded and text.strip(), res["undetokenized"]
     assert res["bad_versions"] == 0  # token t of batch b: version of tick b + t // 4
     assert res["max_error"] < 1e-4, res  # mu == pi under the weights of the token's own version
     assert res["wrong_version_mean_gap"] > 1e-2, res  # and the versions differ enough for that to mean something

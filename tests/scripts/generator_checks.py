@@ -99,6 +99,14 @@ def partial(workdir: str) -> dict:
             expected = [min(start + t // BUDGET, 2) for t in range(len(r.completion_ids))]
             bad_versions += r.versions != expected
     multi = [r for r in rollouts if r.segments > 1]
+    # generation_kwargs={"detokenize": False}: the engine writes no text; the completion's text is its ids decoded.
+    from hfllamarl.runtime.loop.rollout import Rollout, UNFINISHED
+
+    gen.spec.generation_kwargs = {"detokenize": False}
+    out = gen.sample([gen.encoder.encode(ROWS[0]["prompt"])], gen._sampling_params(1, LENGTH))[0].outputs[0]
+    bare = Rollout(prompt=ROWS[0]["prompt"], prompt_ids=[], completion_ids=[], behavior_logprobs=[], versions=[],
+                   finish_reason=UNFINISHED, completion_text="")
+    gen._extend(bare, out, LENGTH)
     from torch._dynamo.utils import counters
 
     return {
@@ -111,6 +119,7 @@ def partial(workdir: str) -> dict:
         "lengths_ok": all(len(r.completion_ids) == len(r.behavior_logprobs) == len(r.versions) for r in rollouts),
         "finish_ok": all(r.finish_reason == "stop" or len(r.completion_ids) == LENGTH for r in rollouts),
         "segments_ok": all(r.segments == max(1, -(-len(r.completion_ids) // BUDGET)) for r in rollouts),
+        "undetokenized": [out.text, bare.completion_text, tok.decode(bare.completion_ids, skip_special_tokens=True)],
         "text_ok": all(r.completion_text == tok.decode(r.completion_ids, skip_special_tokens=True) for r in rollouts),
         "bad_versions": bad_versions,
         "max_error": max(errors),
