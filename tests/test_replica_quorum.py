@@ -331,3 +331,20 @@ def test_fsdp2_group_joins_late_with_sharded_state(drill_model, reference, tmp_p
               f"max |w - w_ref| = {max(diffs):.2e}")
     finally:
         drill.close()
+
+
+@pytest.mark.slow
+def test_the_replica_quorum_bench_runs_both_layouts(tmp_path):
+    """`hfllamarl bench replica-quorum`, smallest: one round of 2 steps of a 1-layer model in both layouts (today's
+    hybrid sharding and torchft's quorum); every step commits (it exits otherwise) and the ratio is printed."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "hfllamarl.cli", "bench", "replica-quorum", "--steps", "2",
+                           "--rounds", "1", "--hidden-size", "64", "--layers", "1", "--precision", "fp32",
+                           "--output-dir", str(tmp_path)], cwd=str(REPO), capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["hsdp_step_s"] > 0 and result["quorum_step_s"] > 0 and result["steps"] == 2
+    assert abs(result["ratio"] - result["quorum_step_s"] / result["hsdp_step_s"]) < 0.01
+    assert "hsdp (one world, FSDP2 replicates)" in proc.stdout and "quorum (torchft" in proc.stdout
