@@ -109,6 +109,57 @@ def test_a_recipe_written_for_trls_cli_checks_here(job, capsys, tmp_path):
     assert "TRL's, as `trl grpo` names them: accuracy_reward" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("config, expected", [
+    ("zero2", "it asks for DeepSpeed"), ("zero3", "it asks for DeepSpeed"), ("fsdp1", "FSDP version 1"),
+    ("single_gpu", "starts one process (distributed_type NO) but num_processes is 2"),
+    ("fsdp9", "neither a file nor one of TRL's accelerate configs")])
+def test_an_accelerate_config_the_trainer_cannot_honour_is_refused(job, capsys, config, expected):
+    """`accelerate_config` as `trl grpo` takes it, by TRL's names (TRL's own files, read here) or a path."""
+    assert job(accelerate_config=config, num_processes=2) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_an_accelerate_config_file_is_read_and_its_process_count_checked(job, capsys, tmp_path):
+    """A file of the user's: its offloading is refused; its num_processes fills the recipe's and the layout is
+    checked against it; --check prints the launch `hfllamarl train` would start."""
+    base = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}, "mixed_precision": "bf16"}
+    path = tmp_path / "acc.yaml"
+    path.write_text(yaml.safe_dump({**base, "fsdp_config": {"fsdp_version": 2, "fsdp_offload_params": True}}))
+    assert job(accelerate_config=str(path)) == 2
+    assert "fsdp_offload_params" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump({**base, "num_processes": 1}))
+    assert job(accelerate_config=str(path), num_generator_processes=1) == 2
+    assert "num_processes=1 leaves no trainer rank" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump({**base, "num_processes": 3}))
+    assert job(accelerate_config=str(path), main_process_port=29555) == 0
+    out = capsys.readouterr().out
+    assert f"launch:  accelerate launch --config_file {path} --num_processes 3 --main_process_port 29555" in out, out
+
+
+@pytest.mark.slow
+def test_a_trl_cli_recipe_with_num_processes_is_launched_as_trl_grpo_launches_it(tmp_path, tiny_model):
+    """`hfllamarl train --config tiny_cpu.yaml` (num_processes: 2) started without a launcher starts its 2 processes
+    under `accelerate launch` (accelerate's own notice shows it ran), once with TRL's `fsdp2` accelerate config; each
+    trains the 2 steps and the model is saved."""
+    from conftest import free_port
+
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+1=?", "answer": f"{a} plus 1.\n#### {a + 1}"}) + "\n"
+                            for a in range(20)))
+    exe = os.path.join(os.path.dirname(sys.executable), "hfllamarl")
+    for extra in ([], ["--accelerate_config", "fsdp2"]):
+        out = tmp_path / ("out" + "-".join(extra))
+        proc = subprocess.run([exe, "train", "--config", str(REPO / "examples" / "recipes" / "tiny_cpu.yaml"),
+                               "--model_name_or_path", tiny_model, "--dataset_name", str(data), "--output_dir",
+                               str(out), "--main_process_port", str(free_port()), *extra],
+                              cwd=str(tmp_path), capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, tail(proc)
+        assert "hfllamarl train: starting 2 processes: accelerate launch" in proc.stderr, tail(proc)
+        assert "were not passed to `accelerate launch`" in proc.stderr or "fsdp2.yaml" in proc.stderr, tail(proc)
+        assert len([line for line in proc.stdout.splitlines() if line.startswith("{'reward'")]) == 2, tail(proc)
+        assert (out / "model.safetensors").exists()
+
+
 def test_train_help_is_a_page_that_starts_with_the_config_and_help_all_has_every_field(capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])

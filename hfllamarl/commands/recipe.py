@@ -65,7 +65,15 @@ class RecipeArguments:
     prepare_kwargs: str | None = field(default=None, metadata={
         "help": "Keyword arguments of `prepare` (a YAML mapping, or JSON on the command line)."})
     num_processes: int = field(default=0, metadata={
-        "help": "Processes the launcher starts over all nodes; when set, the check verifies the layout against it."})
+        "help": "Processes over all nodes. Started without a launcher, `hfllamarl train` starts this many under "
+                "`accelerate launch` (as `trl grpo` does); under a launcher, the check verifies the layout against "
+                "it."})
+    accelerate_config: str | None = field(default=None, metadata={
+        "help": "As `trl grpo`: an accelerate config for the launch, one of TRL's (fsdp2, multi_gpu, single_gpu; "
+                "zero1-3 and fsdp1 are refused: the trainer shards with FSDP2) or a file. Read when `hfllamarl "
+                "train` is started without a launcher."})
+    main_process_port: int = field(default=0, metadata={
+        "help": "The rendezvous port of the launch `hfllamarl train` starts (accelerate's --main_process_port)."})
     check: bool = field(default=False, metadata={
         "help": "Validate the recipe (fields, data set columns, rewards) and exit without training."})
 

@@ -37,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     if job["recipe"].script.check:
         print(summary(job))
         return 0
+    if job["launch"]:  # (as `trl grpo`: the recipe's processes, started by accelerate, each reads the recipe)
+        from .recipe_launch import launch_command
+
+        cmd = launch_command(job["launch"], argv)
+        print(f"hfllamarl train: starting {job['recipe'].script.num_processes or 1} processes: "
+              f"accelerate launch {' '.join(job['launch'])} -m hfllamarl.cli train ...", file=sys.stderr, flush=True)
+        os.execv(cmd[0], cmd)
     train(job)
     return 0
 
@@ -51,8 +58,11 @@ def prepare_job(argv: list[str]) -> dict:
         raise RecipeError("no recipe: give one as a YAML file, `hfllamarl train --config recipe.yaml`, and/or as "
                           "flags (`--model_name_or_path ... --dataset_name ... --reward_funcs ...`); "
                           "`hfllamarl train --help` shows how, examples/recipes/ has recipes to start from.")
+    from .recipe_launch import resolve
+
     recipe = parse_recipe(argv)
     script, config, model = recipe.script, recipe.config, recipe.model
+    launch = resolve(script, launched)
     check_layout(recipe, launched)
     if model.load_in_4bit or model.load_in_8bit:
         raise RecipeError("load_in_4bit / load_in_8bit: a quantized base model is not supported (the trainer ranks "
@@ -81,7 +91,7 @@ def prepare_job(argv: list[str]) -> dict:
             eval_dataset = to_prompts(loaded[script.dataset_test_split], script)
         dry_run_rewards(rewards, train_dataset)
     return dict(recipe=recipe, rewards=rewards, environments=environments, tools=tools, train_dataset=train_dataset,
-                eval_dataset=eval_dataset)
+                eval_dataset=eval_dataset, launch=launch)
 
 
 def check_model(name: str, config=None, model_args=None) -> None:
@@ -169,6 +179,8 @@ def summary(job: dict) -> str:
     if script.environments or script.tools:
         lines.append(f"  agents:  environments {script.environments or '-'}; tools {script.tools or '-'}")
     lines.append(f"  output:  {config.output_dir}")
+    if job.get("launch"):
+        lines.append(f"  launch:  accelerate launch {' '.join(job['launch'])} -m hfllamarl.cli train ...")
     return "\n".join(lines)
 
 
