@@ -131,9 +131,11 @@ def test_an_accelerate_config_file_is_read_and_its_process_count_checked(job, ca
     assert job(accelerate_config=str(path), num_generator_processes=1) == 2
     assert "num_processes=1 leaves no trainer rank" in capsys.readouterr().err
     path.write_text(yaml.safe_dump({**base, "num_processes": 3}))
-    assert job(accelerate_config=str(path), main_process_port=29555) == 0
+    assert job(accelerate_config=str(path), main_process_port=29555, max_restarts=2) == 0
     out = capsys.readouterr().out
-    assert f"launch:  accelerate launch --config_file {path} --num_processes 3 --main_process_port 29555" in out, out
+    assert (f"launch:  accelerate launch --config_file {path} --num_processes 3 --main_process_port 29555 "
+            "--max_restarts 2 -m hfllamarl.cli train") in out, out
+    assert job(max_restarts=-1) == 2 and "max_restarts=-1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -158,6 +160,48 @@ def test_a_trl_cli_recipe_with_num_processes_is_launched_as_trl_grpo_launches_it
         assert "were not passed to `accelerate launch`" in proc.stderr or "fsdp2.yaml" in proc.stderr, tail(proc)
         assert len([line for line in proc.stdout.splitlines() if line.startswith("{'reward'")]) == 2, tail(proc)
         assert (out / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_recipe_with_max_restarts_survives_a_killed_trainer_rank(tmp_path, tiny_model):
+    """`max_restarts: 1` (with num_processes: 2, a checkpoint every 4 steps): the trainer rank is SIGKILLed once a
+    checkpoint exists; accelerate's launcher restarts both ranks, the job resumes from its newest checkpoint by itself
+    and finishes every step."""
+    import signal
+    import time
+
+    import psutil
+
+    from conftest import free_port
+
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+1=?", "answer": f"#### {a + 1}"}) + "\n" for a in range(20)))
+    out = tmp_path / "out"
+    exe = os.path.join(os.path.dirname(sys.executable), "hfllamarl")
+    proc = subprocess.Popen([exe, "train", "--config", str(REPO / "examples" / "recipes" / "tiny_cpu.yaml"),
+                             "--model_name_or_path", tiny_model, "--dataset_name", str(data), "--output_dir", str(out),
+                             "--main_process_port", str(free_port()), "--max_restarts", "1", "--save_steps", "4",
+                             "--max_steps", "60"], cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoint-4").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint-4"
+            time.sleep(0.2)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if p.cmdline()[1:4] == ["-u", "-m", "hfllamarl.cli"] and p.environ().get("LOCAL_RANK") == "0"]
+        assert ranks, "the trainer rank was not found"
+        ranks[0].send_signal(signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "restart 1 of the launcher: resuming from" in stderr and "step(s) to train again" in stderr, stderr[-3000:]
+    with open(out / "trained_prompts-rank0.jsonl") as fh:
+        steps = [json.loads(line)["step"] for line in fh if line.strip()]
+    assert steps[-1] == 60 and set(steps) == set(range(1, 61))  # every step trained, the lost ones again
+    assert (out / "model.safetensors").exists()
 
 
 def test_train_help_is_a_page_that_starts_with_the_config_and_help_all_has_every_field(capsys):

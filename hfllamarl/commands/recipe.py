@@ -74,6 +74,9 @@ class RecipeArguments:
                 "train` is started without a launcher."})
     main_process_port: int = field(default=0, metadata={
         "help": "The rendezvous port of the launch `hfllamarl train` starts (accelerate's --main_process_port)."})
+    max_restarts: int = field(default=0, metadata={
+        "help": "The launch `hfllamarl train` starts restarts a failed job this many times (accelerate's "
+                "--max_restarts); each restart resumes from the newest checkpoint by itself (set save_steps)."})
     check: bool = field(default=False, metadata={
         "help": "Validate the recipe (fields, data set columns, rewards) and exit without training."})
 

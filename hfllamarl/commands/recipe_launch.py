@@ -1,4 +1,5 @@
-"""A recipe's launch keys, as `trl grpo --config` reads them: `num_processes`, `accelerate_config`, `main_process_port`.
+"""A recipe's launch keys, as `trl grpo --config` reads them: `num_processes`, `accelerate_config`, `main_process_port`,
+`max_restarts`.
 
 `trl grpo --config recipe.yaml` hands the keys its script does not know to `accelerate launch`, and
 `accelerate_config` names one of TRL's accelerate configs (`fsdp2`, `multi_gpu`, `zero2`, ...) or a file. So
@@ -83,6 +84,8 @@ def resolve(script, launched: bool) -> list[str] | None:
     layout is checked against the processes that will start."""
     from .recipe import RecipeError
 
+    if script.max_restarts < 0:
+        raise RecipeError(f"max_restarts={script.max_restarts}: give a number of restarts >= 0.")
     if launched:
         return None
     args: list[str] = []
@@ -112,6 +115,8 @@ def resolve(script, launched: bool) -> list[str] | None:
         return None  # one process: the trainer and its generator children, as without a launcher
     if script.main_process_port:
         args += ["--main_process_port", str(script.main_process_port)]
+    if script.max_restarts:
+        args += ["--max_restarts", str(script.max_restarts)]
     return args
 
 
