@@ -136,6 +136,9 @@ def test_an_accelerate_config_file_is_read_and_its_process_count_checked(job, ca
     assert (f"launch:  accelerate launch --config_file {path} --num_processes 3 --main_process_port 29555 "
             "--max_restarts 2 -m hfllamarl.cli train") in out, out
     assert job(max_restarts=-1) == 2 and "max_restarts=-1" in capsys.readouterr().err
+    assert job(max_restarts=2) == 2 and "set num_processes >= 2" in capsys.readouterr().err  # (nothing to restart)
+    assert job(accelerate_config="single_gpu") == 0  # TRL's single_gpu: one process (its file says 8: not started)
+    assert "launch:" not in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -220,3 +223,19 @@ def test_check_without_any_recipe_says_there_is_none(capsys):
     assert cli.main(["train", "--check"]) == 2
     err = capsys.readouterr().err
     assert "no recipe: give one as a YAML file, `hfllamarl train --config recipe.yaml`" in err, err
+
+
+def test_under_a_launcher_the_launch_keys_are_the_launchers_and_a_warning_says_so(monkeypatch, capsys):
+    """Started by a launcher of the user's, the recipe's accelerate_config / main_process_port / max_restarts are not
+    read (the launcher's flags decide): a warning on rank 0 says so; none in the processes hfllamarl train started."""
+    from types import SimpleNamespace
+
+    from hfllamarl.commands.recipe_launch import ENV_OWN_LAUNCH, resolve
+
+    script = SimpleNamespace(accelerate_config="fsdp2", main_process_port=0, max_restarts=3, num_processes=2)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv(ENV_OWN_LAUNCH, raising=False)
+    assert resolve(script, launched=True) is None
+    assert "accelerate_config, max_restarts are read when hfllamarl train starts" in capsys.readouterr().err
+    monkeypatch.setenv(ENV_OWN_LAUNCH, "1")
+    assert resolve(script, launched=True) is None and capsys.readouterr().err == ""

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import sys
 
+ENV_OWN_LAUNCH = "HFLLAMARL_RECIPE_LAUNCH"  # set in the processes `hfllamarl train` starts itself
+
 #: TRL's own accelerate configs (`trl/accelerate_configs/<name>.yaml`), by the names `trl grpo` takes.
 TRL_CONFIGS = ("fsdp1", "fsdp2", "multi_gpu", "single_gpu", "zero1", "zero2", "zero3")
 
@@ -79,40 +81,44 @@ def _true(value) -> bool:
 
 
 def resolve(script, launched: bool) -> list[str] | None:
-    """The `accelerate launch` arguments this recipe asks for (None: train in this process; always None under a
-    launcher). Fills `script.num_processes` from the config file when the recipe leaves it unset, so that the
-    layout is checked against the processes that will start."""
+    """The `accelerate launch` arguments this recipe asks for (None: train in this process). Fills
+    `script.num_processes` from the config file when the recipe leaves it unset, so that the layout is checked
+    against the processes that will start. Under a launcher the launcher has chosen: the launch keys are not read,
+    and a warning says so unless it was `hfllamarl train`'s own launch."""
     from .recipe import RecipeError
 
     if script.max_restarts < 0:
         raise RecipeError(f"max_restarts={script.max_restarts}: give a number of restarts >= 0.")
+    keys = [k for k in ("accelerate_config", "main_process_port", "max_restarts") if getattr(script, k)]
     if launched:
+        if keys and os.environ.get(ENV_OWN_LAUNCH) != "1" and os.environ.get("RANK", "0") == "0":
+            print(f"hfllamarl train: warning: {', '.join(keys)} are read when hfllamarl train starts its own processes; "
+                  "under this launcher, the launcher's own flags decide.", file=sys.stderr)
         return None
-    args: list[str] = []
-    kind = None
+    path = None
     if script.accelerate_config:
         path = config_file(script.accelerate_config)
         data = check_config(path, script.accelerate_config)
-        kind = str(data.get("distributed_type", "NO")).upper()
-        if not script.num_processes and isinstance(data.get("num_processes"), int):
+        if str(data.get("distributed_type", "NO")).upper() == "NO":  # (accelerate starts one process for it)
+            if script.num_processes > 1:
+                raise RecipeError(f"accelerate_config {script.accelerate_config!r} starts one process "
+                                  f"(distributed_type NO) but num_processes is {script.num_processes}: use multi_gpu "
+                                  "or fsdp2 for several.")
+        elif not script.num_processes and isinstance(data.get("num_processes"), int):
             script.num_processes = data["num_processes"]
-        if kind == "NO" and script.num_processes > 1:
-            raise RecipeError(f"accelerate_config {script.accelerate_config!r} starts one process (distributed_type "
-                              f"NO) but num_processes is {script.num_processes}: use multi_gpu or fsdp2 for several.")
-        args += ["--config_file", path]
-    if script.num_processes > 1:
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus and script.num_processes > gpus:
-            raise RecipeError(f"num_processes={script.num_processes} but this machine has {gpus} GPUs: a launch over "
-                              "several machines is the launcher's (accelerate launch --num_machines N --machine_rank "
-                              "R --main_process_ip IP ... -m hfllamarl.cli train --config ..., on each machine).")
-        args += ["--num_processes", str(script.num_processes)] + (["--multi_gpu"] if kind is None else [])
-    elif not args:
+    if script.num_processes <= 1:  # one process: the trainer and its generator children, as without a launcher
+        if script.max_restarts or script.main_process_port:
+            raise RecipeError("max_restarts and main_process_port are options of a launch of several processes: set "
+                              "num_processes >= 2 (or start the job under a launcher with its own flags).")
         return None
-    elif kind == "NO" or script.num_processes == 1:
-        return None  # one process: the trainer and its generator children, as without a launcher
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and script.num_processes > gpus:
+        raise RecipeError(f"num_processes={script.num_processes} but this machine has {gpus} GPUs: a launch over "
+                          "several machines is the launcher's (accelerate launch --num_machines N --machine_rank "
+                          "R --main_process_ip IP ... -m hfllamarl.cli train --config ..., on each machine).")
+    args = (["--config_file", path] if path else ["--multi_gpu"]) + ["--num_processes", str(script.num_processes)]
     if script.main_process_port:
         args += ["--main_process_port", str(script.main_process_port)]
     if script.max_restarts:

@@ -38,12 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(job))
         return 0
     if job["launch"]:  # (as `trl grpo`: the recipe's processes, started by accelerate, each reads the recipe)
-        from .recipe_launch import launch_command
+        from .recipe_launch import ENV_OWN_LAUNCH, launch_command
 
         cmd = launch_command(job["launch"], argv)
         print(f"hfllamarl train: starting {job['recipe'].script.num_processes or 1} processes: "
               f"accelerate launch {' '.join(job['launch'])} -m hfllamarl.cli train ...", file=sys.stderr, flush=True)
-        os.execv(cmd[0], cmd)
+        os.execve(cmd[0], cmd, {**os.environ, ENV_OWN_LAUNCH: "1"})
     train(job)
     return 0
 
