@@ -143,16 +143,16 @@ def test_an_accelerate_config_file_is_read_and_its_process_count_checked(job, ca
 
 @pytest.mark.slow
 def test_a_trl_cli_recipe_with_num_processes_is_launched_as_trl_grpo_launches_it(tmp_path, tiny_model):
-    """`hfllamarl train --config tiny_cpu.yaml` (num_processes: 2) started without a launcher starts its 2 processes
-    under `accelerate launch` (accelerate's own notice shows it ran), once with TRL's `fsdp2` accelerate config; each
-    trains the 2 steps and the model is saved."""
+    """`hfllamarl train --config tiny_cpu.yaml --accelerate_config fsdp2` (num_processes: 2) started without a launcher
+    starts its 2 processes under `accelerate launch` with TRL's own `fsdp2` config file; they train the 2 steps and the
+    model is saved. (The launch without a config file, `--multi_gpu`, is the restart test's below.)"""
     from conftest import free_port
 
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps({"question": f"{a}+1=?", "answer": f"{a} plus 1.\n#### {a + 1}"}) + "\n"
                             for a in range(20)))
     exe = os.path.join(os.path.dirname(sys.executable), "hfllamarl")
-    for extra in ([], ["--accelerate_config", "fsdp2"]):
+    for extra in (["--accelerate_config", "fsdp2"],):
         out = tmp_path / ("out" + "-".join(extra))
         proc = subprocess.run([exe, "train", "--config", str(REPO / "examples" / "recipes" / "tiny_cpu.yaml"),
                                "--model_name_or_path", tiny_model, "--dataset_name", str(data), "--output_dir",
@@ -160,7 +160,7 @@ def test_a_trl_cli_recipe_with_num_processes_is_launched_as_trl_grpo_launches_it
                               cwd=str(tmp_path), capture_output=True, text=True, timeout=400)
         assert proc.returncode == 0, tail(proc)
         assert "hfllamarl train: starting 2 processes: accelerate launch" in proc.stderr, tail(proc)
-        assert "were not passed to `accelerate launch`" in proc.stderr or "fsdp2.yaml" in proc.stderr, tail(proc)
+        assert "trl/accelerate_configs/fsdp2.yaml --num_processes 2" in proc.stderr, tail(proc)
         assert len([line for line in proc.stdout.splitlines() if line.startswith("{'reward'")]) == 2, tail(proc)
         assert (out / "model.safetensors").exists()
 
@@ -200,6 +200,8 @@ def test_a_recipe_with_max_restarts_survives_a_killed_trainer_rank(tmp_path, tin
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
+    assert "hfllamarl train: starting 2 processes: accelerate launch --multi_gpu --num_processes 2" in stderr
+    assert "were not passed to `accelerate launch`" in stderr  # (accelerate's own notice: it ran the launch)
     assert "restart 1 of the launcher: resuming from" in stderr and "step(s) to train again" in stderr, stderr[-3000:]
     with open(out / "trained_prompts-rank0.jsonl") as fh:
         steps = [json.loads(line)["step"] for line in fh if line.strip()]
