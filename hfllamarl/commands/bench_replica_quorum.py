@@ -65,7 +65,6 @@ def worker(job: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from hfllamarl.losses import StepShape
     from hfllamarl.policy_loss import Correction, Objective, PolicyLoss
     from hfllamarl.runtime.training.batching import completion_logprobs, pack_batch
     from hfllamarl.runtime.training.replica_rows import replica_slice, replica_step_shape
@@ -106,7 +105,7 @@ def worker(job: dict) -> None:
         batch = pack_batch([rows[i] for i in share], model.config.pad_token_id or 0, "cpu")
         logprobs = completion_logprobs(model, batch, 1.0)
         loss, _ = loss_fn.loss(logprobs, batch["behavior_logprobs"], adv[share.start:share.stop], batch["mask"],
-                               shape=shape if quorum is not None else StepShape(tokens=shape.tokens, trainer_ranks=2))
+                               shape=shape)  # (hsdp: 2 participants, FSDP2 averages over both ranks)
         loss.backward()  # (hsdp: FSDP2 averages the gradients over both groups here)
         committed = True
         if quorum is not None:
@@ -133,14 +132,15 @@ def run_layout(layout: str, job: dict, out: str, round_: int) -> dict:
     """Both groups of `layout`, each in a process of its own on a core of its own; the first group's results."""
     from torch.distributed import TCPStore
 
-    lighthouse = None
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # (the hsdp layout's world)
-    extra = {"port": store.port}
+    lighthouse = store = None
     if layout == "quorum":
         from hfllamarl.runtime.training.replica_quorum import start_lighthouse
 
         lighthouse = start_lighthouse(min_replicas=2)
         extra = {"lighthouse": lighthouse.address()}
+    else:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # (the hsdp layout's world)
+        extra = {"port": store.port}
     cores = sorted(os.sched_getaffinity(0))
     procs, results = [], []
     for group in range(2):

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         from .recipe_launch import ENV_OWN_LAUNCH, launch_command
 
         cmd = launch_command(job["launch"], argv)
-        print(f"hfllamarl train: starting {job['recipe'].script.num_processes or 1} processes: "
+        print(f"hfllamarl train: starting {job['recipe'].script.num_processes} processes: "
               f"accelerate launch {' '.join(job['launch'])} -m hfllamarl.cli train ...", file=sys.stderr, flush=True)
         os.execve(cmd[0], cmd, {**os.environ, ENV_OWN_LAUNCH: "1"})
     train(job)
