@@ -38,6 +38,8 @@ class Corrected:
     metrics: logged as they are, averaged over micro-batches and ranks (`/max`, `/min`: the extreme).
     trust: (low, high): drop the tokens whose objective ratio c = pi/anchor has left [1 - low, 1 + high] on the side
         its advantage pushes (A > 0 and c > 1 + high, or A < 0 and c < 1 - low); None: no such mask.
+    trust_reference: `[B, T]` log-probs the trust mask's ratio refers to instead of the anchor (None: the anchor),
+        taken at the loss's importance-sampling level (per token, or GSPO's per-sequence geometric mean).
     """
 
     weight: torch.Tensor | None
@@ -45,6 +47,7 @@ class Corrected:
     bounded: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     trust: tuple[float, float] | None = None
+    trust_reference: torch.Tensor | None = None
 
 
 def log_weight(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -138,26 +141,36 @@ class TrustMasked:
     in the direction its advantage pushes gets no gradient. This is the token mask M_t of CISPO's general form
     (MiniMax-M1, arXiv 2506.13585, section 3.1): for PPO's clipped losses it changes nothing (their clip already
     zeroes exactly those tokens' gradient); for losses without a hard trust region (cispo's truncated weight, sapo's
-    soft gate) it bounds how far a stale batch moves a token's probability away from the anchor."""
+    soft gate) it bounds how far a stale batch moves a token's probability away from the anchor.
 
-    def __init__(self, base, low: float = 0.2, high: float = 0.28):
+    `reference="sampler"` (`"<name>+sampler_trust"`) draws the region around the sampler mu instead of the anchor:
+    the mask's ratio is pi/mu (per sequence for GSPO: exp(mean_t log pi/mu)) while the objective keeps its own
+    anchor. That is the form for an objective whose clip range is made for one batch's own drift (GSPO's 3e-4 and
+    4e-4 around pi_old): anchored at a stale mu, such a clip leaves almost nothing to train on."""
+
+    REFERENCES = ("anchor", "sampler")
+
+    def __init__(self, base, low: float = 0.2, high: float = 0.28, reference: str = "anchor"):
+        check_choice("trust reference", reference, self.REFERENCES)
         for key, value in (("trust_low", low), ("trust_high", high)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"+trust: {key}={value!r} must be a positive number (the trust region is "
                                  "[1 - trust_low, 1 + trust_high]).")
         if low >= 1:
             raise ValueError(f"+trust: trust_low={low!r} must be below 1 (the region's lower end 1 - trust_low > 0).")
-        self.base, self.low, self.high = base, float(low), float(high)
+        self.base, self.low, self.high, self.reference = base, float(low), float(high), reference
         self.level = getattr(base, "level", "token")
         if callable(getattr(base, "step_scale", None)):
             self.step_scale = base.step_scale
 
     def __repr__(self) -> str:
-        return f"TrustMasked({self.base!r}, low={self.low}, high={self.high})"
+        return f"TrustMasked({self.base!r}, low={self.low}, high={self.high}, reference={self.reference!r})"
 
     def __call__(self, old_logprobs, behavior_logprobs, mask, staleness=None) -> Corrected:
         corrected = self.base(old_logprobs, behavior_logprobs, mask, staleness)
         corrected.trust = (self.low, self.high)
+        if self.reference == "sampler":
+            corrected.trust_reference = behavior_logprobs
         return corrected
 
 
@@ -187,13 +200,16 @@ def effective_sample_ratio(log_weights: torch.Tensor) -> float:
 #: i.e. plain PPO against the sampler's log-probs up to staleness 8 and a trust region spanning 8 versions beyond.
 #: cispo and sapo have no hard trust region of their own (a truncated weight that always passes gradient, a soft
 #: gate): the same A-3PO anchor with PPO's region as a token mask on top (`+trust`, CISPO's general-form mask).
+#: GSPO keeps TRL's own correction for a sequence-level ratio (sequence_mask) and its objective anchored at pi_old,
+#: with PPO's region around the sampler as a sequence mask on top: anchored at a stale mu, the clip range TRL's docs
+#: give GSPO (3e-4, 4e-4) stops nearly every sequence; around the sampler the result does not depend on it.
 #: At max_staleness 1 the token-level clipped losses take TRL's token-level truncated weight instead, no trust region:
 #: a synchronous run (one pass) has none either, and one version back the region only slows a run whose steps move
 #: the policy by more than its width (the vs-TRL bench: 96 % of TRL's final reward with it, 100 % without).
 STALENESS_DEFAULTS: dict[str, str | tuple[tuple[float, str], ...]] = {
     **{loss: ((1, "token_truncate"), (math.inf, "a3po:lag=8"))
        for loss in ("aipo", "grpo", "bnpo", "dr_grpo", "dapo", "luspo")},
-    **{loss: "a3po:lag=8" for loss in ("vespo", "gspo")},
+    "vespo": "a3po:lag=8", "gspo": "sequence_mask+sampler_trust",
     **{loss: "a3po+trust:lag=8" for loss in ("cispo", "sapo")}}
 
 SPECIAL = ("auto", "trl", "none")
@@ -282,10 +298,12 @@ def build(name: str, kwargs: dict | None, trl_correction, trl_fields_set: bool, 
         kwargs = {**options, **(kwargs or {})}
     if name.endswith("+ess") and name != "+ess":  # any correction with VCPO's step rule on top
         return StepScaled(build(name[:-len("+ess")], kwargs, trl_correction, trl_fields_set, rho))
-    if name.endswith("+trust") and name != "+trust":  # any correction with the trust-region mask on top
-        kwargs = dict(kwargs or {})
-        low, high = kwargs.pop("trust_low", 0.2), kwargs.pop("trust_high", 0.28)
-        return TrustMasked(build(name[:-len("+trust")], kwargs or None, trl_correction, trl_fields_set, rho), low, high)
+    for suffix, reference in (("+trust", "anchor"), ("+sampler_trust", "sampler")):
+        if name.endswith(suffix) and name != suffix:  # any correction with the trust-region mask on top
+            kwargs = dict(kwargs or {})
+            low, high = kwargs.pop("trust_low", 0.2), kwargs.pop("trust_high", 0.28)
+            base = build(name[:-len(suffix)], kwargs or None, trl_correction, trl_fields_set, rho)
+            return TrustMasked(base, low, high, reference)
     if name == "auto":
         name = "trl"
     if name in ("trl", "none"):

@@ -9,7 +9,8 @@ one optimizer step per batch) and log mu (the generator's, which sampled t, mayb
                                                          anchor None: pi_old)
     c_t  = pi_t / anchor_t                       (token level; GSPO's exp(mean_t log(pi/anchor)) per sequence)
     l_t  = objective(loss_type, c_t, A)          (`hfllamarl.losses.per_token_objective`; vespo's phi(w))
-    l_t *= trust (the correction's trust-region mask, `+trust`) * keep (off-policy mask) * entropy mask
+    l_t *= trust (the correction's trust-region mask, `+trust`: around the anchor, or around mu with
+              `+sampler_trust`) * keep (off-policy mask) * entropy mask
     l_t *= b_t
     l_t += beta * KL_t(pi || pi_ref) (* c_t with use_bias_correction_kl)
     loss = normalise(loss_type, l)
@@ -148,7 +149,10 @@ class PolicyLoss:
             per_token = per_token_objective(o.loss_type, coef_1, adv, logprobs, o.epsilon_low, o.eps_high, o.delta,
                                             o.sapo_temperature_pos, o.sapo_temperature_neg)
         if corrected is not None and corrected.trust is not None:
-            keep = trust_mask(coef_1.detach(), adv, *corrected.trust)
+            reference = corrected.trust_reference
+            trust_ratio = coef_1.detach() if reference is None else policy_ratio(
+                logprobs.detach(), reference.to(logprobs.dtype), mask, o.importance_sampling_level)
+            keep = trust_mask(trust_ratio, adv, *corrected.trust)
             per_token = per_token * keep
             metrics["correction/trust_masked_frac"] = share(keep.expand_as(mask) == 0, mask)
         if self.off_policy_mask_threshold is not None:

@@ -195,6 +195,37 @@ def test_the_trust_mask_drops_cispos_tokens_past_the_trust_region_in_their_advan
                         off_policy_correction="coupled+trust:trust_low=1.5")
 
 
+def test_the_sampler_trust_mask_keeps_gspos_own_clip_for_the_batchs_drift():
+    # GSPO as TRL's docs configure it (epsilon 3e-4, epsilon_high 4e-4), one pass (pi = pi_old), two sequences of
+    # two tokens sampled by a stale mu, A = +1 each: pi_old/mu = (2, 2) and (1.1, 1.0) per token, so pi/mu per
+    # sequence (geometric mean) is 2 and sqrt(1.1) = 1.049.
+    old, mu = logs(2.0, 2.0, 1.1, 1.0)
+    old, mu = old.view(2, 2), mu.view(2, 2)
+    mask, adv = torch.ones(2, 2), torch.tensor([1.0, 1.0])
+
+    def gspo(correction):
+        return load_plugin("algorithms", "grpo")(loss_type="grpo", importance_sampling_level="sequence",
+                                                 epsilon=3e-4, epsilon_high=4e-4, off_policy_correction=correction)
+
+    # anchored at mu (coupled, as a3po is up to its lag), GSPO's clip at 1 + 4e-4 stops both sequences
+    assert torch.equal(_grad(gspo("coupled"), old, old, mu, adv, mask)[0], torch.zeros(2, 2))
+    # around the sampler: the objective's ratio is pi/pi_old = 1 (inside its clip); sequence 1 (2 > 1.28, A > 0)
+    # gets no gradient, sequence 2 (1.049, inside [0.8, 1.28]) d/dlogpi_t of -s A mean_t(b_t) / 2 sequences, with
+    # s = exp(mean_t log pi/pi_old) (ds/dlogpi_t = 1/2) and b = min(pi_old/mu, 3) = (1.1, 1.0): -1.05 / 4
+    grad, metrics = _grad(gspo("token_truncate+sampler_trust"), old, old, mu, adv, mask)
+    assert torch.allclose(grad, torch.tensor([[0.0, 0.0], [-1.05 / 4, -1.05 / 4]]), atol=1e-6)
+    assert metrics["correction/trust_masked_frac"] == pytest.approx(0.5)
+    # "+trust" draws the region around the anchor (pi_old here): nothing is masked, sequence 1 trains with b = 2
+    grad, _ = _grad(gspo("token_truncate+trust"), old, old, mu, adv, mask)
+    assert torch.allclose(grad, torch.tensor([[-2.0 / 4, -2.0 / 4], [-1.05 / 4, -1.05 / 4]]), atol=1e-6)
+    # for a token-level loss the region is per token: pi/mu = 2 (A > 0) is dropped, 1.1 kept (dapo: sum / tokens)
+    dapo = load_plugin("algorithms", "grpo")(loss_type="dapo", off_policy_correction="token_truncate+sampler_trust")
+    old, mu = logs(2.0, 1.1)
+    grad, _ = _grad(dapo, old, old, mu, torch.tensor([1.0]), torch.ones(1, 2))
+    assert torch.allclose(grad, torch.tensor([[0.0, -1.1 / 2]]), atol=1e-6)
+    assert "reference='sampler'" in repr(dapo.correction)
+
+
 @pytest.mark.parametrize("loss", ["aipo", "grpo", "dapo", "cispo", "gspo", "vespo"])
 def test_auto_is_trls_correction_when_synchronous_and_the_studys_default_when_stale(loss):
     fields = ({"algorithm": "aipo"} if loss == "aipo" else
@@ -206,7 +237,7 @@ def test_auto_is_trls_correction_when_synchronous_and_the_studys_default_when_st
     stale = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, **fields)
     assert stale.algorithm_options["off_policy_correction"] == staleness_default(loss, 4) != "trl"
     # what docs/operations/staleness.md's table of defaults says, by hand
-    at_4 = {"cispo": "a3po+trust:lag=8"}.get(loss, "a3po:lag=8")
+    at_4 = {"cispo": "a3po+trust:lag=8", "gspo": "sequence_mask+sampler_trust"}.get(loss, "a3po:lag=8")
     at_1 = {"aipo": "token_truncate", "grpo": "token_truncate", "dapo": "token_truncate"}.get(loss, at_4)
     assert stale.algorithm_options["off_policy_correction"] == at_4
     one = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=1, **fields)

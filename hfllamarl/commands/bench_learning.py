@@ -35,8 +35,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--output-dir", default="outputs/bench_learning")
     parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds; every cell runs each")
     parser.add_argument("--tasks", default="successor,increment", help="(a)'s tasks, among successor, increment")
-    parser.add_argument("--losses", default="aipo,grpo,bnpo,dr_grpo,dapo,cispo,sapo,luspo,vespo,gspo",
-                        help="(a)'s losses: aipo, a TRL loss_type, or gspo")
+    parser.add_argument("--losses", default="aipo,grpo,bnpo,dr_grpo,dapo,cispo,sapo,luspo,vespo,gspo,gspo_paper",
+                        help="(a)'s losses: aipo, a TRL loss_type, gspo (TRL's sequence-level ratio) or gspo_paper "
+                             "(GSPO with the paper's clip range, as TRL's docs configure it)")
     parser.add_argument("--staleness", default="4,16", help="(a)'s staleness levels (each loss's default correction)")
     parser.add_argument("--correction-task", default="successor", help="(b)'s task ('' to skip (b))")
     parser.add_argument("--correction-losses", default="aipo,grpo", help="(b)'s losses")

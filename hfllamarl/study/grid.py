@@ -23,6 +23,9 @@ LOSSES = {
     # ScaleRL's epsilon_max for CISPO's truncated weight, as TRL's docs recommend it
     "cispo": {"algorithm": "grpo", "loss_type": "cispo", "epsilon_high": 5.0},
     "gspo": {"algorithm": "grpo", "loss_type": "grpo", "importance_sampling_level": "sequence"},
+    # GSPO as TRL's paper index configures it: the paper's clip range, sized for one batch's own drift
+    "gspo_paper": {"algorithm": "grpo", "loss_type": "grpo", "importance_sampling_level": "sequence",
+                   "epsilon": 3e-4, "epsilon_high": 4e-4},
 }
 
 #: The corrections of the study (`off_policy_correction` names; "none": no correction).
@@ -30,9 +33,9 @@ CORRECTIONS = ("none", "aipo", "token_truncate", "token_mask", "sequence_truncat
                "decoupled", "a3po", "m2po", "ess")
 SEQUENCE_LEVEL = ("sequence_truncate", "sequence_mask", "ess")  # (vespo takes token-level corrections only)
 #: Every correction name the study takes: the above, each with VCPO's step rule on top ("<name>+ess") and each with
-#: the trust-region mask on top ("<name>+trust").
+#: the trust-region mask on top, around the anchor ("<name>+trust") or the sampler ("<name>+sampler_trust").
 KNOWN_CORRECTIONS = (CORRECTIONS + tuple(f"{c}+ess" for c in CORRECTIONS if c not in ("none", "ess"))
-                     + tuple(f"{c}+trust" for c in CORRECTIONS if c != "none"))
+                     + tuple(f"{c}+{t}" for t in ("trust", "sampler_trust") for c in CORRECTIONS if c != "none"))
 
 STALENESS = (0, 1, 2, 4, 8, 16)
 COMPLETIONS_PER_STEP, GENERATIONS = 64, 8
@@ -47,9 +50,11 @@ def sync_correction(loss: str) -> str:
 
 def default_correction(loss: str, staleness: int) -> str:
     """The correction "auto" gives `loss` at `staleness` (`hfllamarl.corrections.STALENESS_DEFAULTS`)."""
-    from hfllamarl.corrections import staleness_default
+    from hfllamarl.corrections import staleness_default, study_loss
 
-    return (staleness_default(loss, staleness) or sync_correction(loss)) if staleness else sync_correction(loss)
+    fields = LOSSES[loss]
+    name = study_loss(fields["algorithm"], fields.get("loss_type"), fields.get("importance_sampling_level"))
+    return (staleness_default(name, staleness) or sync_correction(loss)) if staleness else sync_correction(loss)
 
 
 @dataclass(frozen=True)

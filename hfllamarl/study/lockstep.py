@@ -28,8 +28,8 @@ from collections import deque
 
 #: What each step's log contributes to a cell's record, when the step logged it.
 SERIES = ("reward", "is_ratio/mean", "is_ratio/max", "is_ratio/min", "behavior_kl", "clipped_frac",
-          "correction/masked_frac", "correction/clipped_frac", "correction/ess", "correction/step_scale",
-          "staleness/mean", "grad_norm", "entropy")
+          "correction/masked_frac", "correction/clipped_frac", "correction/trust_masked_frac", "correction/ess",
+          "correction/step_scale", "staleness/mean", "grad_norm", "entropy")
 
 
 def snapshot(model) -> dict:
