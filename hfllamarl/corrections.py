@@ -201,15 +201,16 @@ def effective_sample_ratio(log_weights: torch.Tensor) -> float:
 #: cispo and sapo have no hard trust region of their own (a truncated weight that always passes gradient, a soft
 #: gate): the same A-3PO anchor with PPO's region as a token mask on top (`+trust`, CISPO's general-form mask).
 #: GSPO keeps TRL's own correction for a sequence-level ratio (sequence_mask) and its objective anchored at pi_old,
-#: with PPO's region around the sampler as a sequence mask on top: anchored at a stale mu, the clip range TRL's docs
-#: give GSPO (3e-4, 4e-4) stops nearly every sequence; around the sampler the result does not depend on it.
+#: with a region around the sampler as a sequence mask on top, [0.9, 1.1] on the sequence's geometric-mean ratio
+#: pi/mu: anchored at a stale mu, the clip range TRL's docs give GSPO (3e-4, 4e-4) stops nearly every sequence;
+#: around the sampler the result does not depend on GSPO's clip range.
 #: At max_staleness 1 the token-level clipped losses take TRL's token-level truncated weight instead, no trust region:
 #: a synchronous run (one pass) has none either, and one version back the region only slows a run whose steps move
 #: the policy by more than its width (the vs-TRL bench: 96 % of TRL's final reward with it, 100 % without).
 STALENESS_DEFAULTS: dict[str, str | tuple[tuple[float, str], ...]] = {
     **{loss: ((1, "token_truncate"), (math.inf, "a3po:lag=8"))
        for loss in ("aipo", "grpo", "bnpo", "dr_grpo", "dapo", "luspo")},
-    "vespo": "a3po:lag=8", "gspo": "sequence_mask+sampler_trust",
+    "vespo": "a3po:lag=8", "gspo": "sequence_mask+sampler_trust:trust_low=0.1,trust_high=0.1",
     **{loss: "a3po+trust:lag=8" for loss in ("cispo", "sapo")}}
 
 SPECIAL = ("auto", "trl", "none")

@@ -237,7 +237,8 @@ def test_auto_is_trls_correction_when_synchronous_and_the_studys_default_when_st
     stale = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=4, **fields)
     assert stale.algorithm_options["off_policy_correction"] == staleness_default(loss, 4) != "trl"
     # what docs/operations/staleness.md's table of defaults says, by hand
-    at_4 = {"cispo": "a3po+trust:lag=8", "gspo": "sequence_mask+sampler_trust"}.get(loss, "a3po:lag=8")
+    at_4 = {"cispo": "a3po+trust:lag=8", "gspo": "sequence_mask+sampler_trust:trust_low=0.1,trust_high=0.1"}.get(
+        loss, "a3po:lag=8")
     at_1 = {"aipo": "token_truncate", "grpo": "token_truncate", "dapo": "token_truncate"}.get(loss, at_4)
     assert stale.algorithm_options["off_policy_correction"] == at_4
     one = AsyncAIPOConfig(output_dir="/tmp/x", max_staleness=1, **fields)
