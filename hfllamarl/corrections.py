@@ -324,8 +324,9 @@ def build(name: str, kwargs: dict | None, trl_correction, trl_fields_set: bool, 
     try:
         cls = load_plugin("corrections", name)
     except PluginError as exc:
-        raise PluginError(f"off_policy_correction={name!r}: {exc} Besides the plugins it takes 'auto', 'trl', 'none' and "
-                          "'<plugin>+ess' (VCPO's step rule on top of one).") from None
+        raise PluginError(f"off_policy_correction={name!r}: {exc} Besides the plugins it takes 'auto', 'trl', 'none', "
+                          "'<plugin>+ess' (VCPO's step rule on top of one), '<plugin>+trust' (PPO's trust region "
+                          "around its anchor as a mask) and '<plugin>+sampler_trust' (around the sampler).") from None
     try:
         return cls(**options)
     except TypeError as exc:

@@ -224,6 +224,10 @@ def test_the_sampler_trust_mask_keeps_gspos_own_clip_for_the_batchs_drift():
     grad, _ = _grad(dapo, old, old, mu, torch.tensor([1.0]), torch.ones(1, 2))
     assert torch.allclose(grad, torch.tensor([[0.0, -1.1 / 2]]), atol=1e-6)
     assert "reference='sampler'" in repr(dapo.correction)
+    # a mistyped base is named, with what the suffixes are
+    with pytest.raises(Exception, match=r"tokn_truncate.*\+sampler_trust' \(around the sampler\)"):
+        AsyncAIPOConfig(output_dir="/tmp/x", algorithm="grpo", max_staleness=4,
+                        off_policy_correction="tokn_truncate+sampler_trust").build_algorithm()
 
 
 @pytest.mark.parametrize("loss", ["aipo", "grpo", "dapo", "cispo", "gspo", "vespo"])
