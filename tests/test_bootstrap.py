@@ -94,6 +94,56 @@ def test_behaviour_log_probs_are_those_of_a_full_forward_of_each_completion(tiny
     assert checked >= 6
 
 
+@pytest.mark.parametrize("staleness", [1, 0])
+def test_a_batch_still_being_sampled_when_the_generators_come_up_is_trained_by_the_loops_first_tick(tiny_model,
+                                                                                                   monkeypatch,
+                                                                                                   staleness):
+    """The generators come up while the trainer samples batch 1: with max_staleness 1 batch 1 is not trained during
+    the bootstrap but waits for the loop's first tick (tick 2 trains batch 1 while the generators sample batch 2);
+    synchronous (max_staleness 0), whose tick 2 trains batch 2, the bootstrap trains it first. Either way each batch
+    is trained once, in order, by the real trainer executor on the real sampler's groups."""
+    from datasets import Dataset
+
+    from hfllamarl.plugins.algorithms.aipo import AIPO
+    from hfllamarl.runtime.data.rewards import RewardRunner
+    from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
+    from hfllamarl.runtime.world import startup
+    from hfllamarl.runtime.world.topology import Topology
+
+    monkeypatch.setattr(startup, "bootstrapping", lambda topology, seconds: None)  # (the announcement to generators)
+    model, tok = _model(tiny_model)
+    rows = Dataset.from_dict({"prompt": [f"{a} + 1 =" for a in range(8)], "answer": [str(a + 1) for a in range(8)]})
+    schedule = Schedule.of_steps(6, staleness)
+    trained = []
+    spec = TrainerSpec(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scheduler=None,
+                       algorithm=AIPO(rho=4.0), rewards=RewardRunner([lambda completions, **kw: [float(len(c) % 3)
+                                                                                                for c in completions]]),
+                       backend=None, schedule=schedule, num_generations=3, micro_batch_size=6, sampling=Sampling(),
+                       max_grad_norm=1.0, pad_token_id=0, device=torch.device("cpu"),
+                       on_step=lambda step, metrics: trained.append(step) and False)
+    ex = TrainerExecutor(spec, Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=10,
+                                        use_cpu=True))
+    ex._reported = True  # (its start-up report reads the generators' marks from the job's store: none here)
+    sampler = bootstrap.BootstrapSampler(model, tok, rows, _spec(schedule=schedule, num_generations=3),
+                                         torch.device("cpu"), model.generation_config)
+    # Asked before each batch and, with max_staleness >= 1, after each sampling: ready while batch 1 was sampled.
+    answers = iter([False, False, False, True] if staleness else [False, False, True])
+    sampled = bootstrap.run(ex, sampler, limit=4, generator_ready=lambda: next(answers))
+    assert sampled == 2 and not ex.bootstrapping
+    if not staleness:
+        assert ex.bootstrapped == 2 and trained == [1, 2] and not ex.inbox
+        return
+    assert ex.bootstrapped == 1 and trained == [1] and list(ex.inbox) == [1]
+    assert [g.batch_index for g in ex.inbox[1]] == [1, 1] and all(g.policy_version == 1 for g in ex.inbox[1])
+    ex.first_tick = sampled
+    ex.set_step(sampled)  # the loop's first tick (the generators sample batch 2; no rollouts have come from them)
+    ex.step()
+    assert trained == [1, 2] and not ex.inbox and ex.version == 2  # batch 1 trained once, in its tick
+    ex.set_step(sampled + 1)  # batch 2 is the generators': not here yet, and nothing else is trained in its place
+    with pytest.raises(RuntimeError, match="batch 2 never arrived"):
+        ex.step()
+
+
 def test_what_cannot_bootstrap_says_why():
     args = SimpleNamespace(bootstrap_generation=True, drop_zero_variance_groups=False)
     single = SimpleNamespace(mode="single", failure="stop")
@@ -126,14 +176,20 @@ def test_a_single_process_run_bootstraps_trains_the_same_prompts_and_hands_over(
     assert proc.returncode == 0, tail(proc)
     profile = json.loads([line for line in proc.stdout.splitlines() if line.startswith("STARTUP ")][-1][8:])
     handed = int(profile.get("bootstrapped_batches", 0))
+    trained = int(profile["bootstrap_trained_batches"])
     assert 1 <= handed <= 3, profile  # (never a checkpointed step: checkpoint 4 has the generator's part too)
+    assert trained in (handed, handed - 1), profile  # (the last one sampled may be trained by the loop's first tick)
     assert profile["trainer_first_step"] < profile["generator_ready"] <= profile["trainer_handover"], profile
     logs = step_logs(proc.stdout)
     assert [h["step"] for h in logs] == list(range(1, 9))
-    for h in logs[:handed + 1]:  # the bootstrapped batches, and the generator's first (under the handed weights)
+    # On-policy: the batches the trainer sampled, and when it trained them all before the hand-over, the generator's
+    # first (sampled under the handed weights while the trainer waited). When the last one waited for the loop, the
+    # generator sampled its first batch while the trainer trained that one: one version behind, as every later batch.
+    on_policy = handed + 1 if trained == handed else handed
+    for h in logs[:on_policy]:
         assert h["staleness/mean"] == 0.0 and abs(h["is_ratio/max"] - 1.0) < 1e-3, h
         assert abs(h["is_ratio/min"] - 1.0) < 1e-3, h
-    assert any(h["staleness/mean"] > 0 for h in logs[handed + 1:])  # then the asynchronous loop, one version behind
+    assert all(h["staleness/mean"] > 0 for h in logs[on_policy:on_policy + 1]), logs[on_policy]
     assert {"checkpoint-4", "checkpoint-8"} <= set(os.listdir(out)), os.listdir(out)
     rows = trained_rows(out)
     assert rows == {step: batch_rows(64, 4, step - 1, seed=0) for step in range(1, 9)}

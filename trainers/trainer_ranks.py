@@ -320,6 +320,8 @@ def bootstrap_first_batches(trainer, spec) -> TrainerExecutor:
     executor.first_tick = done
     startup.hand_over(topo, done)
     if done:
-        logger.info("bootstrap: the trainer sampled and trained batches 0-%d itself (%.1f s) while the generator "
-                    "started; the generator samples from batch %d on", done - 1, time.perf_counter() - began, done)
+        logger.info("bootstrap: the trainer sampled batches 0-%d itself (%.1f s) while the generator started and "
+                    "trained %s; the generator samples from batch %d on", done - 1, time.perf_counter() - began,
+                    "them" if executor.bootstrapped == done else f"the first {executor.bootstrapped} (batch {done - 1} "
+                    "is trained in the first tick, beside the generator's first batch)", done)
     return executor

@@ -250,6 +250,7 @@ def _profile_rows(side: str, r: dict) -> dict[str, float]:
             rows[f"  at {label}"] = s[key]
     if s.get("bootstrapped_batches"):  # sampled by the trainer itself while the generator started
         rows["  batches the trainer sampled itself"] = s["bootstrapped_batches"]
+        rows["  of which it trained itself"] = s.get("bootstrap_trained_batches", s["bootstrapped_batches"])
     return rows
 
 

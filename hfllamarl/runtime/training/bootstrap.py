@@ -6,7 +6,9 @@ most of the time to the first step. Meanwhile the trainer would only wait. With 
 what TRL's GRPOTrainer does at every step: it samples the batch with its own policy (transformers, KV cache, on
 its own cores), scores it and trains on it, one batch after the other, until every generator rank has its engine
 up. The generator then takes over at the next batch, like a resume from that step: it receives the trainer's
-weights in the first tick's weight sync and samples from there on, the trainer trains what it sends.
+weights in the first tick's weight sync and samples from there on, the trainer trains what it sends. A batch the
+trainer was still sampling when the generator came up is trained by the loop's first tick, beside the generator's
+first batch (`run`).
 
 What a bootstrapped batch is: the same prompts (`prompts.batch_rows`), the same chat rendering, the same sampling
 distribution (`loop.sampling.processed_logits`: what vLLM samples from, what the trainer computes pi under), the
@@ -192,9 +194,15 @@ def _sampling(model):
 
 
 def run(executor, sampler: BootstrapSampler, limit: int, generator_ready) -> int:
-    """Bootstrap batches 0, 1, ... on `executor` (the trainer's) until `generator_ready()` (called before each batch;
-    it raises when a generator failed), `limit` batches, a prompt too long for the trainer to judge, or a callback's
-    stop. Returns how many batches were trained (the generator's first batch)."""
+    """Bootstrap batches 0, 1, ... on `executor` (the trainer's) until `generator_ready()` (called before each batch
+    and after each sampling; it raises when a generator failed), `limit` batches, a prompt too long for the trainer
+    to judge, or a callback's stop. Returns how many batches the trainer sampled (the generators' first batch).
+
+    The generators usually come up in the middle of a batch. If that batch is still being sampled, it is not trained
+    here: it waits in the executor's inbox, and the loop's first tick trains it while the generators sample the next
+    batch (as every later tick overlaps the two), rather than the generators waiting for this step and the trainer
+    then waiting for their first batch. `executor.bootstrapped` counts the batches trained here. (Not with
+    max_staleness=0: there the loop trains each batch in the tick that samples it.)"""
     from hfllamarl.runtime.world import startup
 
     schedule, topology = executor.spec.schedule, executor.topology
@@ -209,8 +217,11 @@ def run(executor, sampler: BootstrapSampler, limit: int, generator_ready) -> int
                 break
             executor.set_step(done + schedule.max_staleness)  # the tick that trains batch `done` in the schedule
             executor.put_input(ROLLOUTS, groups)
+            if schedule.max_staleness and generator_ready():  # (trained by the loop's first tick, see above)
+                return done + 1
             executor.step()
             done += 1
+            executor.bootstrapped = done
             if executor.spec.should_stop():
                 break
     finally:

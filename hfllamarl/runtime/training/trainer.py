@@ -114,7 +114,8 @@ class TrainerExecutor(Executor):
         self._cpu_started: float | None = None  # this process's CPU time when its last step ended (or its first began)
         self._prepared = self._reported = False
         self.bootstrapping = False  # training on batches it sampled itself (`runtime.training.bootstrap`)
-        self.first_tick = 0  # after a bootstrap: the generators' first tick; earlier batches are trained already
+        self.first_tick = 0  # after a bootstrap: the generators' first tick (the batches the trainer sampled)
+        self.bootstrapped = 0  # of those, the ones trained already (the last may wait for the loop's first tick)
 
     @property
     def weights(self):
@@ -196,7 +197,7 @@ class TrainerExecutor(Executor):
             for version in sorted({g.eval_version for g in evaluations}):
                 self.spec.on_eval(self.evaluation_metrics([g for g in evaluations if g.eval_version == version]))
         batch_index = self.spec.schedule.trainer_batch(self.tick)
-        if batch_index is None or batch_index < self.first_tick:  # (a bootstrapped batch is trained already)
+        if batch_index is None or batch_index < self.bootstrapped:  # (a bootstrapped batch is trained already)
             return
         # (a bootstrapped batch waited for nothing: the time before this was its own sampling)
         self.channel_seconds = 0.0 if self.bootstrapping else time.perf_counter() - self._tick_started
@@ -222,6 +223,7 @@ class TrainerExecutor(Executor):
         self.startup_profile = startup.profile(startup.marks(), generators)
         if self.startup_profile and self.first_tick:  # (the batches the trainer sampled itself: `bootstrap`)
             self.startup_profile["bootstrapped_batches"] = float(self.first_tick)
+            self.startup_profile["bootstrap_trained_batches"] = float(self.bootstrapped)
         if self.startup_profile:
             logger.info("%s", startup.describe(self.startup_profile))
 
