@@ -95,8 +95,10 @@ def test_the_budget_scales_with_the_batch_and_a_spent_budget_leaves_completions_
     completions = [rf"\boxed{{({k})+1}}" for k in range(n)]  # each needs the sandbox; (k)+1 = k+1
     golds = [str(k + 1 if k % 2 else k + 2) for k in range(n)]  # even k: wrong
     scores = math_sympy(prompts=None, completions=completions, answer=golds)
-    assert 0.0 in scores and None in scores  # some checks finished, some did not
+    # Some checks finished, some did not. (How many finish in 0.3 s depends on the machine's load: on a loaded CI
+    # machine one did, a right answer, so the 0.0 verdicts are checked with the budget that fits, below.)
     finished = [(k, s) for k, s in enumerate(scores) if s is not None]
+    assert finished and None in scores
     assert all(s == (1.0 if k % 2 else 0.0) for k, s in finished)
     # the same batch with a budget that fits it: every check finishes (1 s a check: the default 0.25 s ran out on a
     # CI machine loaded by side-by-side drills, which is the budget working, not what this test compares)
