@@ -282,7 +282,7 @@ def test_multi_turn_rollouts_on_a_real_engine(tool_model, tmp_path):
     assert hang["timeouts"] >= 1 and hang["failures"] > hang["timeouts"], hang  # a call that hung, one that raised
     assert "abandoned" in hang["errors_seen"] and hang["seconds"] < 60 * hang["batches"], hang
     ev = res["evaluation"]
-    assert ev["groups"] == 6 and ev["rollouts"] == 18 and ev["eval_versions"] == [0], ev
+    assert ev["groups"] == 12 and ev["rollouts"] == 36 and ev["eval_versions"] == [0], ev
     assert ev["all_finished"] and ev["masks_ok"] and ev["with_tool_calls"] >= 1, ev
 
 
