@@ -69,6 +69,7 @@ class ReplicaGroup:
         self._failed_at: float | None = None  # when the first failed attempt of the current step ended
         self._attempts = 0  # failed attempts of the current step
         self._quorum: StepQuorum | None = None
+        self._left: dict[int, tuple[int, float]] = {}  # a group that left: (the first global step without it, when)
 
     # ------------------------------------------------------------------ the step
     def begin(self, version: int) -> StepQuorum:
@@ -83,9 +84,8 @@ class ReplicaGroup:
             if self.is_main:
                 how = f"copied the weights, optimizer and schedule from a peer in {time.monotonic() - start:.2f} s" \
                     if q.healed else "its state was current"
-                logger.warning("trainer replica group %d: joined the other groups at global step %d (%d global steps "
-                               "without it; %s); what it sampled before is not trained", self.group, q.step + 1,
-                               missed, how)
+                logger.warning("trainer replica group %d: at global step %d, %d steps past its own count (%s); what "
+                               "it sampled before is not trained", self.group, q.step + 1, missed, how)
             self.offset = offset
         return q
 
@@ -99,10 +99,22 @@ class ReplicaGroup:
         self.quorum.manager.allreduce(vector).wait()  # (AVG over the participants; a failure is recorded)
         vector *= q.participants
         members = {g for g in range(self.groups) if vector[1 + g] > 0.5}
-        if members != self.members and self.is_main and self.members:
-            left, joined = sorted(self.members - members), sorted(members - self.members)
-            logger.warning("trainer replica groups at global step %d: %s train it%s%s", q.step + 1, sorted(members),
-                           f"; left: {left}" if left else "", f"; joined: {joined}" if joined else "")
+        if members != self.members and self.members:
+            now, step = time.monotonic(), q.step + 1
+            for g in self.members - members:
+                self._left[g] = (step, now)
+            back = []
+            for g in sorted(members - self.members):
+                if g in self._left:  # (absent since then: its share of those steps was not trained)
+                    since, at = self._left.pop(g)
+                    back.append(f"{g} (absent for global steps {since}-{step - 1}: {step - since} steps, "
+                                f"{now - at:.1f} s)")
+                else:
+                    back.append(str(g))
+            if self.is_main:
+                left = sorted(self.members - members)
+                logger.warning("trainer replica groups at global step %d: %s train it%s%s", step, sorted(members),
+                               f"; left: {left}" if left else "", f"; rejoined: {', '.join(back)}" if back else "")
         self.members = members
         return float(vector[0])
 
