@@ -278,12 +278,14 @@ def replica_group(trainer, model, optimizer, scheduler, device):
     if args.trainer_replica_groups == 1:
         return None
     from hfllamarl.runtime.training.replica_group import ReplicaGroup, lighthouse_address
+    from hfllamarl.runtime.world.topology import launcher_attempt
 
     topo.store()
     return ReplicaGroup(args.trainer_replica_group, args.trainer_replica_groups,
                         lighthouse_address(args.torchft_lighthouse), model, optimizer, scheduler,
                         args.collective_timeout_s, device, store=tuple(topo.store_addr), rank=topo.local_rank,
-                        world_size=topo.local_world_size, is_main=topo.rank == 0)
+                        world_size=topo.local_world_size, is_main=topo.rank == 0,
+                        restarted=launcher_attempt() > 0)
 
 
 def load_best_model(trainer) -> None:

@@ -48,12 +48,14 @@ class ReplicaGroup:
         collective_timeout_s: a frozen peer is dropped after this (`ReplicaTimeouts`).
         store: (host, port) of this group's store; rank, world_size: this rank within its group's trainer ranks.
         is_main: logs the group's recoveries (its first trainer rank).
+        restarted: the launcher started this group again (torchrun --max-restarts): finding no peer is an error.
     """
 
     def __init__(self, group: int, groups: int, lighthouse: str, model, optimizer, scheduler,
                  collective_timeout_s: float, device, store: tuple[str, int], rank: int, world_size: int,
-                 is_main: bool = True):
+                 is_main: bool = True, restarted: bool = False):
         self.group, self.groups, self.is_main = int(group), int(groups), is_main
+        self.restarted = restarted  # started again by its launcher: it must find a peer to copy from
         self.quorum = ReplicaQuorum(self.group, lighthouse, model, optimizer, collective_timeout_s, device=device,
                                     store=store, rank=rank, world_size=world_size)
         if scheduler is not None:
@@ -76,6 +78,11 @@ class ReplicaGroup:
         """This step's quorum (a group behind its peers heals here). `version`: the job's own policy version."""
         start = time.monotonic()
         q = self._quorum = self.quorum.begin_step()
+        if self.restarted and q.step == 0:
+            raise RuntimeError(f"trainer replica group {self.group} was restarted by its launcher and finds no live "
+                               "group to copy the policy from (the others ended or are lost): it would train from the "
+                               "initial weights. Start the job again from a checkpoint (resume_from_checkpoint).")
+        self.restarted = False
         self.participants = q.participants
         offset = q.step - version
         if offset != self.offset:
