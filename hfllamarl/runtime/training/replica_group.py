@@ -56,10 +56,12 @@ class ReplicaGroup:
                  is_main: bool = True, restarted: bool = False):
         self.group, self.groups, self.is_main = int(group), int(groups), is_main
         self.restarted = restarted  # started again by its launcher: it must find a peer to copy from
-        self.quorum = ReplicaQuorum(self.group, lighthouse, model, optimizer, collective_timeout_s, device=device,
-                                    store=store, rank=rank, world_size=world_size)
-        if scheduler is not None:
-            self.quorum.register_state("scheduler", scheduler.state_dict, scheduler.load_state_dict)
+        # Built at the first step: from then on the lighthouse waits for this group at every quorum (up to its join
+        # timeout), so a group that is still starting (its generators) must not be known to it yet.
+        self._build = lambda: ReplicaQuorum(self.group, lighthouse, model, optimizer, collective_timeout_s,
+                                            device=device, store=store, rank=rank, world_size=world_size)
+        self._scheduler = scheduler
+        self.quorum: ReplicaQuorum | None = None
         self.offset = 0  # global step - this job's policy version (changes when the group heals)
         self.members: set[int] = set()  # the groups of the last step
         self.participants = 0
@@ -77,6 +79,10 @@ class ReplicaGroup:
     def begin(self, version: int) -> StepQuorum:
         """This step's quorum (a group behind its peers heals here). `version`: the job's own policy version."""
         start = time.monotonic()
+        if self.quorum is None:
+            self.quorum = self._build()
+            if self._scheduler is not None:
+                self.quorum.register_state("scheduler", self._scheduler.state_dict, self._scheduler.load_state_dict)
         q = self._quorum = self.quorum.begin_step()
         if self.restarted and q.step == 0:
             raise RuntimeError(f"trainer replica group {self.group} was restarted by its launcher and finds no live "
@@ -161,7 +167,8 @@ class ReplicaGroup:
                 "replicas/trainer_steps_missed": float(self.steps_missed), "replicas/global_step": float(self.global_step)}
 
     def shutdown(self) -> None:
-        self.quorum.shutdown()
+        if self.quorum is not None:
+            self.quorum.shutdown()
 
 
 def lighthouse_address(configured: str | None) -> str | None:
