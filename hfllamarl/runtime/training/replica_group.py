@@ -116,18 +116,19 @@ class ReplicaGroup:
             now, step = time.monotonic(), q.step + 1
             for g in self.members - members:
                 self._left[g] = (step, now)
-            back = []
+            back, new = [], []
             for g in sorted(members - self.members):
                 if g in self._left:  # (absent since then: its share of those steps was not trained)
                     since, at = self._left.pop(g)
                     back.append(f"{g} (absent for global steps {since}-{step - 1}: {step - since} steps, "
                                 f"{now - at:.1f} s)")
                 else:
-                    back.append(str(g))
+                    new.append(g)
             if self.is_main:
                 left = sorted(self.members - members)
-                logger.warning("trainer replica groups at global step %d: %s train it%s%s", step, sorted(members),
-                               f"; left: {left}" if left else "", f"; rejoined: {', '.join(back)}" if back else "")
+                logger.warning("trainer replica groups at global step %d: %s train it%s%s%s", step, sorted(members),
+                               f"; left: {left}" if left else "", f"; joined: {new}" if new else "",
+                               f"; rejoined: {', '.join(back)}" if back else "")
         self.members = members
         return float(vector[0])
 
