@@ -7,7 +7,6 @@ same weights, bit for bit, and no dataset row is trained twice.
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -246,6 +246,10 @@ class AsyncAIPOTrainer:
             logger.warning(restarted)
         resume = checkpoint.resolve(resume_from_checkpoint, self.args.output_dir)
         start_tick, resume_dir, unsampled = 0, None, []
+        if resume is not None and self.args.trainer_replica_groups > 1 and self.args.trainer_replica_group != 0:
+            raise ValueError(f"trainer replica group {self.args.trainer_replica_group}: checkpoints are group 0's (its "
+                             "rollouts are its own share): resume group 0 from it, and start the other groups without "
+                             "resume_from_checkpoint; they copy the policy from group 0 at their first step.")
         if resume is not None:
             resume_dir, marker = resume
             checkpoint.check_resumable(resume_dir, marker, topo, self.args)

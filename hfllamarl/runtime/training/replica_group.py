@@ -73,6 +73,7 @@ class ReplicaGroup:
         self._failed_at: float | None = None  # when the first failed attempt of the current step ended
         self._attempts = 0  # failed attempts of the current step
         self._quorum: StepQuorum | None = None
+        self._resume_step = 0  # resumed from a checkpoint: the global step it was written at
         self._left: dict[int, tuple[int, float]] = {}  # a group that left: (the first global step without it, when)
 
     # ------------------------------------------------------------------ the step
@@ -83,6 +84,8 @@ class ReplicaGroup:
             self.quorum = self._build()
             if self._scheduler is not None:
                 self.quorum.register_state("scheduler", self._scheduler.state_dict, self._scheduler.load_state_dict)
+            if self._resume_step:  # (torchft's step counter starts at 0)
+                self.quorum.manager.load_state_dict({"step": self._resume_step, "batches_committed": 0})
         q = self._quorum = self.quorum.begin_step()
         if self.restarted and q.step == 0:
             raise RuntimeError(f"trainer replica group {self.group} was restarted by its launcher and finds no live "
@@ -101,6 +104,11 @@ class ReplicaGroup:
                                "it sampled before is not trained", self.group, q.step + 1, missed, how)
             self.offset = offset
         return q
+
+    def resume_at(self, version: int, offset: int) -> None:
+        """A job resumed from a checkpoint at its policy `version` and this group's `offset` then: the quorum starts
+        at that global step (a peer ahead of it is copied from; one behind copies from this group)."""
+        self.offset, self._resume_step = offset, version + offset
 
     def step_tokens(self, local_tokens: float) -> float:
         """The step's completion tokens over every participating group (this group's: `local_tokens`, summed over
