@@ -148,8 +148,11 @@ def test_what_cannot_bootstrap_says_why():
     args = SimpleNamespace(bootstrap_generation=True, drop_zero_variance_groups=False)
     single = SimpleNamespace(mode="single", failure="stop")
     spec = SimpleNamespace(agent=None, reward_models=[], schedule=Schedule.of_steps(4, 1), sampling=Sampling(),
-                           generation_kwargs={}, eval_on_start=False)
+                           generation_kwargs={}, eval_on_start=False, replica_groups=1)
     assert bootstrap.blocker(args, spec, single, resuming=False) is None
+    spec.replica_groups = 2
+    assert "trainer replica groups" in bootstrap.blocker(args, spec, single, resuming=False)
+    spec.replica_groups = 1
     assert "launcher" in bootstrap.blocker(args, spec, SimpleNamespace(mode="launcher", failure="stop"), resuming=False)
     assert "replica" in bootstrap.blocker(args, spec, SimpleNamespace(mode="single", failure="continue"), False)
     assert "resumes" in bootstrap.blocker(args, spec, single, resuming=True)

@@ -240,11 +240,16 @@ class AsyncAIPOTrainer:
         startup.mark("train")
         spec = self._generator_spec()
         resume_from_checkpoint, restarted = checkpoint.after_restart(  # (torchrun --max-restarts)
-            resume_from_checkpoint, self.args.output_dir, launcher_attempt())
+            resume_from_checkpoint, self.args.output_dir,
+            launcher_attempt() if self.args.trainer_replica_groups == 1 else 0)  # (a group heals from its peers)
         if restarted and topo.rank == 0:
             logger.warning(restarted)
         resume = checkpoint.resolve(resume_from_checkpoint, self.args.output_dir)
         start_tick, resume_dir, unsampled = 0, None, []
+        if resume is not None and self.args.trainer_replica_groups > 1 and self.args.trainer_replica_group != 0:
+            raise ValueError(f"trainer replica group {self.args.trainer_replica_group}: checkpoints are group 0's (its "
+                             "rollouts are its own share): resume group 0 from it, and start the other groups without "
+                             "resume_from_checkpoint; they copy the policy from group 0 at their first step.")
         if resume is not None:
             resume_dir, marker = resume
             checkpoint.check_resumable(resume_dir, marker, topo, self.args)
@@ -303,6 +308,9 @@ class AsyncAIPOTrainer:
                 self._reporter.abort()
             raise
         finally:
+            group = getattr(getattr(executor, "spec", None), "replica_group", None)
+            if group is not None:  # leave the quorum (the other groups go on without this one)
+                group.shutdown()
             if topo.mode == "single":  # on an error, do not wait for children stuck in a channel
                 topo.stop_children(grace_s=10.0 if finished else 2.0, finished=finished)
                 shutil.rmtree(getattr(self, "_workdir", ""), ignore_errors=True)
@@ -453,6 +461,7 @@ class AsyncAIPOTrainer:
             agent=self.agent.spec,
             lora_adapter=({"config": adapter_config(self._peft_config), "rank": engine_rank(self._peft_config)}
                           if self.lora_sync == "adapter" else None),
+            replica_group=a.trainer_replica_group, replica_groups=a.trainer_replica_groups,
         )
 
     def _generator_dtype(self) -> str:

@@ -72,6 +72,24 @@ class AsyncAIPOConfig(GRPOConfig):
                   "sharding, HSDP: gradients reduce-scattered inside a group, all-reduced across groups). Default: "
                   "every data-parallel rank, one group. `hfllamarl plan` names the size it plans."},
     )
+    trainer_replica_groups: int = field(
+        default=1,
+        metadata={"help": "Trainer replica groups that survive one another (torchft, docs/design/elastic.md): this "
+                  "many jobs, each launched on its own with its own trainer and generator processes, train one "
+                  "policy; each trains its share of every batch (prompts_per_generation prompts), their gradients "
+                  "are averaged per step, and a group that dies or freezes is left out while the others train on. A "
+                  "restarted group copies the weights and optimizer state from a live one. Needs torchft_lighthouse."},
+    )
+    trainer_replica_group: int = field(
+        default=0,
+        metadata={"help": "With trainer_replica_groups > 1: this job's group, 0 .. trainer_replica_groups - 1 (the "
+                  "same after a restart)."},
+    )
+    torchft_lighthouse: str | None = field(
+        default=None,
+        metadata={"help": "With trainer_replica_groups > 1: the address of the torchft lighthouse every group joins "
+                  "(`torchft_lighthouse --min_replicas 1 ...` prints it; default: $TORCHFT_LIGHTHOUSE)."},
+    )
     trainer_sequence_parallel: bool = field(
         default=False,
         metadata={"help": "With trainer_tensor_parallel_size > 1: split the residual stream and the norms between "
@@ -275,6 +293,9 @@ class AsyncAIPOConfig(GRPOConfig):
         from .iterations import check_iteration_fields
 
         check_iteration_fields(self, algorithm)  # num_iterations, top_entropy_quantile, sync_ref_model
+        from .replica_groups import check_replica_groups
+
+        check_replica_groups(self, algorithm)  # trainer_replica_groups: what a group can and cannot do yet
 
     def _check_tool_budget(self) -> None:
         """Bound the tool work of one generator tick to `TOOL_SHARE` of collective_timeout_s (see `tool_tick_bound`)."""

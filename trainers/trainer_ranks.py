@@ -202,14 +202,20 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
     trainer.optimizer, trainer.lr_scheduler = optimizer, scheduler
 
     every = save_every(args, trainer.num_steps, trainer.batches_per_epoch)
-    prompts_log = os.path.join(args.output_dir, f"trained_prompts-rank{topo.rank}.jsonl")
+    group = replica_group(trainer, model, optimizer, scheduler, device)
+    if group is not None and group.group != 0:
+        every = 0  # (the groups hold one policy: group 0 writes the checkpoints)
+    where = f"-group{group.group}" if group is not None else ""
+    prompts_log = os.path.join(args.output_dir, f"trained_prompts{where}-rank{topo.rank}.jsonl")
     holder = {}
 
     def on_step(step: int, metrics: dict) -> bool:
         # Which dataset rows each step trained on, and when it ended (the last line for a step wins after a resume).
         with open(prompts_log, "a") as fh:
-            fh.write(json.dumps({"step": step, "rows": holder["executor"].trained_rows[-1],
-                                 "time": round(time.time(), 3)}) + "\n")
+            line = {"step": step, "rows": holder["executor"].trained_rows[-1], "time": round(time.time(), 3)}
+            if group is not None:  # (replica groups: the global step too)
+                line["global_step"] = group.global_step
+            fh.write(json.dumps(line) + "\n")
         reporter.step_end(step, metrics)
         if args.torch_empty_cache_steps and step % args.torch_empty_cache_steps == 0:  # as transformers' Trainer
             from accelerate.utils.memory import clear_device_cache
@@ -255,6 +261,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
         router_aux_loss_coef=trainer.router_aux_loss_coef,
         top_entropy_quantile=args.top_entropy_quantile,
         ref_sync=(args.ref_model_mixup_alpha, args.ref_model_sync_steps) if args.sync_ref_model else None,
+        replica_group=group,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)
@@ -263,6 +270,22 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
     reporter.train_begin()
     reporter.step_begin()
     return executor
+
+
+def replica_group(trainer, model, optimizer, scheduler, device):
+    """trainer_replica_groups > 1: this job's handle on its group among the others (torchft); else None."""
+    args, topo = trainer.args, trainer.topology
+    if args.trainer_replica_groups == 1:
+        return None
+    from hfllamarl.runtime.training.replica_group import ReplicaGroup, lighthouse_address
+    from hfllamarl.runtime.world.topology import launcher_attempt
+
+    topo.store()
+    return ReplicaGroup(args.trainer_replica_group, args.trainer_replica_groups,
+                        lighthouse_address(args.torchft_lighthouse), model, optimizer, scheduler,
+                        args.collective_timeout_s, device, store=tuple(topo.store_addr), rank=topo.local_rank,
+                        world_size=topo.local_world_size, is_main=topo.rank == 0,
+                        restarted=launcher_attempt() > 0)
 
 
 def load_best_model(trainer) -> None:

@@ -93,6 +93,16 @@ class KillAt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SlowSteps(TrainerCallback):
+    """Sleeps this many seconds after every step (a drill that needs the job to outlast a restart)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
+
+
 class StopAt(TrainerCallback):
     """Ends training at the end of a given step, as a user's callback does (control.should_training_stop)."""
 
@@ -309,6 +319,7 @@ def main():
                    help="sample with temperature 0.9, top-k 20, top-p 0.95, min-p 0.02, repetition penalty 1.3")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="generator_kv_cache_bytes (tiny: vLLM fails to start)")
     p.add_argument("--no-bootstrap", action="store_true", help="bootstrap_generation=False: every batch from vLLM")
+    p.add_argument("--step-sleep", type=float, default=0, help="sleep this many seconds after every step")
     p.add_argument("--extra", default="{}", help="more AsyncAIPOConfig fields, as a JSON object")
     p.add_argument("--reward-model", default=None, help="also a reward model: the directory of a sequence classifier")
     p.add_argument("--rows", type=int, default=64, help="training dataset rows")
@@ -358,6 +369,8 @@ def main():
             trainer.add_callback(SignalRankAt(a.signal_rank_at, a.output_dir))
         if a.stop_at_step:
             trainer.add_callback(StopAt(a.stop_at_step))
+        if a.step_sleep:
+            trainer.add_callback(SlowSteps(a.step_sleep))
         TRAIN_CALLED[0] = time.time()
         out = trainer.train(resume_from_checkpoint=True if a.resume else None)
         # what open-r1's grpo.py does after train(), on every process (a generator rank included)

@@ -165,7 +165,7 @@ class MultiTurn:
         tokens = self.run(work, budget)
         if new is not None:
             tokens += sum(r.num_sampled for group in new for r in group if r.episode is None)  # rollout_func's
-            ex.in_flight.append(InFlightBatch(batch_index, ex.version, new, positions))
+            ex.in_flight.append(InFlightBatch(batch_index, ex.version, new, positions, ex.data_offset))
         return ex.close_tick(time.perf_counter() - start, tokens)
 
     def _evaluation(self) -> list[RolloutGroup]:

@@ -40,6 +40,15 @@ def batch_rows(num_rows: int, prompts_per_batch: int, batch_index: int, seed: in
     return out
 
 
+def group_batch_rows(num_rows: int, prompts_per_batch: int, batch_index: int, seed: int, shuffle: bool = True,
+                     group: int = 0, groups: int = 1) -> list[int]:
+    """Dataset row indices of trainer replica group `group`'s share of generation batch `batch_index`, when
+    `groups` groups each train `prompts_per_batch` prompts a step (`trainer_replica_groups`): the batch of
+    `groups * prompts_per_batch` prompts, cut into `groups` consecutive shares. One group: `batch_rows`."""
+    rows = batch_rows(num_rows, prompts_per_batch * groups, batch_index, seed, shuffle)
+    return rows[group * prompts_per_batch:(group + 1) * prompts_per_batch]
+
+
 def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 

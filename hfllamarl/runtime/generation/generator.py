@@ -27,12 +27,12 @@ from hfllamarl.runtime.generation.engine import WeightSyncMismatch, build_engine
 from hfllamarl.runtime.weights.lora_adapters import engine_options
 from hfllamarl.runtime.world.core_lending import open_board
 from hfllamarl.runtime.loop.executor import Executor, wait_for_startup
-from hfllamarl.runtime.data.prompts import PromptEncoder, batch_rows
+from hfllamarl.runtime.data.prompts import PromptEncoder, group_batch_rows
 from hfllamarl.runtime.loop.rollout import ROLLOUTS, UNFINISHED, InFlightBatch, Rollout, RolloutGroup
 from hfllamarl.runtime.loop.sampling import Sampling
 from hfllamarl.runtime.loop.schedule import Schedule, replica_share
 from hfllamarl.runtime.world.topology import Topology
-from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS, REPLICAS, build_backend, verify_dir
+from hfllamarl.runtime.loop.weights_channel import DATA_OFFSET, POLICY_WEIGHTS, REPLICAS, build_backend, verify_dir
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class GeneratorSpec:
     agent: Any = None  # tools / environments / rollout_func: `hfllamarl.runtime.agents.multi_turn.AgentSpec`
     lora_adapter: dict | None = None  # lora_sync='adapter': {"config": adapter_config.json, "rank": max_lora_rank,
     # "start": a resumed run's adapter directory or None}; the engine keeps the base weights and loads adapters
+    replica_group: int = 0  # trainer_replica_groups: which share of each batch this job's trainer trains
+    replica_groups: int = 1
     bootstrapped: bool = False  # the trainer may sample the first batches (`runtime.training.bootstrap`): the
     # tick to start at is read past the start-up rendezvous (its weights come with that tick's sync)
 
@@ -98,6 +100,7 @@ class GeneratorExecutor(Executor):
         self.weight_load_seconds = 0.0
         self.cpu_mark = time.process_time()  # (this process's CPU time when its last tick closed)
         self.eval_dataset = None  # `init` loads spec.eval_dataset
+        self.data_offset = 0  # trainer replica groups: the global batch of this job's batch 0 (the weights header)
         # The newest version evaluated. A resume evaluates the checkpoint's own version when it is due (an
         # uninterrupted run evaluates it at the tick the resume starts with, after the checkpoint was written).
         self.evaluated = spec.initial_version - 1 if spec.initial_version or spec.eval_on_start else 0
@@ -209,6 +212,9 @@ class GeneratorExecutor(Executor):
         if channel == REPLICAS:  # the live replicas this tick: which share of a batch is this replica's
             self.live = list(value)
             return None
+        if channel == DATA_OFFSET:  # trainer replica groups: the batches this job samples from now on
+            self.data_offset = int(value)
+            return None
         if channel != POLICY_WEIGHTS:
             return super().put_input(channel, value)
         version, weights = value
@@ -307,17 +313,24 @@ class GeneratorExecutor(Executor):
                     tokens += self._extend(r, comp, budget)
                     group.append(r)
                 groups.append(group)
-            self.in_flight.append(InFlightBatch(batch_index, self.version, groups, positions))
+            self.in_flight.append(InFlightBatch(batch_index, self.version, groups, positions, self.data_offset))
         return self.close_tick(seconds, tokens)
 
     def batch_prompts(self, batch_index: int) -> tuple[list[int], list[dict], list[int]]:
         """This replica's share of generation batch `batch_index` (`schedule.replica_share`): the dataset indices,
         the rows, and their positions in the batch."""
         spec = self.spec
-        indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
+        indices = self._rows(batch_index)
         positions = replica_share(spec.prompts_per_batch, self.live, batch_index).get(self.topology.replica, [])
         indices = [indices[p] for p in positions]
         return indices, [self.dataset[i] for i in indices], positions
+
+    def _rows(self, batch_index: int) -> list[int]:
+        """The dataset rows of this job's batch `batch_index` (with trainer replica groups: its group's share of
+        global batch `batch_index + data_offset`)."""
+        spec = self.spec
+        return group_batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index + self.data_offset, spec.seed,
+                                spec.shuffle, spec.replica_group, spec.replica_groups)
 
     def close_tick(self, seconds: float, tokens: int) -> list[RolloutGroup]:
         """The groups of the batches whose rollouts all finished (oldest first), scored by the reward models; the
@@ -328,7 +341,7 @@ class GeneratorExecutor(Executor):
         cpu, self.cpu_mark = now - self.cpu_mark, now
         groups = [RolloutGroup(group, f.batch_index, f.policy_version, seconds, tokens, position=position,
                                replica=self.topology.replica, weights_load_seconds=self.weight_load_seconds,
-                               cpu_seconds=cpu)
+                               cpu_seconds=cpu, data_offset=f.data_offset)
                   for f in finished for group, position in zip(f.groups, f.positions or range(len(f.groups)))]
         self._score_with_models(groups)
         return groups
@@ -340,7 +353,7 @@ class GeneratorExecutor(Executor):
         spec, length = self.spec, self.spec.max_completion_length
         jobs = []  # (batch, position, dataset row index)
         for batch, positions in sorted(work.items()):
-            indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch, spec.seed, spec.shuffle)
+            indices = self._rows(batch)
             jobs += [(batch, p, indices[p]) for p in positions]
         rows = [self.dataset[i] for _, _, i in jobs]
         prompts = [self.encoder.encode(row["prompt"]) for row in rows]

@@ -91,6 +91,7 @@ class RolloutGroup:
     replica: int = 0  # the generator replica that sampled it (`batch_tokens` and the seconds are that replica's)
     weights_load_seconds: float = 0.0  # that replica's last load of new weights into its engine, before sampling
     cpu_seconds: float = 0.0  # that replica's process CPU time (every thread) since its previous tick closed
+    data_offset: int = 0  # trainer replica groups: the generator's data offset when it sampled (global batch - batch)
 
 
 @dataclass
@@ -105,6 +106,7 @@ class InFlightBatch:
     policy_version: int  # the generator's policy version when the batch was started
     groups: list[list[Rollout]]
     positions: list[int] = field(default_factory=list)  # each group's place in the batch (this replica's share)
+    data_offset: int = 0  # trainer replica groups: the generator's data offset when the batch was started
 
     def unfinished(self) -> list[Rollout]:
         return [r for group in self.groups for r in group if r.finish_reason == UNFINISHED]

@@ -21,6 +21,7 @@ from hfllamarl.runtime.world.topology import Topology
 
 POLICY_WEIGHTS = "policy_weights"
 REPLICAS = "replicas"  # what the generator executor is told each tick: the live replicas (`put_input`)
+DATA_OFFSET = "data_offset"  # trainer replica groups: the global batch of the job's batch 0 (`put_input`)
 
 
 def settle(waits) -> set[int]:
@@ -98,7 +99,8 @@ class WeightsChannel:
             out = None if stop else executor.get_output(POLICY_WEIGHTS)
             live = self.dispatch.begin_tick(executor) if self.dispatch is not None else topo.live_replicas
             if topo.rank == 0:
-                header = {"version": None if out is None else out[1], "live": live, "stop": stop}
+                header = {"version": None if out is None else out[1], "live": live, "stop": stop,
+                          DATA_OFFSET: getattr(executor, DATA_OFFSET, 0)}
                 settle([w for r in live for g in topo.replica_ranks(r)
                         for w in start_send_object(topo, header, g, f"channel '{POLICY_WEIGHTS}/header'")])
             executor.stopped = stop
@@ -113,6 +115,7 @@ class WeightsChannel:
                 return
             if self.dispatch is not None:
                 executor.put_input(REPLICAS, header["live"])
+            executor.put_input(DATA_OFFSET, header.get(DATA_OFFSET, 0))
             ready = time.perf_counter()
             if header["version"] is not None:
                 self.backend.targets = header["live"]

@@ -57,6 +57,7 @@ def blocker(args, spec, topology, resuming: bool) -> str | None:
         (spec.sampling.penalties, "repetition / presence / frequency penalties"),
         (bool(spec.generation_kwargs), f"generation_kwargs {sorted(spec.generation_kwargs)} are vLLM options"),
         (spec.eval_on_start, "eval_on_start evaluates the starting policy on the generator"),
+        (spec.replica_groups > 1, "trainer replica groups take part in every step's quorum from the first"),
     ]
     why = [text for hit, text in reasons if hit]
     return "; ".join(why) if why else None

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from hfllamarl.runtime.loop.rollout import RolloutGroup
+from hfllamarl.runtime.loop.rollout import Rollout, RolloutGroup
 from hfllamarl.runtime.training import shared_rewards
 from hfllamarl.runtime.world.mesh import data_group, data_world_size
 
@@ -84,3 +84,47 @@ def evaluation_metrics(spec, groups: list[RolloutGroup]) -> dict[str, float]:
                     "eval_generation_seconds": groups[0].generation_seconds})
     metrics.update({f"eval_{name}": value for name, value in logged_means(logged).items()})
     return metrics
+
+
+def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool,
+                   extra: dict[str, list] | None = None) -> dict | None:
+    """The step's samples over every trainer rank as TRL's completion-log columns (prompt, completion, one column
+    per reward function, advantage, and under "extra" the columns reward functions added with `log_extra`); on
+    the first trainer rank, None on the others."""
+    local = {"prompt": [r.prompt for r in rollouts], "completion": [r.completion_text for r in rollouts],
+             **{name: [math.nan if v is None else v for v in scores] for name, scores in per_func.items()},
+             "advantage": advantages.tolist()}
+    parts = [(local, extra or {})]
+    if data_world_size() > 1:  # (a tensor-parallel group's ranks hold the same samples: one of each)
+        parts = [None] * data_world_size()
+        dist.all_gather_object(parts, (local, extra or {}), group=data_group())
+    if not first:
+        return None
+    out = {key: [v for part, _ in parts for v in part[key]] for key in local}
+    columns = sorted({c for _, more in parts for c in more})  # a column only some ranks logged: None elsewhere
+    out["extra"] = {c: [v for part, more in parts for v in more.get(c, [None] * len(part["prompt"]))]
+                    for c in columns}
+    return out
+
+
+def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
+    """Per-micro-batch metrics -> one value each over this rank's micro-batches and every trainer rank: the
+    maximum for names ending in `/max`, the minimum for `/min`, else the mean of the ranks' means. A name only
+    some ranks report is reduced over those."""
+    local = {k: _combine(k, v) for k, v in values.items() if v}
+    if data_world_size() > 1:
+        everyone: list = [None] * data_world_size()
+        dist.all_gather_object(everyone, local, group=data_group())
+    else:
+        everyone = [local]
+    keys = sorted({k for part in everyone for k in part})
+    return {key: _combine(key, [part[key] for part in everyone if key in part]) for key in keys}
+
+
+def _combine(name: str, values: list[float]) -> float:
+    """Several values of metric `name` as one: the maximum for `/max`, the minimum for `/min`, else the mean."""
+    if name.endswith("/max"):
+        return max(values)
+    if name.endswith("/min"):
+        return min(values)
+    return sum(values) / len(values)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from hfllamarl.losses import StepShape, normalize_then_sum_advantages
 
@@ -33,7 +32,7 @@ from hfllamarl.runtime.training.iterations import (high_entropy_mask, loss_keywo
 from hfllamarl.runtime.training.finite import (NonFiniteError, agree, first_bad_gradient, nonfinite_problems,
                                                total_grad_norm)
 from hfllamarl.runtime.training.rank_metrics import all_max as _all_max, all_sum as _all_sum, evaluation_metrics
-from hfllamarl.runtime.training.rank_metrics import logged_means as _logged_means
+from hfllamarl.runtime.training.rank_metrics import gather_samples, logged_means as _logged_means, reduce_metrics
 from hfllamarl.runtime.data.rewards import RewardRunner
 from hfllamarl.runtime.training import shared_rewards
 from hfllamarl.runtime.training.dynamic_sampling import GroupFilter, join_scored, split_scored
@@ -42,7 +41,7 @@ from hfllamarl.runtime.loop.sampling import Sampling, within_support
 from hfllamarl.runtime.loop.schedule import Schedule
 from hfllamarl.runtime.world import startup
 from hfllamarl.runtime.weights.tensor_parallel import reduce_partial_gradients
-from hfllamarl.runtime.world.mesh import data_group, data_world_size
+from hfllamarl.runtime.world.mesh import data_world_size
 from hfllamarl.runtime.world.topology import Topology
 from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS, WeightSyncBackend
 
@@ -85,6 +84,7 @@ class TrainerSpec:
     router_aux_loss_coef: float = 0.0  # an MoE policy's load-balancing loss weight, as TRL resolves it (moe.py)
     top_entropy_quantile: float = 1.0  # < 1: TRL's entropy mask on the per-token loss (`iterations.high_entropy_mask`)
     ref_sync: tuple[float, int] | None = None  # sync_ref_model: (ref_model_mixup_alpha, ref_model_sync_steps)
+    replica_group: Any = None  # trainer_replica_groups > 1: this job's `replica_group.ReplicaGroup`
 
 
 class TrainerExecutor(Executor):
@@ -116,6 +116,12 @@ class TrainerExecutor(Executor):
         self.bootstrapping = False  # training on batches it sampled itself (`runtime.training.bootstrap`)
         self.first_tick = 0  # after a bootstrap: the generators' first tick (the batches the trainer sampled)
         self.bootstrapped = 0  # of those, the ones trained already (the last may wait for the loop's first tick)
+        self._batch_offset = 0  # replica groups: the data offset the batch in training was sampled under
+
+    @property
+    def data_offset(self) -> int:
+        """Trainer replica groups: the global batch of this job's batch 0 (its generators sample by it)."""
+        return self.spec.replica_group.offset if self.spec.replica_group is not None else 0
 
     @property
     def weights(self):
@@ -248,6 +254,7 @@ class TrainerExecutor(Executor):
         staleness = [[self.version - v for v in r.sampled_versions()] for r in train_rollouts]  # per sampled token
         self.trained_rows.append([r.row_index for r in train_rollouts[:: spec.num_generations]])
         batch_index = groups[0].batch_index if groups else 0
+        self._batch_offset = groups[0].data_offset if groups else self.data_offset  # (replica groups)
         old: list[torch.Tensor] = []  # pi_old per micro-batch: the first pass's log-probs, detached
         save_due, metrics = False, {}
         for p in range(max(1, spec.schedule.passes(batch_index))):  # each pass: one optimizer step, one version
@@ -262,6 +269,8 @@ class TrainerExecutor(Executor):
                 metrics.update(spec.rewards.counters())
                 if self.dispatch is not None:
                     metrics.update(self.dispatch.metrics())  # replicas/live, replicas/lost, replicas/regenerated_prompts
+                if spec.replica_group is not None:
+                    metrics.update(spec.replica_group.metrics())  # replicas/trainer_groups, ...
             else:
                 metrics = reduce_metrics({"loss": [step_metrics.pop("loss")], **step_metrics.pop("stats")})
             metrics.update(step_metrics)
@@ -284,8 +293,11 @@ class TrainerExecutor(Executor):
         spec = self.spec
         backward_t0 = time.perf_counter()
         loss_total, stats, grad_norm, optimizer_seconds = 0.0, {}, 0.0, 0.0
-        if rollouts:  # every trainer rank alike (dynamic sampling agrees on the count)
+        if spec.replica_group is not None:  # with the other replica groups: this group's rows, maybe none
+            rollouts, (loss_total, stats) = self._replica_gradients(rollouts, advantages, old)
+        elif rollouts:  # every trainer rank alike (dynamic sampling agrees on the count)
             loss_total, stats = self._accumulate_gradients(rollouts, advantages, old)
+        if rollouts:
             grad_norm = self._checked_grad_norm()
             factor = stats.pop("_step_scale", [None])[0]  # a correction's learning-rate factor for this step
             optimizer_t0 = time.perf_counter()
@@ -311,6 +323,32 @@ class TrainerExecutor(Executor):
         if lr is not None:
             out["learning_rate"] = lr
         return out
+
+    def _replica_gradients(self, rollouts: list[Rollout], advantages, old: list) -> tuple[list[Rollout], tuple]:
+        """Trainer replica groups: this step's quorum, the gradients of this group's rows averaged over the groups
+        that take part, until a commit succeeds (`replica_group`). Returns what stands for the step's rows (empty:
+        no group trained any, no optimizer step) and the loss and stats of this group's own."""
+        group = self.spec.replica_group
+        while True:
+            group.begin(self.version)
+            rows = rollouts if self._batch_offset == group.offset else []  # (sampled under an older offset: lost)
+            local = _all_sum({"tokens": self._loss_tokens(rows)})["tokens"]
+            total = group.step_tokens(local)
+            result = (self._accumulate_gradients(rows, advantages, old, step_tokens=total, groups=group.participants)
+                      if rows else (0.0, {}))
+            group.average(self.spec.model)
+            if group.commit():
+                break
+            self.spec.optimizer.zero_grad(set_to_none=True)  # the same rows again, with the next quorum
+        if rollouts and not rows:
+            group.discard(len(rollouts) // max(self.spec.num_generations, 1))
+            self.trained_rows[-1] = []
+        return (rollouts if total > 0 else []), result
+
+    def _loss_tokens(self, rollouts: list[Rollout]) -> int:
+        """The completion tokens of `rollouts` the loss counts (not the masked truncated ones)."""
+        mask = self.spec.mask_truncated_completions
+        return sum(r.num_sampled for r in rollouts if not (mask and r.finish_reason == "length"))
 
     def _check_staleness(self, groups: list[RolloutGroup]) -> None:
         """A token staler than max_staleness means a broken schedule: stop before anything is scored."""
@@ -353,8 +391,8 @@ class TrainerExecutor(Executor):
                                  "lower the learning rate or clip gradients (max_grad_norm).")
         return grad_norm
 
-    def _accumulate_gradients(self, rollouts: list[Rollout], advantages: torch.Tensor,
-                              old: list | None = None) -> tuple[float, dict]:
+    def _accumulate_gradients(self, rollouts: list[Rollout], advantages: torch.Tensor, old: list | None = None,
+                              step_tokens: float | None = None, groups: int = 1) -> tuple[float, dict]:
         """Forward and backward over micro-batches (gradients summed, reduced once at the last one).
 
         `old`: pi_old per micro-batch; an empty list (the batch's first pass) is filled with this pass's log-probs,
@@ -371,8 +409,8 @@ class TrainerExecutor(Executor):
         mb = spec.micro_batch_size
         steps = math.ceil(len(rollouts) / mb)
         masked = [spec.mask_truncated_completions and r.finish_reason == "length" for r in rollouts]
-        tokens = _all_sum({"tokens": sum(r.num_sampled for r, m in zip(rollouts, masked) if not m)})["tokens"]
-        shape = StepShape(tokens=tokens, trainer_ranks=data_world_size(),
+        tokens = _all_sum({"tokens": self._loss_tokens(rollouts)})["tokens"] if step_tokens is None else step_tokens
+        shape = StepShape(tokens=tokens, trainer_ranks=data_world_size() * groups,  # (groups: replica groups)
                           micro_batches=steps, max_completion_length=spec.max_completion_length)
         extra = {"shape": shape} if takes_shape(spec.algorithm) else {}
         takes = loss_keywords(spec.algorithm)
@@ -522,31 +560,12 @@ class TrainerExecutor(Executor):
     def stop_requested(self) -> bool:
         """Whether a callback on any trainer rank asked to end the run after the last step (transformers' Trainer
         stops there); the trainer ranks agree, then the weights channel tells the generator ranks."""
-        return _all_max([1.0 if self.spec.should_stop() else 0.0])[0] > 0
+        group = self.spec.replica_group  # (replica groups: the run ends at the global step count)
+        done = group is not None and group.global_step >= self.spec.schedule.num_steps
+        return _all_max([1.0 if self.spec.should_stop() or done else 0.0])[0] > 0
 
     def save_checkpoint(self) -> None:
         self.spec.save_checkpoint(self.version)
-
-
-def gather_samples(rollouts: list[Rollout], per_func: dict, advantages: torch.Tensor, first: bool,
-                   extra: dict[str, list] | None = None) -> dict | None:
-    """The step's samples over every trainer rank as TRL's completion-log columns (prompt, completion, one column
-    per reward function, advantage, and under "extra" the columns reward functions added with `log_extra`); on
-    the first trainer rank, None on the others."""
-    local = {"prompt": [r.prompt for r in rollouts], "completion": [r.completion_text for r in rollouts],
-             **{name: [math.nan if v is None else v for v in scores] for name, scores in per_func.items()},
-             "advantage": advantages.tolist()}
-    parts = [(local, extra or {})]
-    if data_world_size() > 1:  # (a tensor-parallel group's ranks hold the same samples: one of each)
-        parts = [None] * data_world_size()
-        dist.all_gather_object(parts, (local, extra or {}), group=data_group())
-    if not first:
-        return None
-    out = {key: [v for part, _ in parts for v in part[key]] for key in local}
-    columns = sorted({c for _, more in parts for c in more})  # a column only some ranks logged: None elsewhere
-    out["extra"] = {c: [v for part, more in parts for v in more.get(c, [None] * len(part["prompt"]))]
-                    for c in columns}
-    return out
 
 
 def takes_shape(algorithm) -> bool:
@@ -577,26 +596,3 @@ def checked_loss(algorithm, out) -> tuple[torch.Tensor, dict[str, float]]:
         except (TypeError, ValueError):
             raise TypeError(f"the algorithm {name} returned metric {key!r} = {value!r}; {contract}.") from None
     return loss.reshape(()), clean
-
-
-def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
-    """Per-micro-batch metrics -> one value each over this rank's micro-batches and every trainer rank: the
-    maximum for names ending in `/max`, the minimum for `/min`, else the mean of the ranks' means. A name only
-    some ranks report is reduced over those."""
-    local = {k: _combine(k, v) for k, v in values.items() if v}
-    if data_world_size() > 1:
-        everyone: list = [None] * data_world_size()
-        dist.all_gather_object(everyone, local, group=data_group())
-    else:
-        everyone = [local]
-    keys = sorted({k for part in everyone for k in part})
-    return {key: _combine(key, [part[key] for part in everyone if key in part]) for key in keys}
-
-
-def _combine(name: str, values: list[float]) -> float:
-    """Several values of metric `name` as one: the maximum for `/max`, the minimum for `/min`, else the mean."""
-    if name.endswith("/max"):
-        return max(values)
-    if name.endswith("/min"):
-        return min(values)
-    return sum(values) / len(values)

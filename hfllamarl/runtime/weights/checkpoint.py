@@ -227,7 +227,8 @@ def save_trainer_side(trainer, executor, step: int, directory: str) -> None:
     with open(os.path.join(directory, "hfllamarl", f"trainer-{rank}.pt"), "wb") as fh:
         reserve = executor.group_filter.reserve if getattr(executor, "group_filter", None) is not None else []
         pickle.dump({"inbox": executor.inbox, "version": executor.version,
-                     "trained_rows": executor.trained_rows, "dispatch": dispatch, "reserve": reserve}, fh)
+                     "trained_rows": executor.trained_rows, "dispatch": dispatch, "reserve": reserve,
+                     "replica_offset": getattr(executor, "data_offset", 0)}, fh)
 
 
 def generator_file(replica: int, replicas: int) -> str:
@@ -508,6 +509,9 @@ def load_trainer_side(trainer, executor, directory: str, unsampled: list[int] = 
     executor.inbox = saved["inbox"]
     executor.version = executor.sent_version = saved["version"]
     executor.trained_rows = saved["trained_rows"]
+    group = getattr(executor.spec, "replica_group", None)
+    if group is not None:  # trainer replica groups: the global step of the checkpoint is version + offset
+        group.resume_at(saved["version"], int(saved.get("replica_offset", 0)))
     if getattr(executor, "group_filter", None) is not None:  # dynamic sampling's groups with signal not trained yet
         executor.group_filter.reserve = saved.get("reserve", [])
     # the ledger; `dispatch.stages` hands it to the Dispatch

@@ -1,0 +1,185 @@
+"""A trainer job as one replica group of several (`trainer_replica_groups`): the groups train one policy together,
+each on its own share of every batch, and a group that dies or freezes is left out while the others train on.
+
+Each group is a whole job (its trainer ranks and its own generators, launched on its own: `python script.py` or
+`torchrun --max-restarts N`), joined to the others through torchft's per-step quorum (`replica_quorum`, one
+lighthouse for all groups). Global step k trains global batch k: `groups x prompts_per_generation` prompts, of
+which group g trains share g (`prompts.group_batch_rows`). Per optimizer step, on every rank of every live group:
+
+1. `begin(version)`: the step's quorum. A group behind its peers (restarted, or frozen and let go) copies their
+   weights, optimizer and learning-rate schedule here; it then knows the global step, and `offset` (the global
+   batch of its own batch 0) changes. What it sampled before under the old offset is not trained (those rows were
+   sampled by weights it no longer holds, and their global step is past): its share of that step is lost, and
+   logged.
+2. `step_tokens(local)`: one small allreduce over the participants: the step's completion tokens over every group
+   (the loss is normalised by them, so the groups' averaged gradient is the whole global batch's token mean,
+   whatever the number of groups and whether a group trains rows at all) and which groups take part.
+3. forward and backward on the group's rows; `average(model)`: gradients averaged over the participants.
+4. `commit()`: every collective of the step succeeded on every participant; else the same rows are trained again
+   with the next quorum (a group lost mid-step costs that attempt, nothing else).
+
+The quorum's own counters are global; the job's (its policy version, its ticks, what its generators sampled) stay
+its own, so a restarted group runs the same loop as a fresh job: its first steps have nothing current to train
+(their batches were keyed by the old offset) and it takes part with no rows, then trains its share.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from hfllamarl.runtime.training.replica_quorum import ReplicaQuorum, StepQuorum
+
+logger = logging.getLogger("hfllamarl")
+
+MAX_ATTEMPTS = 20  # attempts of one step (each a new quorum) before the job gives up on it
+
+
+class ReplicaGroup:
+    """This rank's handle on its group among the trainer replica groups (see the module docstring).
+
+    Args:
+        group, groups: this group's id and how many groups the job has (`trainer_replica_group(s)`).
+        lighthouse: the torchft lighthouse's address.
+        model, optimizer, scheduler: what a healing group copies from a peer (with the torch RNG).
+        collective_timeout_s: a frozen peer is dropped after this (`ReplicaTimeouts`).
+        store: (host, port) of this group's store; rank, world_size: this rank within its group's trainer ranks.
+        is_main: logs the group's recoveries (its first trainer rank).
+        restarted: the launcher started this group again (torchrun --max-restarts): finding no peer is an error.
+    """
+
+    def __init__(self, group: int, groups: int, lighthouse: str, model, optimizer, scheduler,
+                 collective_timeout_s: float, device, store: tuple[str, int], rank: int, world_size: int,
+                 is_main: bool = True, restarted: bool = False):
+        self.group, self.groups, self.is_main = int(group), int(groups), is_main
+        self.restarted = restarted  # started again by its launcher: it must find a peer to copy from
+        # Built at the first step: from then on the lighthouse waits for this group at every quorum (up to its join
+        # timeout), so a group that is still starting (its generators) must not be known to it yet.
+        self._build = lambda: ReplicaQuorum(self.group, lighthouse, model, optimizer, collective_timeout_s,
+                                            device=device, store=store, rank=rank, world_size=world_size)
+        self._scheduler = scheduler
+        self.quorum: ReplicaQuorum | None = None
+        self.offset = 0  # global step - this job's policy version (changes when the group heals)
+        self.members: set[int] = set()  # the groups of the last step
+        self.participants = 0
+        self.global_step = 0  # committed global steps (after `commit`: this step included)
+        self.retries = 0  # attempts whose commit failed
+        self.rows_lost = 0  # rows of this group's shares that were sampled under an old offset, not trained
+        self.steps_missed = 0  # global steps this group was not part of (restarted or frozen)
+        self._last_commit = time.monotonic()
+        self._failed_at: float | None = None  # when the first failed attempt of the current step ended
+        self._attempts = 0  # failed attempts of the current step
+        self._quorum: StepQuorum | None = None
+        self._resume_step = 0  # resumed from a checkpoint: the global step it was written at
+        self._left: dict[int, tuple[int, float]] = {}  # a group that left: (the first global step without it, when)
+
+    # ------------------------------------------------------------------ the step
+    def begin(self, version: int) -> StepQuorum:
+        """This step's quorum (a group behind its peers heals here). `version`: the job's own policy version."""
+        start = time.monotonic()
+        if self.quorum is None:
+            self.quorum = self._build()
+            if self._scheduler is not None:
+                self.quorum.register_state("scheduler", self._scheduler.state_dict, self._scheduler.load_state_dict)
+            if self._resume_step:  # (torchft's step counter starts at 0)
+                self.quorum.manager.load_state_dict({"step": self._resume_step, "batches_committed": 0})
+        q = self._quorum = self.quorum.begin_step()
+        if self.restarted and q.step == 0:
+            raise RuntimeError(f"trainer replica group {self.group} was restarted by its launcher and finds no live "
+                               "group to copy the policy from (the others ended or are lost): it would train from the "
+                               "initial weights. Start the job again from a checkpoint (resume_from_checkpoint).")
+        self.restarted = False
+        self.participants = q.participants
+        offset = q.step - version
+        if offset != self.offset:
+            missed = offset - self.offset
+            self.steps_missed += max(missed, 0)
+            if self.is_main:
+                how = f"copied the weights, optimizer and schedule from a peer in {time.monotonic() - start:.2f} s" \
+                    if q.healed else "its state was current"
+                logger.warning("trainer replica group %d: at global step %d, %d steps past its own count (%s); what "
+                               "it sampled before is not trained", self.group, q.step + 1, missed, how)
+            self.offset = offset
+        return q
+
+    def resume_at(self, version: int, offset: int) -> None:
+        """A job resumed from a checkpoint at its policy `version` and this group's `offset` then: the quorum starts
+        at that global step (a peer ahead of it is copied from; one behind copies from this group)."""
+        self.offset, self._resume_step = offset, version + offset
+
+    def step_tokens(self, local_tokens: float) -> float:
+        """The step's completion tokens over every participating group (this group's: `local_tokens`, summed over
+        its own ranks already); learns which groups take part and logs a change."""
+        q = self._quorum
+        vector = torch.zeros(1 + self.groups, dtype=torch.float64)
+        vector[0] = float(local_tokens)
+        vector[1 + self.group] = 1.0
+        self.quorum.manager.allreduce(vector).wait()  # (AVG over the participants; a failure is recorded)
+        vector *= q.participants
+        members = {g for g in range(self.groups) if vector[1 + g] > 0.5}
+        if members != self.members and self.members:
+            now, step = time.monotonic(), q.step + 1
+            for g in self.members - members:
+                self._left[g] = (step, now)
+            back, new = [], []
+            for g in sorted(members - self.members):
+                if g in self._left:  # (absent since then: its share of those steps was not trained)
+                    since, at = self._left.pop(g)
+                    back.append(f"{g} (absent for global steps {since}-{step - 1}: {step - since} steps, "
+                                f"{now - at:.1f} s)")
+                else:
+                    new.append(g)
+            if self.is_main:
+                left = sorted(self.members - members)
+                logger.warning("trainer replica groups at global step %d: %s train it%s%s%s", step, sorted(members),
+                               f"; left: {left}" if left else "", f"; joined: {new}" if new else "",
+                               f"; rejoined: {', '.join(back)}" if back else "")
+        self.members = members
+        return float(vector[0])
+
+    def average(self, model: torch.nn.Module) -> None:
+        """Average the gradients over the participating groups (zeros where this group has none)."""
+        self.quorum.average_gradients(model.parameters())
+
+    def commit(self) -> bool:
+        """Whether the step counts (the optimizer may step). False: train the same rows again (`begin`)."""
+        ok = self.quorum.commit()
+        now = time.monotonic()
+        if ok:
+            if self._failed_at is not None and self.is_main:
+                logger.warning("trainer replica group %d: global step %d committed %.2f s after its first attempt "
+                               "failed (%d attempt(s) lost; groups now %s)", self.group, self.quorum.step,
+                               now - self._failed_at, self._attempts, sorted(self.members))
+            self._failed_at, self._attempts = None, 0
+            self._last_commit = now
+            self.global_step = self.quorum.step
+            return True
+        self.retries += 1
+        self._attempts += 1
+        if self._failed_at is None:
+            self._failed_at = now
+        if self._attempts >= MAX_ATTEMPTS:
+            raise RuntimeError(f"trainer replica group {self.group}: global step {self.quorum.step + 1} failed "
+                               f"{self._attempts} times in a row ({now - self._failed_at:.1f} s); giving up")
+        return False
+
+    def discard(self, rows: int) -> None:
+        """Count a share this group sampled under an old offset and does not train."""
+        self.rows_lost += rows
+
+    def metrics(self) -> dict[str, float]:
+        return {"replicas/trainer_groups": float(self.participants), "replicas/trainer_retries": float(self.retries),
+                "replicas/trainer_rows_lost": float(self.rows_lost),
+                "replicas/trainer_steps_missed": float(self.steps_missed), "replicas/global_step": float(self.global_step)}
+
+    def shutdown(self) -> None:
+        if self.quorum is not None:
+            self.quorum.shutdown()
+
+
+def lighthouse_address(configured: str | None) -> str | None:
+    """The lighthouse to join: the config's `torchft_lighthouse`, else torchft's own TORCHFT_LIGHTHOUSE."""
+    return configured or os.environ.get("TORCHFT_LIGHTHOUSE") or None
