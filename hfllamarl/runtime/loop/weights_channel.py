@@ -99,8 +99,9 @@ class WeightsChannel:
             out = None if stop else executor.get_output(POLICY_WEIGHTS)
             live = self.dispatch.begin_tick(executor) if self.dispatch is not None else topo.live_replicas
             if topo.rank == 0:
-                header = {"version": None if out is None else out[1], "live": live, "stop": stop,
-                          DATA_OFFSET: getattr(executor, DATA_OFFSET, 0)}
+                header = {"version": None if out is None else out[1], "live": live, "stop": stop}
+                if getattr(executor, DATA_OFFSET, 0):  # (trainer replica groups, once a group healed: never 0 again)
+                    header[DATA_OFFSET] = executor.data_offset
                 settle([w for r in live for g in topo.replica_ranks(r)
                         for w in start_send_object(topo, header, g, f"channel '{POLICY_WEIGHTS}/header'")])
             executor.stopped = stop
@@ -115,7 +116,8 @@ class WeightsChannel:
                 return
             if self.dispatch is not None:
                 executor.put_input(REPLICAS, header["live"])
-            executor.put_input(DATA_OFFSET, header.get(DATA_OFFSET, 0))
+            if DATA_OFFSET in header:
+                executor.put_input(DATA_OFFSET, header[DATA_OFFSET])
             ready = time.perf_counter()
             if header["version"] is not None:
                 self.backend.targets = header["live"]
