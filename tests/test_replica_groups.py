@@ -66,7 +66,7 @@ def _group(model, out, group, lighthouse, *extra, launcher=()):
     out.mkdir(parents=True, exist_ok=True)
     n = len(list(out.parent.glob(f"g{group}-*.log")))
     log = open(out.parent / f"g{group}-{n}.log", "w")
-    cmd = [sys.executable, *launcher, str(SCRIPT), model, str(out), "--steps", "40", "--step-sleep", "0.5", "--reward", "digits",
+    cmd = [sys.executable, *launcher, str(SCRIPT), model, str(out), "--steps", "80", "--step-sleep", "0.5", "--reward", "digits",
            "--no-bootstrap", "--timeout", "30", "--save-model", str(out / "final"),
            "--extra", json.dumps({"trainer_replica_groups": 2, "trainer_replica_group": group,
                                   "torchft_lighthouse": lighthouse, "save_strategy": "no"}), *extra]
@@ -79,6 +79,16 @@ def _group(model, out, group, lighthouse, *extra, launcher=()):
 def _log(path):
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def _runs(log):
+    """A group's prompts log cut where its own step count starts again (a new process of the group)."""
+    runs = [[]]
+    for e in log:
+        if runs[-1] and e["step"] <= runs[-1][-1]["step"]:
+            runs.append([])
+        runs[-1].append(e)
+    return runs
 
 
 @pytest.mark.slow
@@ -113,13 +123,12 @@ def test_a_killed_group_is_left_out_and_rejoins_from_its_peer(tmp_path, tiny_mod
     log0 = _log(out0 / "trained_prompts-group0-rank0.jsonl")
     log1 = _log(out1 / "trained_prompts-group1-rank0.jsonl")
     steps0 = [e["global_step"] for e in log0]  # the survivor trained every step, each once (from the step it joined:
-    assert steps0 == list(range(steps0[0], 41)) and steps0[0] < 8  # the group that starts second copies the first)
+    assert steps0 == list(range(steps0[0], 81)) and steps0[0] < 8  # the group that starts second copies the first)
     assert all(len(e["rows"]) == 4 for e in log0[2:]) and all(len(e["rows"]) in (0, 4) for e in log0[:2])
-    before = [e for e in log1 if e["time"] <= killed_at]
-    after = [e for e in log1 if e["time"] > killed_at]
+    before, after = _runs(log1)
     killed = before[-1]["global_step"]  # (its 8th step: the 8th global one, unless it started second and healed)
     rejoined = after[0]["global_step"]
-    assert killed + 1 < rejoined and [e["global_step"] for e in after] == list(range(rejoined, 41))
+    assert killed + 1 < rejoined and [e["global_step"] for e in after] == list(range(rejoined, 81))
     assert any(e["rows"] for e in after), "the restarted group never trained its share"
     # every row a share of its global step (the batch of 8 prompts a single job would sample), none twice a step
     for e0 in log0:
@@ -154,8 +163,8 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
     out0, out1 = tmp_path / "g0", tmp_path / "g1"
     procs = []
     try:
-        procs.append(_group(tiny_model, out0, 0, lighthouse.address(), "--steps", "60"))
-        procs.append(_group(tiny_model, out1, 1, lighthouse.address(), "--steps", "60",
+        procs.append(_group(tiny_model, out0, 0, lighthouse.address(), "--steps", "100"))
+        procs.append(_group(tiny_model, out1, 1, lighthouse.address(), "--steps", "100",
                             launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
                                       "--master-port", str(free_port())]))
         deadline = time.monotonic() + 300
@@ -181,10 +190,11 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
     assert procs[1].returncode == 0, err1[-3000:]
     log0, log1 = _log(out0 / "trained_prompts-group0-rank0.jsonl"), _log(out1 / "trained_prompts-group1-rank0.jsonl")
     steps0 = [e["global_step"] for e in log0]  # (the group that starts second copies the first one's policy)
-    assert steps0 == list(range(steps0[0], 61)) and steps0[0] < 14
-    frozen_at = max(e["global_step"] for e in log1 if e["time"] <= stopped_at)
-    after = [e for e in log1 if e["time"] > stopped_at]
-    assert after and after[-1]["global_step"] == 60 and any(e["rows"] for e in after), "group 1 never came back"
+    assert steps0 == list(range(steps0[0], 101)) and steps0[0] < 14
+    runs = _runs(log1)
+    assert len(runs) == 2, "group 1 did not come back"
+    frozen_at, after = runs[0][-1]["global_step"], runs[1]
+    assert after[-1]["global_step"] == 100 and any(e["rows"] for e in after), "group 1 never came back"
     rejoined = after[0]["global_step"]
     assert "left: [1]" in err0 and f"rejoined: 1 (absent for global steps {frozen_at + 1}-{rejoined - 1}" in err0
     assert "copied the weights, optimizer and schedule from a peer" in err1
