@@ -69,7 +69,6 @@ class ReplicaGroup:
         self.retries = 0  # attempts whose commit failed
         self.rows_lost = 0  # rows of this group's shares that were sampled under an old offset, not trained
         self.steps_missed = 0  # global steps this group was not part of (restarted or frozen)
-        self._last_commit = time.monotonic()
         self._failed_at: float | None = None  # when the first failed attempt of the current step ended
         self._attempts = 0  # failed attempts of the current step
         self._quorum: StepQuorum | None = None
@@ -154,7 +153,6 @@ class ReplicaGroup:
                                "failed (%d attempt(s) lost; groups now %s)", self.group, self.quorum.step,
                                now - self._failed_at, self._attempts, sorted(self.members))
             self._failed_at, self._attempts = None, 0
-            self._last_commit = now
             self.global_step = self.quorum.step
             return True
         self.retries += 1

@@ -116,7 +116,6 @@ class TrainerExecutor(Executor):
         self.bootstrapping = False  # training on batches it sampled itself (`runtime.training.bootstrap`)
         self.first_tick = 0  # after a bootstrap: the generators' first tick (the batches the trainer sampled)
         self.bootstrapped = 0  # of those, the ones trained already (the last may wait for the loop's first tick)
-        self._batch_offset = 0  # replica groups: the data offset the batch in training was sampled under
 
     @property
     def data_offset(self) -> int:
@@ -254,11 +253,11 @@ class TrainerExecutor(Executor):
         staleness = [[self.version - v for v in r.sampled_versions()] for r in train_rollouts]  # per sampled token
         self.trained_rows.append([r.row_index for r in train_rollouts[:: spec.num_generations]])
         batch_index = groups[0].batch_index if groups else 0
-        self._batch_offset = groups[0].data_offset if groups else self.data_offset  # (replica groups)
+        sampled_offset = groups[0].data_offset if groups else self.data_offset  # (replica groups)
         old: list[torch.Tensor] = []  # pi_old per micro-batch: the first pass's log-probs, detached
         save_due, metrics = False, {}
         for p in range(max(1, spec.schedule.passes(batch_index))):  # each pass: one optimizer step, one version
-            step_metrics = self._optimizer_pass(train_rollouts, advantages, old)
+            step_metrics = self._optimizer_pass(train_rollouts, advantages, old, sampled_offset)
             if p == 0:  # what the batch generated and scored is logged once, with its first step (TRL: at generation)
                 metrics = self._step_metrics(groups, rollouts, rewards, per_func, staleness, step_metrics.pop("loss"),
                                              step_metrics.pop("stats"))
@@ -286,15 +285,17 @@ class TrainerExecutor(Executor):
         self._save_due = save_due
         return metrics
 
-    def _optimizer_pass(self, rollouts: list[Rollout], advantages: torch.Tensor | None, old: list) -> dict:
+    def _optimizer_pass(self, rollouts: list[Rollout], advantages: torch.Tensor | None, old: list,
+                        sampled_offset: int = 0) -> dict:
         """One optimizer step over the batch (none when it has nothing to train: the version still advances), then
         the scheduler and, when due, the reference model's sync. Returns the step's loss, per-micro-batch `stats`
-        and timings. `old` holds pi_old per micro-batch (filled by the first pass)."""
+        and timings. `old` holds pi_old per micro-batch (filled by the first pass); `sampled_offset`: the replica
+        group's data offset the batch was sampled under."""
         spec = self.spec
         backward_t0 = time.perf_counter()
         loss_total, stats, grad_norm, optimizer_seconds = 0.0, {}, 0.0, 0.0
         if spec.replica_group is not None:  # with the other replica groups: this group's rows, maybe none
-            rollouts, (loss_total, stats) = self._replica_gradients(rollouts, advantages, old)
+            rollouts, (loss_total, stats) = self._replica_gradients(rollouts, advantages, old, sampled_offset)
         elif rollouts:  # every trainer rank alike (dynamic sampling agrees on the count)
             loss_total, stats = self._accumulate_gradients(rollouts, advantages, old)
         if rollouts:
@@ -324,14 +325,15 @@ class TrainerExecutor(Executor):
             out["learning_rate"] = lr
         return out
 
-    def _replica_gradients(self, rollouts: list[Rollout], advantages, old: list) -> tuple[list[Rollout], tuple]:
+    def _replica_gradients(self, rollouts: list[Rollout], advantages, old: list,
+                           sampled_offset: int) -> tuple[list[Rollout], tuple]:
         """Trainer replica groups: this step's quorum, the gradients of this group's rows averaged over the groups
         that take part, until a commit succeeds (`replica_group`). Returns what stands for the step's rows (empty:
         no group trained any, no optimizer step) and the loss and stats of this group's own."""
         group = self.spec.replica_group
         while True:
             group.begin(self.version)
-            rows = rollouts if self._batch_offset == group.offset else []  # (sampled under an older offset: lost)
+            rows = rollouts if sampled_offset == group.offset else []  # (sampled under an older offset: lost)
             local = _all_sum({"tokens": self._loss_tokens(rows)})["tokens"]
             total = group.step_tokens(local)
             result = (self._accumulate_gradients(rows, advantages, old, step_tokens=total, groups=group.participants)
