@@ -103,6 +103,30 @@ class SlowSteps(TrainerCallback):
         time.sleep(self.seconds)
 
 
+def dump_trained(output_dir: str) -> None:
+    """Trainer replica groups: after every committed step, what this group trained in it (each rollout's tokens and
+    behaviour log-probs, its advantage) goes to OUTPUT_DIR/trained-batches-group<G>-rank<R>.jsonl with the global
+    step, for a replay of the same rows in one process."""
+    from hfllamarl.runtime.training.trainer import TrainerExecutor
+
+    original = TrainerExecutor._replica_gradients
+
+    def replica_gradients(self, rollouts, advantages, old, sampled_offset):
+        out = original(self, rollouts, advantages, old, sampled_offset)
+        group = self.spec.replica_group
+        if self.trained_rows[-1]:  # (a share sampled under an old offset is not trained: nothing to replay)
+            line = {"global_step": group.global_step, "group": group.group, "advantages": advantages.tolist(),
+                    "rollouts": [{"row": r.row_index, "prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids,
+                                  "behavior_logprobs": r.behavior_logprobs, "finish_reason": r.finish_reason}
+                                 for r in rollouts]}
+            name = f"trained-batches-group{group.group}-rank{os.environ.get('RANK', '0')}.jsonl"
+            with open(os.path.join(output_dir, name), "a") as fh:
+                fh.write(json.dumps(line) + "\n")
+        return out
+
+    TrainerExecutor._replica_gradients = replica_gradients
+
+
 class StopAt(TrainerCallback):
     """Ends training at the end of a given step, as a user's callback does (control.should_training_stop)."""
 
@@ -320,6 +344,8 @@ def main():
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="generator_kv_cache_bytes (tiny: vLLM fails to start)")
     p.add_argument("--no-bootstrap", action="store_true", help="bootstrap_generation=False: every batch from vLLM")
     p.add_argument("--step-sleep", type=float, default=0, help="sleep this many seconds after every step")
+    p.add_argument("--dump-trained", action="store_true",
+                   help="replica groups: write what each committed step trained (dump_trained)")
     p.add_argument("--extra", default="{}", help="more AsyncAIPOConfig fields, as a JSON object")
     p.add_argument("--reward-model", default=None, help="also a reward model: the directory of a sequence classifier")
     p.add_argument("--rows", type=int, default=64, help="training dataset rows")
@@ -336,6 +362,8 @@ def main():
         slow_bootstrap(a.slow_bootstrap)
     if a.generator_raises:
         generator_raises(a.generator_raises)
+    if a.dump_trained:
+        dump_trained(a.output_dir)
     NOISE_LOG[0] = a.output_dir
     rewards = [{"digits": digits, "flat_zero": flat_zero, "noise": noise}.get(a.reward, a.reward)] + ({"raise": [broken], "length": [short]}.get(a.bad_reward, []))
     if a.reward_model:
