@@ -63,15 +63,16 @@ def test_a_valid_replica_group_config():
     assert (c.trainer_replica_groups, c.trainer_replica_group) == (2, 1)
 
 
-def _group(model, out, group, lighthouse, *extra, launcher=()):
-    """One group's job, its output in OUT/../g<group>-<n>.log (a file: a pipe nobody reads would fill and stop it)."""
+def _group(model, out, group, lighthouse, *extra, launcher=(), config=None):
+    """One group's job, its output in OUT/../g<group>-<n>.log (a file: a pipe nobody reads would fill and stop it);
+    `config`: more AsyncAIPOConfig fields."""
     out.mkdir(parents=True, exist_ok=True)
     n = len(list(out.parent.glob(f"g{group}-*.log")))
     log = open(out.parent / f"g{group}-{n}.log", "w")
     cmd = [sys.executable, *launcher, str(SCRIPT), model, str(out), "--steps", "80", "--step-sleep", "0.5", "--reward", "digits",
            "--no-bootstrap", "--timeout", "30", "--save-model", str(out / "final"), "--dump-trained",
            "--extra", json.dumps({"trainer_replica_groups": 2, "trainer_replica_group": group,
-                                  "torchft_lighthouse": lighthouse, "save_strategy": "no"}), *extra]
+                                  "torchft_lighthouse": lighthouse, "save_strategy": "no", **(config or {})}), *extra]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.log_path = log.name
     log.close()
@@ -94,13 +95,14 @@ def _replay(model_dir, outs, steps):
 
     from hfllamarl.losses import StepShape
 
-    by_step = {}
-    for out in outs:
-        for path in sorted(out.glob("trained-batches-group*-rank0.jsonl")):
-            for e in _log(path):
-                assert (e["global_step"], e["group"]) not in by_step, f"group {e['group']} trained global step " \
-                    f"{e['global_step']} twice"
-                by_step[e["global_step"], e["group"]] = e
+    lines = sorted((e for out in outs for path in out.glob("trained-batches-group*-rank0.jsonl") for e in _log(path)),
+                   key=lambda e: e["time"])
+    by_step, later = {}, {}  # later[g]: the lowest global step group g committed after this line
+    for e in reversed(lines):  # A line is void if a later one has a lower step (the groups went back to a checkpoint)
+        step, group = e["global_step"], e["group"]  # or its group committed the same step again.
+        if all(low > step if g == group else low >= step for g, low in later.items()):
+            by_step[step, group] = e
+        later[group] = min(later.get(group, step), step)
     config = make(max_steps=steps, learning_rate=1e-3, num_generations=4, max_completion_length=4, max_staleness=1,
                   seed=0, trainer_replica_groups=2, torchft_lighthouse="http://h:1")
     assert (config.weight_decay, config.warmup_steps, str(config.lr_scheduler_type.value), config.temperature,
@@ -279,3 +281,56 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
     a, b = load_file(out0 / "final" / "model.safetensors"), load_file(out1 / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     _check_replay(tiny_model, [out0, out1], log0 + log1, a, 100)
+
+
+@pytest.mark.slow
+def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tiny_model):
+    """Both groups under `torchrun --max-restarts 1`, group 0 checkpointing every 10 steps: group 0's trainer rank is
+    SIGKILLed at the end of its 24th step and group 1's one step later, so that no group is left. torchrun restarts
+    both: group 0 resumes from its newest checkpoint by itself; group 1, finding no live group, waits for one and
+    copies the policy from group 0. The run ends at its last step, both groups hold the same weights, and those
+    equal the replay of the rows of the steps that count (1-20 as first trained, 21-50 as trained again)."""
+    from safetensors.torch import load_file
+
+    from conftest import free_port
+    from hfllamarl.runtime.training.replica_quorum import start_lighthouse
+
+    lighthouse = start_lighthouse(min_replicas=1, heartbeat_timeout_s=2.0, join_timeout_s=1.0)
+    out0, out1 = tmp_path / "g0", tmp_path / "g1"
+    procs = []
+    try:
+        for group, out, kill, config in ((0, out0, 24, {"save_strategy": "steps", "save_steps": 10}), (1, out1, 25, {})):
+            procs.append(_group(tiny_model, out, group, lighthouse.address(), "--steps", "50", "--kill-at-step",
+                                str(kill), config=config,
+                                launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+                                          "--master-port", str(free_port())]))
+        for p in procs:
+            p.wait(timeout=400)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.shutdown()
+    err0, err1 = Path(procs[0].log_path).read_text(), Path(procs[1].log_path).read_text()
+    assert procs[0].returncode == 0, err0[-3000:]
+    assert procs[1].returncode == 0, err1[-3000:]
+    log0, log1 = _log(out0 / "trained_prompts-group0-rank0.jsonl"), _log(out1 / "trained_prompts-group1-rank0.jsonl")
+    first0, again0 = _runs(log0)
+    first1, again1 = _runs(log1)
+    assert [e["step"] for e in first0][-1] == 24 and again0[0]["step"] == 21, "group 0 did not resume at step 21"
+    resumed_at = again0[0]["global_step"] - 1  # (the checkpoint's global step: no live group had a newer policy)
+    assert resumed_at == [e["global_step"] for e in first0 if e["step"] == 20][0]
+    assert [e["global_step"] for e in again0] == list(range(resumed_at + 1, 51))
+    assert first1[-1]["time"] < again0[0]["time"], "group 1 was still there when group 0 came back"
+    assert again1[-1]["global_step"] == 50 and any(e["rows"] for e in again1), "group 1 never came back"
+    assert "resuming from" in err0 and "checkpoint-20" in err0, err0[-3000:]
+    assert "copied the weights, optimizer and schedule from a peer" in err1, err1[-3000:]
+    killed_at = float((out0 / "killed_at").read_text())
+    print(f"drill: group 0 SIGKILLed after global step {first0[-1]['global_step']}, group 1 after "
+          f"{first1[-1]['global_step']}; group 0 back from its checkpoint (global step {resumed_at}) in global step "
+          f"{resumed_at + 1} at +{again0[0]['time'] - killed_at:.1f} s, group 1 in global step "
+          f"{again1[0]['global_step']} at +{again1[0]['time'] - killed_at:.1f} s; "
+          f"{max(first0[-1]['global_step'], first1[-1]['global_step']) - resumed_at} global steps trained again")
+    a, b = load_file(out0 / "final" / "model.safetensors"), load_file(out1 / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    _check_replay(tiny_model, [out0, out1], log0 + log1, a, 50)

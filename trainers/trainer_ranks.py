@@ -285,7 +285,9 @@ def replica_group(trainer, model, optimizer, scheduler, device):
                         lighthouse_address(args.torchft_lighthouse), model, optimizer, scheduler,
                         args.collective_timeout_s, device, store=tuple(topo.store_addr), rank=topo.local_rank,
                         world_size=topo.local_world_size, is_main=topo.rank == 0,
-                        restarted=launcher_attempt() > 0)
+                        # (group 0 restarted resumes from its checkpoint, or starts over as a single job would)
+                        restarted=launcher_attempt() > 0 and args.trainer_replica_group != 0,
+                        peer_wait_s=args.vllm_server_timeout)
 
 
 def load_best_model(trainer) -> None:

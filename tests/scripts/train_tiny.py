@@ -105,8 +105,9 @@ class SlowSteps(TrainerCallback):
 
 def dump_trained(output_dir: str) -> None:
     """Trainer replica groups: after every committed step, what this group trained in it (each rollout's tokens and
-    behaviour log-probs, its advantage) goes to OUTPUT_DIR/trained-batches-group<G>-rank<R>.jsonl with the global
-    step, for a replay of the same rows in one process."""
+    behaviour log-probs, its advantage; nothing when it took part without rows) goes to
+    OUTPUT_DIR/trained-batches-group<G>-rank<R>.jsonl with the global step and the time, for a replay of the same
+    rows in one process."""
     from hfllamarl.runtime.training.trainer import TrainerExecutor
 
     original = TrainerExecutor._replica_gradients
@@ -114,14 +115,15 @@ def dump_trained(output_dir: str) -> None:
     def replica_gradients(self, rollouts, advantages, old, sampled_offset):
         out = original(self, rollouts, advantages, old, sampled_offset)
         group = self.spec.replica_group
-        if self.trained_rows[-1]:  # (a share sampled under an old offset is not trained: nothing to replay)
-            line = {"global_step": group.global_step, "group": group.group, "advantages": advantages.tolist(),
-                    "rollouts": [{"row": r.row_index, "prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids,
-                                  "behavior_logprobs": r.behavior_logprobs, "finish_reason": r.finish_reason}
-                                 for r in rollouts]}
-            name = f"trained-batches-group{group.group}-rank{os.environ.get('RANK', '0')}.jsonl"
-            with open(os.path.join(output_dir, name), "a") as fh:
-                fh.write(json.dumps(line) + "\n")
+        trained = bool(self.trained_rows[-1])  # (a share sampled under an old offset is not trained)
+        line = {"global_step": group.global_step, "group": group.group, "time": time.time(),
+                "advantages": advantages.tolist() if trained else [],
+                "rollouts": [{"row": r.row_index, "prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids,
+                              "behavior_logprobs": r.behavior_logprobs, "finish_reason": r.finish_reason}
+                             for r in rollouts] if trained else []}
+        name = f"trained-batches-group{group.group}-rank{os.environ.get('RANK', '0')}.jsonl"
+        with open(os.path.join(output_dir, name), "a") as fh:
+            fh.write(json.dumps(line) + "\n")
         return out
 
     TrainerExecutor._replica_gradients = replica_gradients

@@ -48,14 +48,16 @@ class ReplicaGroup:
         collective_timeout_s: a frozen peer is dropped after this (`ReplicaTimeouts`).
         store: (host, port) of this group's store; rank, world_size: this rank within its group's trainer ranks.
         is_main: logs the group's recoveries (its first trainer rank).
-        restarted: the launcher started this group again (torchrun --max-restarts): finding no peer is an error.
+        restarted: a group other than 0 that its launcher started again (torchrun --max-restarts): it must find a
+            peer holding a policy; it waits `peer_wait_s` for one, then stops.
     """
 
     def __init__(self, group: int, groups: int, lighthouse: str, model, optimizer, scheduler,
                  collective_timeout_s: float, device, store: tuple[str, int], rank: int, world_size: int,
-                 is_main: bool = True, restarted: bool = False):
+                 is_main: bool = True, restarted: bool = False, peer_wait_s: float = 240.0):
         self.group, self.groups, self.is_main = int(group), int(groups), is_main
         self.restarted = restarted  # started again by its launcher: it must find a peer to copy from
+        self.peer_wait_s = float(peer_wait_s)
         # Built at the first step: from then on the lighthouse waits for this group at every quorum (up to its join
         # timeout), so a group that is still starting (its generators) must not be known to it yet.
         self._build = lambda: ReplicaQuorum(self.group, lighthouse, model, optimizer, collective_timeout_s,
@@ -74,11 +76,18 @@ class ReplicaGroup:
         self._quorum: StepQuorum | None = None
         self._resume_step = 0  # resumed from a checkpoint: the global step it was written at
         self._left: dict[int, tuple[int, float]] = {}  # a group that left: (the first global step without it, when)
+        self._seconds = {"quorum": 0.0, "average": 0.0}  # this step's time in the quorum's calls (all attempts)
 
     # ------------------------------------------------------------------ the step
     def begin(self, version: int) -> StepQuorum:
         """This step's quorum (a group behind its peers heals here). `version`: the job's own policy version."""
         start = time.monotonic()
+        try:
+            return self._begin(version, start)
+        finally:
+            self._seconds["quorum"] += time.monotonic() - start
+
+    def _begin(self, version: int, start: float) -> StepQuorum:
         if self.quorum is None:
             self.quorum = self._build()
             if self._scheduler is not None:
@@ -86,10 +95,8 @@ class ReplicaGroup:
             if self._resume_step:  # (torchft's step counter starts at 0)
                 self.quorum.manager.load_state_dict({"step": self._resume_step, "batches_committed": 0})
         q = self._quorum = self.quorum.begin_step()
-        if self.restarted and q.step == 0:
-            raise RuntimeError(f"trainer replica group {self.group} was restarted by its launcher and finds no live "
-                               "group to copy the policy from (the others ended or are lost): it would train from the "
-                               "initial weights. Start the job again from a checkpoint (resume_from_checkpoint).")
+        if self.restarted and q.step == 0:  # (group 0 restarted from a checkpoint starts at its step, not 0)
+            q = self._wait_for_peer(q)
         self.restarted = False
         self.participants = q.participants
         offset = q.step - version
@@ -104,6 +111,28 @@ class ReplicaGroup:
             self.offset = offset
         return q
 
+    def _wait_for_peer(self, q: StepQuorum) -> StepQuorum:
+        """A group other than 0, restarted by its launcher and alone at global step 0: it would start over from the
+        initial weights. Every group may have been lost at once, and group 0 then resumes from its newest checkpoint
+        by itself (or starts over, without one). Form the quorum again every second until a group that holds a policy
+        joins (this one then copies it), up to the start-up budget, then stop with the error."""
+        deadline = time.monotonic() + self.peer_wait_s
+        if self.is_main:
+            logger.warning("trainer replica group %d was restarted by its launcher and finds no live group to copy the "
+                           "policy from; waiting up to %.0f s (vllm_server_timeout) for one (group 0, restarted by its "
+                           "launcher, resumes from its newest checkpoint by itself)", self.group, self.peer_wait_s)
+        while q.step == 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"trainer replica group {self.group} was restarted by its launcher and found no live group to copy "
+                    f"the policy from in {self.peer_wait_s:.0f} s (the others ended or are lost; group 0, restarted by "
+                    "its launcher, resumes from its newest checkpoint by itself): it would train from the initial "
+                    "weights. Start group 0 again (resume_from_checkpoint=True resumes it from its checkpoint), then "
+                    "this group.")
+            time.sleep(1.0)
+            q = self._quorum = self.quorum.begin_step()  # (nothing was committed: the same step's quorum again)
+        return q
+
     def resume_at(self, version: int, offset: int) -> None:
         """A job resumed from a checkpoint at its policy `version` and this group's `offset` then: the quorum starts
         at that global step (a peer ahead of it is copied from; one behind copies from this group)."""
@@ -112,7 +141,7 @@ class ReplicaGroup:
     def step_tokens(self, local_tokens: float) -> float:
         """The step's completion tokens over every participating group (this group's: `local_tokens`, summed over
         its own ranks already); learns which groups take part and logs a change."""
-        q = self._quorum
+        q, start = self._quorum, time.monotonic()
         vector = torch.zeros(1 + self.groups, dtype=torch.float64)
         vector[0] = float(local_tokens)
         vector[1 + self.group] = 1.0
@@ -137,16 +166,21 @@ class ReplicaGroup:
                                f"; left: {left}" if left else "", f"; joined: {new}" if new else "",
                                f"; rejoined: {', '.join(back)}" if back else "")
         self.members = members
+        self._seconds["quorum"] += time.monotonic() - start
         return float(vector[0])
 
     def average(self, model: torch.nn.Module) -> None:
         """Average the gradients over the participating groups (zeros where this group has none)."""
+        start = time.monotonic()
         self.quorum.average_gradients(model.parameters())
+        self._seconds["average"] += time.monotonic() - start
 
     def commit(self) -> bool:
         """Whether the step counts (the optimizer may step). False: train the same rows again (`begin`)."""
+        start = time.monotonic()
         ok = self.quorum.commit()
         now = time.monotonic()
+        self._seconds["quorum"] += now - start
         if ok:
             if self._failed_at is not None and self.is_main:
                 logger.warning("trainer replica group %d: global step %d committed %.2f s after its first attempt "
@@ -169,9 +203,15 @@ class ReplicaGroup:
         self.rows_lost += rows
 
     def metrics(self) -> dict[str, float]:
-        return {"replicas/trainer_groups": float(self.participants), "replicas/trainer_retries": float(self.retries),
-                "replicas/trainer_rows_lost": float(self.rows_lost),
-                "replicas/trainer_steps_missed": float(self.steps_missed), "replicas/global_step": float(self.global_step)}
+        """The step's (called once a step): the groups, what was lost so far, and the step's seconds in the quorum's
+        own calls (`time/replica_quorum`: the quorum with any healing, the token count, the commit vote, with the waits
+        for the slowest group in them) and in the gradient average (`time/replica_average`)."""
+        out = {"replicas/trainer_groups": float(self.participants), "replicas/trainer_retries": float(self.retries),
+               "replicas/trainer_rows_lost": float(self.rows_lost),
+               "replicas/trainer_steps_missed": float(self.steps_missed), "replicas/global_step": float(self.global_step),
+               "time/replica_quorum": self._seconds["quorum"], "time/replica_average": self._seconds["average"]}
+        self._seconds = {"quorum": 0.0, "average": 0.0}
+        return out
 
     def shutdown(self) -> None:
         if self.quorum is not None:
