@@ -11,6 +11,7 @@
     hfllamarl bench grader ...        math_sympy against graders' test suites, Math-Verify side by side (hfllamarl.commands.bench_grader)
     hfllamarl bench multi-turn ...    multi-turn tool calling, synchronous vs asynchronous throughput (hfllamarl.commands.bench_multi_turn)
     hfllamarl bench replica-quorum ...  a step of 2 trainer replica groups: today's layout vs torchft's quorum (hfllamarl.commands.bench_replica_quorum)
+    hfllamarl bench replica-groups ...  a training run in 2 trainer replica groups vs today's hybrid sharding (hfllamarl.commands.bench_replica_groups)
     hfllamarl train --config recipe.yaml [--field value ...]   train from a recipe, as `trl grpo --config` (hfllamarl.commands.train)
     hfllamarl preload [--socket PATH]   keep a preloaded process server for the single-process jobs of this shell (hfllamarl.commands.preload)
     hfllamarl plan ...          recommend a trainer/generator GPU split from the memory and step-time model (hfllamarl.commands.plan)
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     plugins.add_parser("list", help="list every installed plugin").set_defaults(func=_plugins_list)
     # light modules: heavy imports happen inside their run()
     from .commands import (bench_grader, bench_learning, bench_load, bench_lora_sync, bench_multi_turn, bench_profile,
-                           bench_replica_quorum, bench_vs_trl, evaluate, plan, preload, train)
+                           bench_replica_groups, bench_replica_quorum, bench_vs_trl, evaluate, plan, preload,
+                           train)
     from .commands import bench_weight_sync as bench
 
     _command(sub, "eval", "generate on a JSONL data set and score it", evaluate)
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
              bench_multi_turn)
     _command(bench_parser, "replica-quorum", "a step of 2 trainer replica groups: today's layout vs torchft's quorum",
              bench_replica_quorum)
+    _command(bench_parser, "replica-groups", "a training run in 2 trainer replica groups vs today's hybrid sharding",
+             bench_replica_groups)
     _command(sub, "preload", "keep a server that forks the generator processes of single-process jobs", preload)
     _command(sub, "plan", "recommend a trainer/generator GPU split (LlamaRL section 6 model)", plan)
     # every argument after `train` is the recipe's: TrlParser reads them (and answers --help)

@@ -63,14 +63,14 @@ def test_a_valid_replica_group_config():
     assert (c.trainer_replica_groups, c.trainer_replica_group) == (2, 1)
 
 
-def _group(model, out, group, lighthouse, *extra, launcher=(), config=None):
+def _group(model, out, group, lighthouse, *extra, launcher=(), config=None, sleep=0.5):
     """One group's job, its output in OUT/../g<group>-<n>.log (a file: a pipe nobody reads would fill and stop it);
-    `config`: more AsyncAIPOConfig fields."""
+    `config`: more AsyncAIPOConfig fields; `sleep`: seconds after each step (a survivor outlasts a restart)."""
     out.mkdir(parents=True, exist_ok=True)
     n = len(list(out.parent.glob(f"g{group}-*.log")))
     log = open(out.parent / f"g{group}-{n}.log", "w")
-    cmd = [sys.executable, *launcher, str(SCRIPT), model, str(out), "--steps", "80", "--step-sleep", "0.5", "--reward", "digits",
-           "--no-bootstrap", "--timeout", "30", "--save-model", str(out / "final"), "--dump-trained",
+    cmd = [sys.executable, *launcher, str(SCRIPT), model, str(out), "--steps", "80", "--step-sleep", str(sleep),
+           "--reward", "digits", "--no-bootstrap", "--timeout", "30", "--save-model", str(out / "final"), "--dump-trained",
            "--extra", json.dumps({"trainer_replica_groups": 2, "trainer_replica_group": group,
                                   "torchft_lighthouse": lighthouse, "save_strategy": "no", **(config or {})}), *extra]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -95,14 +95,15 @@ def _replay(model_dir, outs, steps):
 
     from hfllamarl.losses import StepShape
 
-    lines = sorted((e for out in outs for path in out.glob("trained-batches-group*-rank0.jsonl") for e in _log(path)),
-                   key=lambda e: e["time"])
-    by_step, later = {}, {}  # later[g]: the lowest global step group g committed after this line
-    for e in reversed(lines):  # A line is void if a later one has a lower step (the groups went back to a checkpoint)
-        step, group = e["global_step"], e["group"]  # or its group committed the same step again.
-        if all(low > step if g == group else low >= step for g, low in later.items()):
-            by_step[step, group] = e
-        later[group] = min(later.get(group, step), step)
+    lines = [e for out in outs for path in out.glob("trained-batches-group*-rank0.jsonl") for e in _log(path)]
+    last = {}  # a step committed again (the groups went back to a checkpoint): the last quorum's commit counts
+    for e in lines:
+        last[e["global_step"]] = max(last.get(e["global_step"], -1), e["quorum"])
+    by_step = {}
+    for e in lines:
+        if e["quorum"] == last[e["global_step"]]:
+            assert (e["global_step"], e["group"]) not in by_step, f"group {e['group']} trained step {e['global_step']} twice"
+            by_step[e["global_step"], e["group"]] = e
     config = make(max_steps=steps, learning_rate=1e-3, num_generations=4, max_completion_length=4, max_staleness=1,
                   seed=0, trainer_replica_groups=2, torchft_lighthouse="http://h:1")
     assert (config.weight_decay, config.warmup_steps, str(config.lr_scheduler_type.value), config.temperature,
@@ -301,7 +302,7 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
     try:
         for group, out, kill, config in ((0, out0, 24, {"save_strategy": "steps", "save_steps": 10}), (1, out1, 25, {})):
             procs.append(_group(tiny_model, out, group, lighthouse.address(), "--steps", "50", "--kill-at-step",
-                                str(kill), config=config,
+                                str(kill), config=config, sleep=0,
                                 launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
                                           "--master-port", str(free_port())]))
         for p in procs:

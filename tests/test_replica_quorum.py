@@ -348,3 +348,22 @@ def test_the_replica_quorum_bench_runs_both_layouts(tmp_path):
     assert result["hsdp_step_s"] > 0 and result["quorum_step_s"] > 0 and result["steps"] == 2
     assert abs(result["ratio"] - result["quorum_step_s"] / result["hsdp_step_s"]) < 0.01
     assert "hsdp (one world, FSDP2 replicates)" in proc.stdout and "quorum (torchft" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_replica_groups_bench_trains_in_both_layouts(tmp_path):
+    """`hfllamarl bench replica-groups`, smallest: one round of 4 steps of a 1-layer model, the real trainer in
+    today's hybrid sharding and in 2 replica groups; the groups' steps went through the quorum (their seconds in it
+    are logged) and the ratio printed is the paces'."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "hfllamarl.cli", "bench", "replica-groups", "--steps", "4",
+                           "--warmup", "1", "--rounds", "1", "--hidden-size", "64", "--layers", "1", "--precision",
+                           "fp32", "--output-dir", str(tmp_path)], cwd=str(REPO), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["hybrid_step_s"] > 0 and result["groups_step_s"] > 0 and result["steps"] == 4
+    assert abs(result["ratio"] - result["groups_step_s"] / result["hybrid_step_s"]) < 0.01
+    assert result["quorum_mean_s"] > 0 and result["average_median_s"] > 0
+    assert "hybrid (one torchrun job" in proc.stdout and "groups (2 torchrun jobs" in proc.stdout

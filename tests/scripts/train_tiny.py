@@ -106,8 +106,8 @@ class SlowSteps(TrainerCallback):
 def dump_trained(output_dir: str) -> None:
     """Trainer replica groups: after every committed step, what this group trained in it (each rollout's tokens and
     behaviour log-probs, its advantage; nothing when it took part without rows) goes to
-    OUTPUT_DIR/trained-batches-group<G>-rank<R>.jsonl with the global step and the time, for a replay of the same
-    rows in one process."""
+    OUTPUT_DIR/trained-batches-group<G>-rank<R>.jsonl with the global step and the id of the quorum that committed
+    it, for a replay of the same rows in one process."""
     from hfllamarl.runtime.training.trainer import TrainerExecutor
 
     original = TrainerExecutor._replica_gradients
@@ -116,7 +116,7 @@ def dump_trained(output_dir: str) -> None:
         out = original(self, rollouts, advantages, old, sampled_offset)
         group = self.spec.replica_group
         trained = bool(self.trained_rows[-1])  # (a share sampled under an old offset is not trained)
-        line = {"global_step": group.global_step, "group": group.group, "time": time.time(),
+        line = {"global_step": group.global_step, "group": group.group, "quorum": group._quorum.quorum_id,
                 "advantages": advantages.tolist() if trained else [],
                 "rollouts": [{"row": r.row_index, "prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids,
                               "behavior_logprobs": r.behavior_logprobs, "finish_reason": r.finish_reason}
