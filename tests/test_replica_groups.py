@@ -211,8 +211,8 @@ def test_a_killed_group_is_left_out_and_rejoins_from_its_peer(tmp_path, tiny_mod
 
 def _check_replay(model_dir, outs, prompts_log, final, steps):
     """The final weights equal (to fp32 rounding) one process's training on the same rows without the failure. (In a
-    run of the SIGKILL drill they differed from the replay by 2.4e-6 and moved by 0.029; the same replay with one
-    share of one step left out differed by 7.2e-4, 25 times the bound.)"""
+    run of the SIGKILL drill they moved by 0.029 and differed from the replay by 2.4e-6, the bound there 1.4e-4; the
+    same replay with one share of one step left out differed by 7.2e-4.)"""
     initial, replayed, by_step = _replay(model_dir, outs, steps)
     logged = {}
     for e in prompts_log:
@@ -223,7 +223,7 @@ def _check_replay(model_dir, outs, prompts_log, final, steps):
     gap = max(float((final[k] - replayed[k]).abs().max()) for k in final)
     print(f"replay of the same rows in one process: the weights moved up to {moved:.3g}, differ from the replay's "
           f"by up to {gap:.3g}")
-    assert moved > 1e-2 and gap < 1e-3 * moved
+    assert moved > 1e-2 and gap < 5e-3 * moved  # (fp32 noise through AdamW: 1e-6 to 8e-6 in runs of these drills)
 
 
 @pytest.mark.slow
