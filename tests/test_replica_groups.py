@@ -102,8 +102,9 @@ def _replay(model_dir, outs, steps):
     by_step = {}
     for e in lines:
         if e["quorum"] == last[e["global_step"]]:
-            assert (e["global_step"], e["group"]) not in by_step, f"group {e['group']} trained step {e['global_step']} twice"
-            by_step[e["global_step"], e["group"]] = e
+            key = (e["global_step"], e["group"])
+            assert key not in by_step, f"group {e['group']} trained global step {e['global_step']} twice"
+            by_step[key] = e
     config = make(max_steps=steps, learning_rate=1e-3, num_generations=4, max_completion_length=4, max_staleness=1,
                   seed=0, trainer_replica_groups=2, torchft_lighthouse="http://h:1")
     assert (config.weight_decay, config.warmup_steps, str(config.lr_scheduler_type.value), config.temperature,
@@ -300,7 +301,8 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
     out0, out1 = tmp_path / "g0", tmp_path / "g1"
     procs = []
     try:
-        for group, out, kill, config in ((0, out0, 24, {"save_strategy": "steps", "save_steps": 10}), (1, out1, 25, {})):
+        checkpoints = {"save_strategy": "steps", "save_steps": 10}
+        for group, out, kill, config in ((0, out0, 24, checkpoints), (1, out1, 25, {})):
             procs.append(_group(tiny_model, out, group, lighthouse.address(), "--steps", "50", "--kill-at-step",
                                 str(kill), config=config, sleep=0,
                                 launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",

@@ -208,7 +208,8 @@ class ReplicaGroup:
         for the slowest group in them) and in the gradient average (`time/replica_average`)."""
         out = {"replicas/trainer_groups": float(self.participants), "replicas/trainer_retries": float(self.retries),
                "replicas/trainer_rows_lost": float(self.rows_lost),
-               "replicas/trainer_steps_missed": float(self.steps_missed), "replicas/global_step": float(self.global_step),
+               "replicas/trainer_steps_missed": float(self.steps_missed),
+               "replicas/global_step": float(self.global_step),
                "time/replica_quorum": self._seconds["quorum"], "time/replica_average": self._seconds["average"]}
         self._seconds = {"quorum": 0.0, "average": 0.0}
         return out
