@@ -142,6 +142,21 @@ def _replay(model_dir, outs, steps):
     return initial, model.state_dict(), by_step
 
 
+def _stop(procs, lighthouse):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    lighthouse.shutdown()
+
+
+def _ended(proc0, proc1, out0, out1):
+    """Both groups' last processes ended well: their outputs and prompts logs."""
+    err0, err1 = Path(proc0.log_path).read_text(), Path(proc1.log_path).read_text()
+    assert proc0.returncode == 0, err0[-3000:]
+    assert proc1.returncode == 0, err1[-3000:]
+    return err0, err1, _log(out0 / "trained_prompts-group0-rank0.jsonl"), _log(out1 / "trained_prompts-group1-rank0.jsonl")
+
+
 def _runs(log):
     """A group's prompts log cut where its own step count starts again (a new process of the group)."""
     runs = [[]]
@@ -173,16 +188,8 @@ def test_a_killed_group_is_left_out_and_rejoins_from_its_peer(tmp_path, tiny_mod
         again.wait(timeout=300)
         procs[0].wait(timeout=300)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        lighthouse.shutdown()
-    err0, err1 = Path(procs[0].log_path).read_text(), Path(again.log_path).read_text()
-    assert procs[0].returncode == 0, err0[-3000:]
-    assert again.returncode == 0, err1[-3000:]
-
-    log0 = _log(out0 / "trained_prompts-group0-rank0.jsonl")
-    log1 = _log(out1 / "trained_prompts-group1-rank0.jsonl")
+        _stop(procs, lighthouse)
+    err0, err1, log0, log1 = _ended(procs[0], again, out0, out1)
     steps0 = [e["global_step"] for e in log0]  # the survivor trained every step, each once (from the step it joined:
     assert steps0 == list(range(steps0[0], 81)) and steps0[0] < 8  # the group that starts second copies the first)
     assert all(len(e["rows"]) == 4 for e in log0[2:]) and all(len(e["rows"]) in (0, 4) for e in log0[:2])
@@ -211,20 +218,25 @@ def test_a_killed_group_is_left_out_and_rejoins_from_its_peer(tmp_path, tiny_mod
 
 
 def _check_replay(model_dir, outs, prompts_log, final, steps):
-    """The final weights equal (to fp32 rounding) one process's training on the same rows without the failure. (In a
-    run of the SIGKILL drill they moved by 0.029 and differed from the replay by 2.4e-6, the bound there 1.4e-4; the
-    same replay with one share of one step left out differed by 7.2e-4.)"""
+    """The final weights equal (to fp32 rounding) one process's training on the same rows without the failure: their
+    distance to the replay's, against how far they moved (L2 over every weight). In runs of the three drills that ratio
+    was 1e-6 to 7.5e-5 (fp32 noise through AdamW: an element whose gradient is about 0 can take a step of the learning
+    rate either way); the same replays with one group's share of one step left out gave 3.1e-3 to 2.6e-2."""
     initial, replayed, by_step = _replay(model_dir, outs, steps)
     logged = {}
     for e in prompts_log:
         logged.setdefault(e["global_step"], []).append(e["rows"])
     for (step, _), e in by_step.items():  # the dumped rows are the ones the prompts logs name for that step
         assert [r["row"] for r in e["rollouts"][::4]] in logged[step]
-    moved = max(float((final[k] - initial[k]).abs().max()) for k in final)
-    gap = max(float((final[k] - replayed[k]).abs().max()) for k in final)
-    print(f"replay of the same rows in one process: the weights moved up to {moved:.3g}, differ from the replay's "
-          f"by up to {gap:.3g}")
-    assert moved > 1e-2 and gap < 5e-3 * moved  # (fp32 noise through AdamW: 1e-6 to 8e-6 in runs of these drills)
+
+    def norm(a, b):
+        return sum(float(((a[k] - b[k]).double() ** 2).sum()) for k in final) ** 0.5
+
+    moved, gap = norm(final, initial), norm(final, replayed)
+    largest = max(float((final[k] - replayed[k]).abs().max()) for k in final)
+    print(f"replay of the same rows in one process: the weights moved by {moved:.3g} (L2), differ from the replay's "
+          f"by {gap / moved:.2e} of that (largest element {largest:.2e})")
+    assert moved > 1.0 and gap < 5e-4 * moved
 
 
 @pytest.mark.slow
@@ -260,14 +272,8 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
         for p in procs:
             p.wait(timeout=400)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        lighthouse.shutdown()
-    err0, err1 = Path(procs[0].log_path).read_text(), Path(procs[1].log_path).read_text()
-    assert procs[0].returncode == 0, err0[-3000:]
-    assert procs[1].returncode == 0, err1[-3000:]
-    log0, log1 = _log(out0 / "trained_prompts-group0-rank0.jsonl"), _log(out1 / "trained_prompts-group1-rank0.jsonl")
+        _stop(procs, lighthouse)
+    err0, err1, log0, log1 = _ended(procs[0], procs[-1], out0, out1)
     steps0 = [e["global_step"] for e in log0]  # (the group that starts second copies the first one's policy)
     assert steps0 == list(range(steps0[0], 101)) and steps0[0] < 14
     runs = _runs(log1)
@@ -310,14 +316,8 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
         for p in procs:
             p.wait(timeout=400)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        lighthouse.shutdown()
-    err0, err1 = Path(procs[0].log_path).read_text(), Path(procs[1].log_path).read_text()
-    assert procs[0].returncode == 0, err0[-3000:]
-    assert procs[1].returncode == 0, err1[-3000:]
-    log0, log1 = _log(out0 / "trained_prompts-group0-rank0.jsonl"), _log(out1 / "trained_prompts-group1-rank0.jsonl")
+        _stop(procs, lighthouse)
+    err0, err1, log0, log1 = _ended(procs[0], procs[-1], out0, out1)
     first0, again0 = _runs(log0)
     first1, again1 = _runs(log1)
     assert [e["step"] for e in first0][-1] == 24 and again0[0]["step"] == 21, "group 0 did not resume at step 21"
