@@ -9,6 +9,7 @@ step's rows, clipping, AdamW, the linear schedule).
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -61,6 +62,41 @@ def test_replica_group_settings_that_cannot_work_are_refused(kw, match):
 def test_a_valid_replica_group_config():
     c = make(trainer_replica_groups=2, trainer_replica_group=1, torchft_lighthouse="http://h:1")
     assert (c.trainer_replica_groups, c.trainer_replica_group) == (2, 1)
+
+
+WAIT_ALONE = """
+import os, sys, time, torch
+from hfllamarl.runtime.training.replica_group import ReplicaGroup
+from hfllamarl.runtime.training.replica_quorum import group_store, start_lighthouse
+
+lighthouse = start_lighthouse(min_replicas=1, heartbeat_timeout_s=1.0, join_timeout_s=0.5)
+model = torch.nn.Linear(4, 4)
+store, host, port = group_store()
+group = ReplicaGroup(1, 2, lighthouse.address(), model, torch.optim.AdamW(model.parameters()), None,
+                     collective_timeout_s=10.0, device="cpu", store=(host, port), rank=0, world_size=1,
+                     restarted=True, peer_wait_s=2.0)
+start = time.monotonic()
+try:
+    group.begin(0)
+except RuntimeError as e:
+    print(f"{time.monotonic() - start:.2f} {e}", flush=True)
+os._exit(0)  # (torchft's server threads would hold the interpreter's exit)
+"""
+
+
+def test_a_restarted_group_alone_waits_for_a_peer_then_stops_with_what_to_do():
+    """A group other than 0 restarted by its launcher that finds no live group (the lighthouse's first quorum has it
+    alone, at global step 0) does not train from the initial weights: it forms the quorum again for up to its
+    start-up budget (2 s here), then stops with an error that says to start group 0 again first."""
+    proc = subprocess.run([sys.executable, "-c", WAIT_ALONE], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, RUST_LOG="warn"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    seconds, message = float(line.split(" ", 1)[0]), line.split(" ", 1)[1]
+    assert 2.0 <= seconds < 30, line
+    assert "trainer replica group 1 was restarted by its launcher and found no live group to copy the policy from in " \
+           "2 s" in message and "Start group 0 again" in message, message
+    assert "waiting up to 2 s" in proc.stderr, proc.stderr[-2000:]
 
 
 def _group(model, out, group, lighthouse, *extra, launcher=(), config=None, sleep=0.5):

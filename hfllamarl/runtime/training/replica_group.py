@@ -95,7 +95,7 @@ class ReplicaGroup:
             if self._resume_step:  # (torchft's step counter starts at 0)
                 self.quorum.manager.load_state_dict({"step": self._resume_step, "batches_committed": 0})
         q = self._quorum = self.quorum.begin_step()
-        if self.restarted and q.step == 0:  # (group 0 restarted from a checkpoint starts at its step, not 0)
+        if self.restarted and q.step == 0 and q.participants == 1:  # (see `_wait_for_peer`)
             q = self._wait_for_peer(q)
         self.restarted = False
         self.participants = q.participants
@@ -114,14 +114,17 @@ class ReplicaGroup:
     def _wait_for_peer(self, q: StepQuorum) -> StepQuorum:
         """A group other than 0, restarted by its launcher and alone at global step 0: it would start over from the
         initial weights. Every group may have been lost at once, and group 0 then resumes from its newest checkpoint
-        by itself (or starts over, without one). Form the quorum again every second until a group that holds a policy
-        joins (this one then copies it), up to the start-up budget, then stop with the error."""
+        by itself (or starts over, without one). Form the quorum again every second until another group joins (one
+        that holds a policy: this one copies it; or one at step 0 too, which is then where the run stands, e.g. a
+        group lost in the run's first step), up to the start-up budget, then stop with the error. (With 3 groups or
+        more, two restarted groups other than 0 that meet at step 0 start over together; group 0, back from its
+        checkpoint later, then copies their policy if they are ahead of it.)"""
         deadline = time.monotonic() + self.peer_wait_s
         if self.is_main:
             logger.warning("trainer replica group %d was restarted by its launcher and finds no live group to copy the "
                            "policy from; waiting up to %.0f s (vllm_server_timeout) for one (group 0, restarted by its "
                            "launcher, resumes from its newest checkpoint by itself)", self.group, self.peer_wait_s)
-        while q.step == 0:
+        while q.step == 0 and q.participants == 1:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"trainer replica group {self.group} was restarted by its launcher and found no live group to copy "
