@@ -345,8 +345,9 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
     try:
         checkpoints = {"save_strategy": "steps", "save_steps": 10}
         for group, out, kill, config in ((0, out0, 24, checkpoints), (1, out1, 25, {})):
+            # (collective_timeout_s 120: group 1 waits up to 60 s for group 0 to come back from its checkpoint)
             procs.append(_group(tiny_model, out, group, lighthouse.address(), "--steps", "50", "--kill-at-step",
-                                str(kill), config=config, sleep=0,
+                                str(kill), "--timeout", "120", config=config, sleep=0,
                                 launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
                                           "--master-port", str(free_port())]))
         for p in procs:

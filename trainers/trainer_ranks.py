@@ -287,7 +287,8 @@ def replica_group(trainer, model, optimizer, scheduler, device):
                         world_size=topo.local_world_size, is_main=topo.rank == 0,
                         # (group 0 restarted resumes from its checkpoint, or starts over as a single job would)
                         restarted=launcher_attempt() > 0 and args.trainer_replica_group != 0,
-                        peer_wait_s=args.vllm_server_timeout)
+                        # (its generators wait for its weights up to collective_timeout_s meanwhile)
+                        peer_wait_s=min(args.vllm_server_timeout, args.collective_timeout_s / 2))
 
 
 def load_best_model(trainer) -> None:

@@ -85,7 +85,8 @@ def run_layout(layout: str, job: dict, out: str, round_: int) -> dict:
     if layout == "groups":
         from hfllamarl.runtime.training.replica_quorum import start_lighthouse
 
-        lighthouse = start_lighthouse(min_replicas=1, heartbeat_timeout_s=5.0, join_timeout_s=5.0)
+        # (both groups in every quorum: neither starts late and copies the other, so both train every step)
+        lighthouse = start_lighthouse(min_replicas=2, heartbeat_timeout_s=5.0, join_timeout_s=5.0)
         for g in range(2):
             where = os.path.join(out, f"{layout}-{round_}-g{g}")
             spec = dict(job, output_dir=where, result=where + ".json", layout_config={

@@ -49,7 +49,9 @@ class ReplicaGroup:
         store: (host, port) of this group's store; rank, world_size: this rank within its group's trainer ranks.
         is_main: logs the group's recoveries (its first trainer rank).
         restarted: a group other than 0 that its launcher started again (torchrun --max-restarts): it must find a
-            peer holding a policy; it waits `peer_wait_s` for one, then stops.
+            peer holding a policy; it waits `peer_wait_s` for one, then stops (the job's: the start-up budget,
+            vllm_server_timeout, and at most half of collective_timeout_s, since its generators wait for its weights
+            meanwhile).
     """
 
     def __init__(self, group: int, groups: int, lighthouse: str, model, optimizer, scheduler,
@@ -116,14 +118,14 @@ class ReplicaGroup:
         initial weights. Every group may have been lost at once, and group 0 then resumes from its newest checkpoint
         by itself (or starts over, without one). Form the quorum again every second until another group joins (one
         that holds a policy: this one copies it; or one at step 0 too, which is then where the run stands, e.g. a
-        group lost in the run's first step), up to the start-up budget, then stop with the error. (With 3 groups or
+        group lost in the run's first step), up to `peer_wait_s`, then stop with the error. (With 3 groups or
         more, two restarted groups other than 0 that meet at step 0 start over together; group 0, back from its
         checkpoint later, then copies their policy if they are ahead of it.)"""
         deadline = time.monotonic() + self.peer_wait_s
         if self.is_main:
             logger.warning("trainer replica group %d was restarted by its launcher and finds no live group to copy the "
-                           "policy from; waiting up to %.0f s (vllm_server_timeout) for one (group 0, restarted by its "
-                           "launcher, resumes from its newest checkpoint by itself)", self.group, self.peer_wait_s)
+                           "policy from; waiting up to %.0f s for one (group 0, restarted by its launcher, resumes from "
+                           "its newest checkpoint by itself)", self.group, self.peer_wait_s)
         while q.step == 0 and q.participants == 1:
             if time.monotonic() > deadline:
                 raise RuntimeError(
