@@ -311,10 +311,11 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
         _stop(procs, lighthouse)
     err0, err1, log0, log1 = _ended(procs[0], procs[-1], out0, out1)
     steps0 = [e["global_step"] for e in log0]  # (the group that starts second copies the first one's policy)
-    assert steps0 == list(range(steps0[0], 101)) and steps0[0] < 14
+    assert steps0 == list(range(steps0[0], 101))
     runs = _runs(log1)
     assert len(runs) == 2, "group 1 did not come back"
     frozen_at, after = runs[0][-1]["global_step"], runs[1]
+    assert steps0[0] <= frozen_at  # (on a loaded machine group 0 may start late: it joined before the freeze)
     assert after[-1]["global_step"] == 100 and any(e["rows"] for e in after), "group 1 never came back"
     rejoined = after[0]["global_step"]
     assert "left: [1]" in err0 and f"rejoined: 1 (absent for global steps {frozen_at + 1}-{rejoined - 1}" in err0
