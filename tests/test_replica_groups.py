@@ -332,8 +332,8 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
 def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tiny_model):
     """Both groups under `torchrun --max-restarts 1`, group 0 checkpointing every 10 steps: group 0's trainer rank is
     SIGKILLed at the end of its 24th step and group 1's one step later, so that no group is left. torchrun restarts
-    both: group 0 resumes from its newest checkpoint by itself; group 1, finding no live group, waits for one and
-    copies the policy from group 0. The run ends at its last step, both groups hold the same weights, and those
+    both (group 0 10 s later, as on a slow machine): group 0 resumes from its newest checkpoint by itself; group 1,
+    back first and finding no live group, waits for one and copies the policy from group 0. The run ends at its last step, both groups hold the same weights, and those
     equal the replay of the rows of the steps that count (1-20 as first trained, 21-50 as trained again)."""
     from safetensors.torch import load_file
 
@@ -345,10 +345,11 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
     procs = []
     try:
         checkpoints = {"save_strategy": "steps", "save_steps": 10}
-        for group, out, kill, config in ((0, out0, 24, checkpoints), (1, out1, 25, {})):
-            # (collective_timeout_s 120: group 1 waits up to 60 s for group 0 to come back from its checkpoint)
+        # (group 0's restart 10 s slower: group 1 is back first and must wait for it, not race it; collective_timeout_s
+        # 120: group 1 waits up to 60 s)
+        for group, out, kill, config, delay in ((0, out0, 24, checkpoints, "10"), (1, out1, 25, {}, "0")):
             procs.append(_group(tiny_model, out, group, lighthouse.address(), "--steps", "50", "--kill-at-step",
-                                str(kill), "--timeout", "120", config=config, sleep=0,
+                                str(kill), "--timeout", "120", "--restart-delay", delay, config=config, sleep=0,
                                 launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
                                           "--master-port", str(free_port())]))
         for p in procs:
@@ -366,6 +367,7 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
     assert again1[-1]["global_step"] == 50 and any(e["rows"] for e in again1), "group 1 never came back"
     assert "resuming from" in err0 and "checkpoint-20" in err0, err0[-3000:]
     assert "copied the weights, optimizer and schedule from a peer" in err1, err1[-3000:]
+    assert "was restarted by its launcher and finds no live group to copy the policy from; waiting" in err1
     killed_at = float((out0 / "killed_at").read_text())
     print(f"drill: group 0 SIGKILLed after global step {first0[-1]['global_step']}, group 1 after "
           f"{first1[-1]['global_step']}; group 0 back from its checkpoint (global step {resumed_at}) in global step "

@@ -346,6 +346,8 @@ def main():
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="generator_kv_cache_bytes (tiny: vLLM fails to start)")
     p.add_argument("--no-bootstrap", action="store_true", help="bootstrap_generation=False: every batch from vLLM")
     p.add_argument("--step-sleep", type=float, default=0, help="sleep this many seconds after every step")
+    p.add_argument("--restart-delay", type=float, default=0,
+                   help="on a launcher's restart, sleep this many seconds before anything (a slow machine's restart)")
     p.add_argument("--dump-trained", action="store_true",
                    help="replica groups: write what each committed step trained (dump_trained)")
     p.add_argument("--extra", default="{}", help="more AsyncAIPOConfig fields, as a JSON object")
@@ -353,6 +355,8 @@ def main():
     p.add_argument("--rows", type=int, default=64, help="training dataset rows")
     p.add_argument("--eval-rows", type=int, default=0, help="an eval_dataset of this many rows (set eval_strategy too)")
     a = p.parse_args()
+    if a.restart_delay and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        time.sleep(a.restart_delay)
     if a.kill_in_checkpoint:
         kill_inside_checkpoint(a.kill_in_checkpoint)
     if a.stop_after_checkpoint and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # (not on a restart)

@@ -98,7 +98,7 @@ class ReplicaGroup:
                 self.quorum.manager.load_state_dict({"step": self._resume_step, "batches_committed": 0})
         q = self._quorum = self.quorum.begin_step()
         if self.restarted and q.step == 0 and q.participants == 1:  # (see `_wait_for_peer`)
-            q = self._wait_for_peer(q)
+            q, start = self._wait_for_peer(q)  # (the copy, if any, was in its last quorum: timed from there)
         self.restarted = False
         self.participants = q.participants
         offset = q.step - version
@@ -113,15 +113,16 @@ class ReplicaGroup:
             self.offset = offset
         return q
 
-    def _wait_for_peer(self, q: StepQuorum) -> StepQuorum:
+    def _wait_for_peer(self, q: StepQuorum) -> tuple[StepQuorum, float]:
         """A group other than 0, restarted by its launcher and alone at global step 0: it would start over from the
         initial weights. Every group may have been lost at once, and group 0 then resumes from its newest checkpoint
         by itself (or starts over, without one). Form the quorum again every second until another group joins (one
         that holds a policy: this one copies it; or one at step 0 too, which is then where the run stands, e.g. a
         group lost in the run's first step), up to `peer_wait_s`, then stop with the error. (With 3 groups or
         more, two restarted groups other than 0 that meet at step 0 start over together; group 0, back from its
-        checkpoint later, then copies their policy if they are ahead of it.)"""
-        deadline = time.monotonic() + self.peer_wait_s
+        checkpoint later, then copies their policy if they are ahead of it.) Returns the quorum and when it began."""
+        start = time.monotonic()
+        deadline = start + self.peer_wait_s
         if self.is_main:
             logger.warning("trainer replica group %d was restarted by its launcher and finds no live group to copy the "
                            "policy from; waiting up to %.0f s for one (group 0, restarted by its launcher, resumes from "
@@ -135,8 +136,9 @@ class ReplicaGroup:
                     "weights. Start group 0 again (resume_from_checkpoint=True resumes it from its checkpoint), then "
                     "this group.")
             time.sleep(1.0)
+            start = time.monotonic()
             q = self._quorum = self.quorum.begin_step()  # (nothing was committed: the same step's quorum again)
-        return q
+        return q, start
 
     def resume_at(self, version: int, offset: int) -> None:
         """A job resumed from a checkpoint at its policy `version` and this group's `offset` then: the quorum starts
