@@ -239,13 +239,12 @@ class AsyncAIPOTrainer:
         startup.reset()
         startup.mark("train")
         spec = self._generator_spec()
-        groups, group = self.args.trainer_replica_groups, self.args.trainer_replica_group
         # (torchrun --max-restarts) Replica groups: group 0 resumes from its own checkpoints too, and then copies the
         # policy from a live group that is ahead of it, if any; the other groups write none and copy it from a peer.
         resume_from_checkpoint, restarted = checkpoint.after_restart(
-            resume_from_checkpoint, self.args.output_dir, launcher_attempt() if group == 0 else 0,
-            prompts_log=f"trained_prompts{'-group0' if groups > 1 else ''}-rank0.jsonl",
-            healing=groups > 1)
+            resume_from_checkpoint, self.args.output_dir,
+            launcher_attempt() if self.args.trainer_replica_group == 0 else 0,
+            replica_groups=self.args.trainer_replica_groups > 1)
         if restarted and topo.rank == 0:
             logger.warning(restarted)
         resume = checkpoint.resolve(resume_from_checkpoint, self.args.output_dir)

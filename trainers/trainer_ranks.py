@@ -205,8 +205,8 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
     group = replica_group(trainer, model, optimizer, scheduler, device)
     if group is not None and group.group != 0:
         every = 0  # (the groups hold one policy: group 0 writes the checkpoints)
-    where = f"-group{group.group}" if group is not None else ""
-    prompts_log = os.path.join(args.output_dir, f"trained_prompts{where}-rank{topo.rank}.jsonl")
+    prompts_log = os.path.join(args.output_dir,
+                               checkpoint.prompts_log_name(topo.rank, group.group if group is not None else None))
     holder = {}
 
     def on_step(step: int, metrics: dict) -> bool:

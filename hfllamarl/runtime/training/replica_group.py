@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -83,22 +84,19 @@ class ReplicaGroup:
     # ------------------------------------------------------------------ the step
     def begin(self, version: int) -> StepQuorum:
         """This step's quorum (a group behind its peers heals here). `version`: the job's own policy version."""
-        start = time.monotonic()
-        try:
-            return self._begin(version, start)
-        finally:
-            self._seconds["quorum"] += time.monotonic() - start
-
-    def _begin(self, version: int, start: float) -> StepQuorum:
-        if self.quorum is None:
-            self.quorum = self._build()
-            if self._scheduler is not None:
-                self.quorum.register_state("scheduler", self._scheduler.state_dict, self._scheduler.load_state_dict)
-            if self._resume_step:  # (torchft's step counter starts at 0)
-                self.quorum.manager.load_state_dict({"step": self._resume_step, "batches_committed": 0})
-        q = self._quorum = self.quorum.begin_step()
-        if self.restarted and q.step == 0 and q.participants == 1:  # (see `_wait_for_peer`)
-            q, start = self._wait_for_peer(q)  # (the copy, if any, was in its last quorum: timed from there)
+        with self._timed("quorum"):
+            start = time.monotonic()
+            if self.quorum is None:
+                self.quorum = self._build()
+                if self._scheduler is not None:
+                    self.quorum.register_state("scheduler", self._scheduler.state_dict,
+                                               self._scheduler.load_state_dict)
+                if self._resume_step:  # (torchft's step counter starts at 0)
+                    self.quorum.manager.load_state_dict({"step": self._resume_step, "batches_committed": 0})
+            q = self._quorum = self.quorum.begin_step()
+            if self.restarted and q.step == 0 and q.participants == 1:  # (see `_wait_for_peer`)
+                q, start = self._wait_for_peer(q)  # (the copy, if any, was in its last quorum: timed from there)
+        seconds = time.monotonic() - start
         self.restarted = False
         self.participants = q.participants
         offset = q.step - version
@@ -106,12 +104,21 @@ class ReplicaGroup:
             missed = offset - self.offset
             self.steps_missed += max(missed, 0)
             if self.is_main:
-                how = f"copied the weights, optimizer and schedule from a peer in {time.monotonic() - start:.2f} s" \
+                how = f"copied the weights, optimizer and schedule from a peer in {seconds:.2f} s" \
                     if q.healed else "its state was current"
                 logger.warning("trainer replica group %d: at global step %d, %d steps past its own count (%s); what "
                                "it sampled before is not trained", self.group, q.step + 1, missed, how)
             self.offset = offset
         return q
+
+    @contextmanager
+    def _timed(self, what: str):
+        """Adds the block's seconds to this step's `what` ("quorum" or "average": `metrics`)."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self._seconds[what] += time.monotonic() - start
 
     def _wait_for_peer(self, q: StepQuorum) -> tuple[StepQuorum, float]:
         """A group other than 0, restarted by its launcher and alone at global step 0: it would start over from the
@@ -124,9 +131,9 @@ class ReplicaGroup:
         start = time.monotonic()
         deadline = start + self.peer_wait_s
         if self.is_main:
-            logger.warning("trainer replica group %d was restarted by its launcher and finds no live group to copy the "
-                           "policy from; waiting up to %.0f s for one (group 0, restarted by its launcher, resumes from "
-                           "its newest checkpoint by itself)", self.group, self.peer_wait_s)
+            logger.warning("trainer replica group %d was restarted by its launcher and finds no live group to copy "
+                           "the policy from; waiting up to %.0f s for one (group 0, restarted by its launcher, "
+                           "resumes from its newest checkpoint by itself)", self.group, self.peer_wait_s)
         while q.step == 0 and q.participants == 1:
             if time.monotonic() > deadline:
                 raise RuntimeError(
@@ -148,11 +155,12 @@ class ReplicaGroup:
     def step_tokens(self, local_tokens: float) -> float:
         """The step's completion tokens over every participating group (this group's: `local_tokens`, summed over
         its own ranks already); learns which groups take part and logs a change."""
-        q, start = self._quorum, time.monotonic()
+        q = self._quorum
         vector = torch.zeros(1 + self.groups, dtype=torch.float64)
         vector[0] = float(local_tokens)
         vector[1 + self.group] = 1.0
-        self.quorum.manager.allreduce(vector).wait()  # (AVG over the participants; a failure is recorded)
+        with self._timed("quorum"):
+            self.quorum.manager.allreduce(vector).wait()  # (AVG over the participants; a failure is recorded)
         vector *= q.participants
         members = {g for g in range(self.groups) if vector[1 + g] > 0.5}
         if members != self.members and self.members:
@@ -173,21 +181,18 @@ class ReplicaGroup:
                                f"; left: {left}" if left else "", f"; joined: {new}" if new else "",
                                f"; rejoined: {', '.join(back)}" if back else "")
         self.members = members
-        self._seconds["quorum"] += time.monotonic() - start
         return float(vector[0])
 
     def average(self, model: torch.nn.Module) -> None:
         """Average the gradients over the participating groups (zeros where this group has none)."""
-        start = time.monotonic()
-        self.quorum.average_gradients(model.parameters())
-        self._seconds["average"] += time.monotonic() - start
+        with self._timed("average"):
+            self.quorum.average_gradients(model.parameters())
 
     def commit(self) -> bool:
         """Whether the step counts (the optimizer may step). False: train the same rows again (`begin`)."""
-        start = time.monotonic()
-        ok = self.quorum.commit()
+        with self._timed("quorum"):
+            ok = self.quorum.commit()
         now = time.monotonic()
-        self._seconds["quorum"] += now - start
         if ok:
             if self._failed_at is not None and self.is_main:
                 logger.warning("trainer replica group %d: global step %d committed %.2f s after its first attempt "

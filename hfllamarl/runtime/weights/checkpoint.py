@@ -78,15 +78,21 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def prompts_log_name(rank: int, replica_group: int | None = None) -> str:
+    """The file in output_dir where trainer rank `rank` logs each step's dataset rows (with trainer replica groups,
+    its group's own file)."""
+    return f"trained_prompts{'' if replica_group is None else f'-group{replica_group}'}-rank{rank}.jsonl"
+
+
 def after_restart(resume_from_checkpoint, output_dir: str, attempt: int,
-                  prompts_log: str = "trained_prompts-rank0.jsonl", healing: bool = False) -> tuple[object, str | None]:
+                  replica_groups: bool = False) -> tuple[object, str | None]:
     """What `train()` resumes from in attempt `attempt` of a launcher that restarts a failed job (torchrun
     --max-restarts, accelerate launch --max_restarts), and what to log about it: called without
     `resume_from_checkpoint` (None), a restarted job resumes from the newest complete checkpoint of `output_dir`,
     with no user action, and says what the failure cost (the steps trained past that checkpoint, to be trained
     again, and the seconds since it was written). `False` keeps a fresh start; the first attempt is left alone.
-    `prompts_log`: the job's prompts log in `output_dir` (its steps); `healing`: trainer replica group 0, which then
-    copies the policy from a live group ahead of the checkpoint, if there is one."""
+    `replica_groups`: the job is trainer replica group 0, which then copies the policy from a live group ahead of
+    the checkpoint, if there is one."""
     import time
 
     if resume_from_checkpoint is not None or attempt == 0:
@@ -95,11 +101,12 @@ def after_restart(resume_from_checkpoint, output_dir: str, attempt: int,
     found = list_checkpoints(output_dir)
     if not found:
         return None, (f"restart {attempt} of the launcher: {output_dir} holds no complete checkpoint; training starts "
-                      "from the beginning" + (" unless a live replica group gives its policy" if healing else ""))
+                      "from the beginning"
+                      + (" unless a live replica group gives its policy" if replica_groups else ""))
     step, path = found[-1]
     reached = step
     try:  # the steps the stopped attempt trained (each step's line is written at its end)
-        with open(os.path.join(output_dir, prompts_log)) as fh:
+        with open(os.path.join(output_dir, prompts_log_name(0, 0 if replica_groups else None))) as fh:
             reached = max([json.loads(line)["step"] for line in fh if line.strip()] + [step])
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -107,7 +114,7 @@ def after_restart(resume_from_checkpoint, output_dir: str, attempt: int,
     return True, (f"restart {attempt} of the launcher: resuming from {path} (step {step}); the stopped attempt had "
                   f"trained to step {reached}: {reached - step} step(s) to train again, {since:.0f} s since that "
                   "checkpoint was written" + ("; a live replica group ahead of it, if any, gives its policy instead"
-                                              if healing else ""))
+                                              if replica_groups else ""))
 
 
 def resolve(resume_from_checkpoint, output_dir: str) -> tuple[str, dict] | None:
