@@ -106,7 +106,8 @@ def _group(model, out, group, lighthouse, *extra, launcher=(), config=None, slee
     n = len(list(out.parent.glob(f"g{group}-*.log")))
     log = open(out.parent / f"g{group}-{n}.log", "w")
     cmd = [sys.executable, *launcher, str(SCRIPT), model, str(out), "--steps", "80", "--step-sleep", str(sleep),
-           "--reward", "digits", "--no-bootstrap", "--timeout", "30", "--save-model", str(out / "final"), "--dump-trained",
+           "--reward", "digits", "--no-bootstrap", "--timeout", "30", "--save-model", str(out / "final"),
+           "--dump-trained",
            "--extra", json.dumps({"trainer_replica_groups": 2, "trainer_replica_group": group,
                                   "torchft_lighthouse": lighthouse, "save_strategy": "no", **(config or {})}), *extra]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -178,6 +179,14 @@ def _replay(model_dir, outs, steps):
     return initial, model.state_dict(), by_step
 
 
+def _torchrun():
+    """A group's launch under torchrun that restarts it once (its trainer and its generator as two ranks)."""
+    from conftest import free_port
+
+    return ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1", "--master-port",
+            str(free_port())]
+
+
 def _stop(procs, lighthouse):
     for p in procs:
         if p.poll() is None:
@@ -190,7 +199,8 @@ def _ended(proc0, proc1, out0, out1):
     err0, err1 = Path(proc0.log_path).read_text(), Path(proc1.log_path).read_text()
     assert proc0.returncode == 0, err0[-3000:]
     assert proc1.returncode == 0, err1[-3000:]
-    return err0, err1, _log(out0 / "trained_prompts-group0-rank0.jsonl"), _log(out1 / "trained_prompts-group1-rank0.jsonl")
+    log0, log1 = _log(out0 / "trained_prompts-group0-rank0.jsonl"), _log(out1 / "trained_prompts-group1-rank0.jsonl")
+    return err0, err1, log0, log1
 
 
 def _runs(log):
@@ -205,8 +215,6 @@ def _runs(log):
 
 @pytest.mark.slow
 def test_a_killed_group_is_left_out_and_rejoins_from_its_peer(tmp_path, tiny_model):
-    from safetensors.torch import load_file
-
     from hfllamarl.runtime.training.replica_quorum import start_lighthouse
 
     lighthouse = start_lighthouse(min_replicas=1, heartbeat_timeout_s=2.0, join_timeout_s=1.0)
@@ -248,17 +256,20 @@ def test_a_killed_group_is_left_out_and_rejoins_from_its_peer(tmp_path, tiny_mod
     print(f"drill: killed after global step {killed} at t=0; survivor's next step at "
           f"+{step_times[killed + 1] - killed_at:.1f} s; "
           f"group 1 back in global step {rejoined} at +{step_times[rejoined] - killed_at:.1f} s")
-    a, b = load_file(out0 / "final" / "model.safetensors"), load_file(out1 / "final" / "model.safetensors")
-    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)  # one policy, bit for bit
-    _check_replay(tiny_model, [out0, out1], log0 + log1, a, 80)
+    _check_final_weights(tiny_model, out0, out1, log0 + log1, 80)
 
 
-def _check_replay(model_dir, outs, prompts_log, final, steps):
-    """The final weights equal (to fp32 rounding) one process's training on the same rows without the failure: their
-    distance to the replay's, against how far they moved (L2 over every weight). In runs of the three drills that ratio
-    was 1e-6 to 7.5e-5 (fp32 noise through AdamW: an element whose gradient is about 0 can take a step of the learning
-    rate either way); the same replays with one group's share of one step left out gave 3.1e-3 to 2.6e-2."""
-    initial, replayed, by_step = _replay(model_dir, outs, steps)
+def _check_final_weights(model_dir, out0, out1, prompts_log, steps):
+    """Both groups end with one policy, bit for bit, and it equals (to fp32 rounding) one process's training on the
+    same rows without the failure: its distance to the replay's, against how far the weights moved (L2 over every
+    weight). In runs of the three drills that ratio was 1e-6 to 7.5e-5 (fp32 noise through AdamW: an element whose
+    gradient is about 0 can take a step of the learning rate either way); the same replays with one group's share of
+    one step left out gave 3.1e-3 to 2.6e-2."""
+    from safetensors.torch import load_file
+
+    final, other = load_file(out0 / "final" / "model.safetensors"), load_file(out1 / "final" / "model.safetensors")
+    assert final.keys() == other.keys() and all((final[k] == other[k]).all() for k in final)
+    initial, replayed, by_step = _replay(model_dir, [out0, out1], steps)
     logged = {}
     for e in prompts_log:
         logged.setdefault(e["global_step"], []).append(e["rows"])
@@ -281,9 +292,7 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
     SIGSTOPped once both groups train together. Group 0 leaves it out and trains on; group 1's generator gives up
     on its frozen trainer after collective_timeout_s, torchrun restarts the group, and it rejoins from group 0."""
     import psutil
-    from safetensors.torch import load_file
 
-    from conftest import free_port
     from hfllamarl.runtime.training.replica_quorum import start_lighthouse
 
     lighthouse = start_lighthouse(min_replicas=1, heartbeat_timeout_s=2.0, join_timeout_s=1.0)
@@ -292,8 +301,7 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
     try:
         procs.append(_group(tiny_model, out0, 0, lighthouse.address(), "--steps", "100"))
         procs.append(_group(tiny_model, out1, 1, lighthouse.address(), "--steps", "100",
-                            launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-                                      "--master-port", str(free_port())]))
+                            launcher=_torchrun()))
         deadline = time.monotonic() + 300
         log0 = out0 / "trained_prompts-group0-rank0.jsonl"
         while not (log0.exists() and len(_log(log0)) >= 8 and (out1 / "trained_prompts-group1-rank0.jsonl").exists()
@@ -323,9 +331,7 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
     times = {e["global_step"]: e["time"] for e in log0}
     print(f"drill: SIGSTOP after global step {frozen_at}; survivor's next step +{times[frozen_at + 1] - stopped_at:.1f} s; "
           f"group 1 back (restarted by torchrun) in global step {rejoined} at +{times[rejoined] - stopped_at:.1f} s")
-    a, b = load_file(out0 / "final" / "model.safetensors"), load_file(out1 / "final" / "model.safetensors")
-    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-    _check_replay(tiny_model, [out0, out1], log0 + log1, a, 100)
+    _check_final_weights(tiny_model, out0, out1, log0 + log1, 100)
 
 
 @pytest.mark.slow
@@ -333,11 +339,9 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
     """Both groups under `torchrun --max-restarts 1`, group 0 checkpointing every 10 steps: group 0's trainer rank is
     SIGKILLed at the end of its 24th step and group 1's one step later, so that no group is left. torchrun restarts
     both (group 0 10 s later, as on a slow machine): group 0 resumes from its newest checkpoint by itself; group 1,
-    back first and finding no live group, waits for one and copies the policy from group 0. The run ends at its last step, both groups hold the same weights, and those
-    equal the replay of the rows of the steps that count (1-20 as first trained, 21-50 as trained again)."""
-    from safetensors.torch import load_file
-
-    from conftest import free_port
+    back first and finding no live group, waits for one and copies the policy from group 0. The run ends at its last
+    step, both groups hold the same weights, and those equal the replay of the rows of the steps that count (1-20 as
+    first trained, 21-50 as trained again)."""
     from hfllamarl.runtime.training.replica_quorum import start_lighthouse
 
     lighthouse = start_lighthouse(min_replicas=1, heartbeat_timeout_s=2.0, join_timeout_s=1.0)
@@ -350,8 +354,7 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
         for group, out, kill, config, delay in ((0, out0, 24, checkpoints, "10"), (1, out1, 25, {}, "0")):
             procs.append(_group(tiny_model, out, group, lighthouse.address(), "--steps", "50", "--kill-at-step",
                                 str(kill), "--timeout", "120", "--restart-delay", delay, config=config, sleep=0,
-                                launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-                                          "--master-port", str(free_port())]))
+                                launcher=_torchrun()))
         for p in procs:
             p.wait(timeout=400)
     finally:
@@ -374,6 +377,4 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
           f"{resumed_at + 1} at +{again0[0]['time'] - killed_at:.1f} s, group 1 in global step "
           f"{again1[0]['global_step']} at +{again1[0]['time'] - killed_at:.1f} s; "
           f"{max(first0[-1]['global_step'], first1[-1]['global_step']) - resumed_at} global steps trained again")
-    a, b = load_file(out0 / "final" / "model.safetensors"), load_file(out1 / "final" / "model.safetensors")
-    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-    _check_replay(tiny_model, [out0, out1], log0 + log1, a, 50)
+    _check_final_weights(tiny_model, out0, out1, log0 + log1, 50)
