@@ -53,7 +53,9 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
                              "--staleness", "4", "--steps", "3", "--seeds", "0", "--output-dir",
                              str(tmp_path / "learning")], env)
     vs_trl = popen_script(["-m", "hfllamarl.cli", "bench", "vs-trl", "--steps", "2", "--hidden-size", "64", "--layers",
-                           "1", "--max-completion-length", "8", "--profile", "--output-dir", str(tmp_path / "vs")],
+                           "1", "--max-completion-length", "8", "--profile", "--output-dir", str(tmp_path / "vs"),
+                           "--variant", 'lookahead={"sampler_lookahead": "adamw", "verify_weight_sync": true, '
+                                        '"max_steps": 3, "bootstrap_generation": false}'],
                           env)  # (its sides drop OMP_NUM_THREADS: each times its own setting)
     out, err = learning.communicate(timeout=600)
     assert learning.returncode == 0, err[-3000:]
@@ -83,9 +85,15 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     assert profile["forward + backward"] > 0 and profile["generation (generator core)"] > 0
     assert summary["profile_trl"]["generation"] > 0 and summary["profile_trl"]["forward + backward"] > 0
     # Each side's log history: the same steps, rewards from the same reward function.
-    for name in ("trl", "hfllamarl"):
+    for name, steps in (("trl", 2), ("hfllamarl", 2), ("hfllamarl-lookahead", 3)):
         result = json.load(open(tmp_path / "vs" / f"{name}.json"))
-        assert result["steps"] == 2 and len(result["rewards"]) == 2
+        assert result["steps"] == steps and len(result["rewards"]) == steps
+    # the variant (3 steps, every batch from vLLM: at max_staleness 1, batch 3 is the first sampled after an optimizer
+    # step, and the last one trained after the trainer's own first batches is sampled on-policy): its own row and
+    # ratio; the generator sampled batch 3 with weights moved one step ahead, and held exactly what was sent
+    # (verify_weight_sync reloads the sent weights with vLLM's loader and compares)
+    assert summary["ratio_hfllamarl-lookahead"] == round(trl["seconds"] / summary["hfllamarl-lookahead"]["seconds"], 3)
+    assert [h.get("weight_sync/lookahead_steps") for h in result["history"]][-1] == 1.0, result["history"]
     # ours logs each step's CPU time on both sides (what the profile's bound is made of); a batch the trainer sampled
     # itself has no generator time
     history = json.load(open(tmp_path / "vs" / "hfllamarl.json"))["history"]

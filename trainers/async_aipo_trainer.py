@@ -28,6 +28,7 @@ from hfllamarl.runtime.generation.generator import GeneratorExecutor, GeneratorS
 from hfllamarl.runtime.training import bootstrap
 from hfllamarl.runtime.training.moe import aux_loss_coef
 from hfllamarl.runtime.generation.preflight import check_generator
+from hfllamarl.runtime.weights.lookahead import check_lookahead
 from hfllamarl.runtime.weights.lora_adapters import adapter_config, choose_lora_sync, engine_rank
 from hfllamarl.runtime.weights.tensor_parallel import check_trainer_tp
 from hfllamarl.runtime.data.prompts import PromptEncoder, validate_dataset
@@ -169,6 +170,7 @@ class AsyncAIPOTrainer:
                                                model_impl=args.vllm_model_impl)
         if self.lora_sync != "none" and self.topology.rank == 0:
             logger.info("LoRA weight sync: %s (%s)", self.lora_sync, why)
+        check_lookahead(args.sampler_lookahead, peft_config)
         check_generator(model_config, use_cpu=args.use_cpu, dtype=self._generator_dtype(),
                         tensor_parallel_size=args.generator_tensor_parallel_size, model_impl=args.vllm_model_impl)
         args.check_trainer_processes()

@@ -16,6 +16,7 @@ from hfllamarl.runtime.loop.sampling import NEUTRAL_KWARGS, TRANSFORM_KWARGS, Sa
 from . import trainer_layout
 from .config_fields import UNSUPPORTED as _UNSUPPORTED
 from .config_fields import remember_written_fields, warn_written_use_vllm, written_fields
+from .schedule_fields import check_partial_rollouts, check_sampler_lookahead
 from .tool_budget import check_tool_tick, default_tool_budget
 
 # generation_kwargs the trainer sets itself, with what to set instead.
@@ -121,6 +122,16 @@ class AsyncAIPOConfig(GRPOConfig):
                   "next tick and continued under the newer weights; every token keeps the log-prob and policy version "
                   "it was sampled under. A batch then spans up to ceil(max_completion_length / partial_rollout_tokens) "
                   "ticks, which must not exceed max_staleness. None: every completion is generated in one tick."},
+    )
+    sampler_lookahead: str = field(
+        default="none",
+        metadata={"help": "What the generator samples with while the trainer is max_staleness steps ahead of it: "
+                  "'none' (the trainer's newest weights) or 'adamw' (those weights moved one step ahead along AdamW's "
+                  "own momentum: about the policy that trains on the batch at max_staleness=1; the log-probs of what "
+                  "was sampled are recorded as mu, so the loss's correction stays exact). 'adamw' learns more per step "
+                  "where each step moves the policy far, but lost one run in twenty on the staleness study's task "
+                  "(docs: Learning under staleness). Not with LoRA or partial rollouts; evaluations get the weights "
+                  "as they are."},
     )
     bootstrap_generation: bool = field(
         default=True,
@@ -354,7 +365,8 @@ class AsyncAIPOConfig(GRPOConfig):
         if self.multi_objective_aggregation not in AGGREGATIONS:
             raise ValueError(f"AsyncAIPOConfig: multi_objective_aggregation={self.multi_objective_aggregation!r}; "
                              f"choose one of {', '.join(map(repr, AGGREGATIONS))}.")
-        self._check_partial_rollouts()
+        check_partial_rollouts(self)
+        check_sampler_lookahead(self)
         self._check_sampling()
         if not (math.isfinite(self.aipo_rho) and self.aipo_rho >= 1.0):
             raise ValueError(
@@ -511,32 +523,6 @@ class AsyncAIPOConfig(GRPOConfig):
         from hfllamarl.runtime.loop.schedule import ticks_per_batch
 
         return ticks_per_batch(self.max_completion_length, self.partial_rollout_tokens)
-
-    def _check_partial_rollouts(self) -> None:
-        budget = self.partial_rollout_tokens
-        if budget is None:
-            return
-        if not _is_whole(budget) or budget < 1:
-            raise ValueError(f"AsyncAIPOConfig: partial_rollout_tokens={budget!r}; it must be a whole number of "
-                             "tokens >= 1, or None (no partial rollouts).")
-        ticks = self.generation_ticks
-        if ticks > max(self.max_staleness, 1):
-            need = -(-self.max_completion_length // max(self.max_staleness, 1))
-            raise ValueError(
-                f"AsyncAIPOConfig: partial_rollout_tokens={budget} splits a completion of max_completion_length="
-                f"{self.max_completion_length} over up to {ticks} ticks, but a batch must reach the trainer within "
-                f"max_staleness={self.max_staleness} tick(s) (the staleness bound). Raise max_staleness to >= {ticks}"
-                + (f" or partial_rollout_tokens to >= {need}." if self.max_staleness >= 1 else
-                   " (partial rollouts need an asynchronous job).")
-            )
-        kwargs = self.generation_kwargs or {}
-        per_segment = [k for k in ("stop", "min_tokens", "presence_penalty", "frequency_penalty") if kwargs.get(k)]
-        if per_segment and ticks > 1:
-            raise ValueError(
-                f"AsyncAIPOConfig: generation_kwargs {per_segment} act on each tick's segment of a partial rollout, not on "
-                "the whole completion (a stop string split between two ticks would be missed; penalties would not see "
-                "the earlier tokens). Remove them, use stop_token_ids instead of stop, or set partial_rollout_tokens=None."
-            )
 
     def _check_quantization(self) -> None:
         q = self.generator_quantization

@@ -261,7 +261,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
         router_aux_loss_coef=trainer.router_aux_loss_coef,
         top_entropy_quantile=args.top_entropy_quantile,
         ref_sync=(args.ref_model_mixup_alpha, args.ref_model_sync_steps) if args.sync_ref_model else None,
-        replica_group=group,
+        replica_group=group, lookahead=args.sampler_lookahead == "adamw",
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)

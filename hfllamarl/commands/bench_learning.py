@@ -66,7 +66,9 @@ def _ints(text: str, what: str) -> list[int]:
 def _names(text: str | None, choices, what: str) -> list[str]:
     raw = text or ""
     names = [x.strip() for x in raw.split(";" if ";" in raw else ",") if x.strip()]
-    unknown = [n for n in names if n.split(":")[0] not in choices]
+    from hfllamarl.study.grid import split_lookahead
+
+    unknown = [n for n in names if split_lookahead(n)[0].split(":")[0] not in choices]
     if unknown:
         raise SystemExit(f"{what}: unknown {unknown}; choose among {', '.join(choices)}")
     return names

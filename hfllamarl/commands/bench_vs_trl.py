@@ -63,7 +63,26 @@ def add_arguments(parser) -> None:
                              "(`hfllamarl preload`); without it the side's generator imports vLLM itself, as a "
                              "one-shot job's does")
     parser.add_argument("--sides", default="trl,hfllamarl", help="which sides to run (comma-separated)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                        help="also run the hfllamarl side with these AsyncAIPOConfig fields, in the same invocation, "
+                             "as a row of its own (hfllamarl-NAME); e.g. --variant 'sync={\"max_staleness\": 0}' "
+                             "--variant 'lookahead={\"sampler_lookahead\": \"adamw\"}'")
     parser.add_argument("--output-dir", default="outputs/bench_vs_trl")
+
+
+def _variants(specs: list[str]) -> dict[str, dict]:
+    """`--variant NAME=JSON` -> {"hfllamarl-NAME": fields}; a field AsyncAIPOConfig refuses fails in its run."""
+    out = {}
+    for spec in specs:
+        name, _, fields = spec.partition("=")
+        try:
+            value = json.loads(fields)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--variant {spec!r}: after NAME= give a JSON object of AsyncAIPOConfig fields ({exc})")
+        if not name.strip() or not isinstance(value, dict):
+            raise SystemExit(f"--variant {spec!r}: give NAME={{\"field\": value, ...}}")
+        out[f"hfllamarl-{name.strip()}"] = value
+    return out
 
 
 def run_job(module: str, job: dict, name: str) -> dict:
@@ -198,7 +217,8 @@ def run_side(job: dict) -> None:
 
         constructed = time.perf_counter()
         trainer = AsyncAIPOTrainer(model=job["model"], reward_funcs=digit_share, train_dataset=_dataset(job["seed"]),
-                                   args=AsyncAIPOConfig(**_common(job), max_staleness=1),
+                                   args=AsyncAIPOConfig(**{**_common(job), "max_staleness": 1,
+                                                            **job.get("config", {})}),
                                    callbacks=[_callback(clock)])
     start = time.perf_counter()
     trainer.train()
@@ -299,6 +319,7 @@ def run(args) -> int:
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not sides or set(sides) - {"trl", "hfllamarl"}:
         raise SystemExit(f"--sides {args.sides!r}: choose from trl, hfllamarl")
+    variants = _variants(args.variant)
     if args.steps < 2 or args.hidden_size % 64 or args.layers < 1 or args.max_completion_length < 1:
         raise SystemExit("give --steps >= 2, --hidden-size a multiple of 64 (head size 64), --layers >= 1, "
                          "--max-completion-length >= 1")
@@ -324,18 +345,19 @@ def run(args) -> int:
         server = preload.start_server(wait=False)  # it imports while the TRL side runs
     for seed in seeds:
         by_seed[seed] = {}
-        for side in sides + (["bare_vllm"] if args.bare_vllm and seed == seeds[0] else []):
-            tag = side if len(seeds) == 1 else f"{side}-seed{seed}"
-            job = {"side": side, "model": model, "steps": args.steps, "seed": seed,
+        for name in sides + list(variants) + (["bare_vllm"] if args.bare_vllm and seed == seeds[0] else []):
+            side = "hfllamarl" if name in variants else name
+            tag = name if len(seeds) == 1 else f"{name}-seed{seed}"
+            job = {"side": side, "config": variants.get(name, {}), "model": model, "steps": args.steps, "seed": seed,
                    "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
                    "precision": args.precision, "gradient_checkpointing": args.gradient_checkpointing,
                    "output_dir": os.path.join(args.output_dir, tag), "result": os.path.join(args.output_dir, f"{tag}.json")}
-            print(f"running {side}" + (f", seed {seed}" if len(seeds) > 1 else "") + " ...", flush=True)
+            print(f"running {name}" + (f", seed {seed}" if len(seeds) > 1 else "") + " ...", flush=True)
             if side == "hfllamarl" and server is not None:
                 preload.wait_ready(*server, timeout=600)
                 os.environ[preload.ENV_PRELOAD] = server[1].path
             try:
-                by_seed[seed][side] = run_job("hfllamarl.commands.bench_vs_trl", job, side)
+                by_seed[seed][name] = run_job("hfllamarl.commands.bench_vs_trl", job, name)
             finally:
                 os.environ.pop("HFLLAMARL_PRELOAD", None)
     if server is not None:
@@ -344,6 +366,8 @@ def run(args) -> int:
     results = by_seed[seeds[0]]
     bare = results.pop("bare_vllm", None)
     quarter = max(args.steps // 4, 1)
+
+    width = max(12, *(len(side) + 2 for side in results))
 
     def final(r):
         return sum(r["rewards"][-quarter:]) / max(len(r["rewards"][-quarter:]), 1)
@@ -357,7 +381,8 @@ def run(args) -> int:
           f"{args.precision}, {os.cpu_count()} cores of {_cpu_name()}"
           + ("; hfllamarl's generator forked from a warm preload server" if server is not None else "")
           + (f"; means over seeds {seeds}" if len(seeds) > 1 else ""))
-    print(f"{'side':<12}{'train() s':>11}{'steps/s':>9}{'first step s':>14}{'final reward':>14}{'init s':>9}"
+    print(f"{'side':<{width}}{'train() s':>11}{'steps/s':>9}{'first step s':>14}{'final reward':>14}{'mean reward':>13}"
+          f"{'init s':>9}"
           f"{'process s':>11}")
     summary = {}
     for side in results:
@@ -366,20 +391,26 @@ def run(args) -> int:
                          "steps_per_s": round(mean_over_seeds(side, lambda r: r["steps"]) / seconds, 4),
                          "first_step_s": round(mean_over_seeds(side, lambda r: r["first_step_after"] or 0.0), 2),
                          "final_reward": round(mean_over_seeds(side, final), 4),
+                         "mean_reward": round(mean_over_seeds(side, lambda r: sum(r["rewards"]) / max(len(r["rewards"]), 1)),
+                                              4),
                          "init_seconds": round(mean_over_seeds(side, lambda r: r["init_seconds"]), 2),
                          "process_seconds": round(mean_over_seeds(side, lambda r: r["process_seconds"]), 2)}
         if len(seeds) > 1:
             summary[side]["final_reward_per_seed"] = {str(seed): round(final(by_seed[seed][side]), 4) for seed in seeds}
         s = summary[side]
-        print(f"{side:<12}{s['seconds']:>11.1f}{s['steps_per_s']:>9.3f}{s['first_step_s']:>14.1f}"
-              f"{s['final_reward']:>14.3f}{s['init_seconds']:>9.1f}{s['process_seconds']:>11.1f}")
+        print(f"{side:<{width}}{s['seconds']:>11.1f}{s['steps_per_s']:>9.3f}{s['first_step_s']:>14.1f}"
+              f"{s['final_reward']:>14.3f}{s['mean_reward']:>13.3f}{s['init_seconds']:>9.1f}{s['process_seconds']:>11.1f}")
     if len(seeds) > 1:
         print("final reward per seed: " + "; ".join(
             f"seed {seed}: " + ", ".join(f"{side} {final(by_seed[seed][side]):.3f}" for side in results)
             for seed in seeds))
     out = {**summary, "seeds": seeds, "steps": args.steps, "precision": args.precision, "parameters": params, "cores": os.cpu_count(),
            "cpu": _cpu_name(), "preloaded": server is not None}
-    if len(results) == 2:
+    for name in variants:  # each variant's train() time against TRL's and against the default side's
+        if "trl" in summary:
+            out[f"ratio_{name}"] = round(summary["trl"]["seconds"] / summary[name]["seconds"], 3)
+            print(f"ratio (TRL train() time / {name} train() time): {out[f'ratio_{name}']:.2f}x")
+    if "trl" in summary and "hfllamarl" in summary:
         # from the seconds the summary reports, so that the JSON agrees with itself (as bench multi-turn's ratios)
         trl, ours = summary["trl"], summary["hfllamarl"]
         out["ratio"] = round(trl["seconds"] / ours["seconds"], 3)

@@ -41,6 +41,16 @@ STALENESS = (0, 1, 2, 4, 8, 16)
 COMPLETIONS_PER_STEP, GENERATIONS = 64, 8
 
 
+#: The suffix of a study correction whose runs sample with the weights predicted for the version that trains them
+#: (`sampler_lookahead='adamw'`, `hfllamarl.runtime.weights.lookahead`): "token_truncate@lookahead".
+LOOKAHEAD = "@lookahead"
+
+
+def split_lookahead(correction: str) -> tuple[str, bool]:
+    """A study correction's `off_policy_correction`, and whether its runs sample with lookahead weights."""
+    return (correction[:-len(LOOKAHEAD)], True) if correction.endswith(LOOKAHEAD) else (correction, False)
+
+
 def sync_correction(loss: str) -> str:
     """The correction a synchronous run of `loss` gets ("auto" at max_staleness 0: TRL's fields, i.e. AIPO's
     truncation for aipo, TRL's sequence_mask at 3 for the others, token_truncate at 3 for vespo, which TRL requires
@@ -70,8 +80,11 @@ class Cell:
 
     def config(self, seed: int, steps: int, learning_rate: float, max_completion_length: int,
                output_dir: str) -> dict:
-        """The `AsyncAIPOConfig` fields of this cell's run with `seed`."""
-        return dict(LOSSES[self.loss], off_policy_correction=self.correction, max_staleness=self.staleness, seed=seed,
+        """The `AsyncAIPOConfig` fields of this cell's run with `seed` (a correction named with LOOKAHEAD samples
+        with `sampler_lookahead='adamw'`)."""
+        correction, lookahead = split_lookahead(self.correction)
+        extra = {"sampler_lookahead": "adamw"} if lookahead else {}
+        return dict(LOSSES[self.loss], **extra, off_policy_correction=correction, max_staleness=self.staleness, seed=seed,
                     max_steps=steps, learning_rate=learning_rate, lr_scheduler_type="constant",
                     per_device_train_batch_size=COMPLETIONS_PER_STEP, num_generations=GENERATIONS,
                     max_completion_length=max_completion_length, output_dir=output_dir)
@@ -99,7 +112,7 @@ def plan(tasks: list[str], losses: list[str], staleness: list[int], correction_t
             for s in filter(None, correction_staleness):
                 chosen = list(corrections) + [c for c in (default_correction(loss, s),) if c not in corrections]
                 cells += [Cell(correction_task, loss, c, s) for c in chosen
-                          if not (loss == "vespo" and c.split(":")[0].split("+")[0] in SEQUENCE_LEVEL)]
+                          if not (loss == "vespo" and split_lookahead(c)[0].split(":")[0].split("+")[0] in SEQUENCE_LEVEL)]
     seen, out = set(), []
     for cell in cells:
         if cell.key not in seen:

@@ -72,9 +72,11 @@ def _train(model_path, rows, reward_funcs, args, quiet: bool) -> dict:
     from hfllamarl import AsyncAIPOTrainer
     from hfllamarl.runtime.loop.rollout import ROLLOUTS
     from hfllamarl.runtime.training.bootstrap import BootstrapSampler
+    from hfllamarl.runtime.weights.lookahead import sampling_weights
     from hfllamarl.trainers.trainer_ranks import build_trainer_executor
 
     staleness = args.max_staleness
+    iterations = max(1, args.num_iterations)
     out = io.StringIO()
     with contextlib.redirect_stdout(out) if quiet else contextlib.nullcontext():
         trainer = AsyncAIPOTrainer(model=model_path, reward_funcs=reward_funcs, args=args,
@@ -103,7 +105,10 @@ def _train(model_path, rows, reward_funcs, args, quiet: bool) -> dict:
             executor.set_step(batch + staleness)  # the tick that trains this batch in the runtime's schedule
             executor.put_input(ROLLOUTS, groups)
             executor.step()
-            versions.append((executor.version, snapshot(trainer.model)))
+            # (sampler_lookahead: the weights the runtime would send for the batch sampled with this version)
+            sent, _ = sampling_weights(executor.spec, trainer.model, executor.version // iterations + staleness,
+                                       executor.version)
+            versions.append((executor.version, snapshot(sent)))
             if executor.spec.should_stop():
                 break
         seconds = time.perf_counter() - start

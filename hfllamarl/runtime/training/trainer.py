@@ -43,7 +43,8 @@ from hfllamarl.runtime.world import startup
 from hfllamarl.runtime.weights.tensor_parallel import reduce_partial_gradients
 from hfllamarl.runtime.world.mesh import data_world_size
 from hfllamarl.runtime.world.topology import Topology
-from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS, WeightSyncBackend
+from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS, WeightSyncBackend, export_for_verify
+from hfllamarl.runtime.weights.lookahead import sampling_weights
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class TrainerSpec:
     top_entropy_quantile: float = 1.0  # < 1: TRL's entropy mask on the per-token loss (`iterations.high_entropy_mask`)
     ref_sync: tuple[float, int] | None = None  # sync_ref_model: (ref_model_mixup_alpha, ref_model_sync_steps)
     replica_group: Any = None  # trainer_replica_groups > 1: this job's `replica_group.ReplicaGroup`
+    lookahead: bool = False  # sampler_lookahead='adamw': the generator samples with predicted weights (lookahead.py)
 
 
 class TrainerExecutor(Executor):
@@ -95,6 +97,7 @@ class TrainerExecutor(Executor):
         self.version = 0  # optimizer steps taken = policy version of the current weights
         self._old_version = 0  # the version of pi_old: the current batch's first pass
         self.sent_version = 0  # the generator starts from the initial weights (version 0)
+        self.lookahead_steps = 0  # how far ahead the last sync's weights were predicted (`_sampling_weights`)
         self.inbox: dict[int, list[RolloutGroup]] = {}
         self.eval_inbox: list[RolloutGroup] = []  # evaluations the generator sent (eval_dataset), logged at `step`
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
@@ -160,25 +163,12 @@ class TrainerExecutor(Executor):
         if self.version > self.sent_version and (schedule.generator_samples(self.tick)
                                                  or schedule.evaluates(self.version)):
             self.sent_version = self.version
-            if self.spec.verify_dir is not None:
-                self._export_for_verify(self.version)
-            return self.weights, self.version
+            sent, self.lookahead_steps = sampling_weights(self.spec, self.weights, self.tick, self.version)
+            if self.spec.verify_dir is not None:  # verify_weight_sync: what is sent, as vLLM's loader reads it
+                export_for_verify(sent, self.spec.verify_dir, self.version, self.topology.rank == 0,
+                                  self.backend.wire_dtype)
+            return sent, self.version
         return None
-
-    def _export_for_verify(self, version: int) -> None:
-        """verify_weight_sync: write what the sync sends, as vLLM's loader reads it from disk, before sending."""
-        import shutil
-
-        from hfllamarl.runtime.weights.hf_export import export_weights
-
-        first = self.topology.rank == 0
-        directory = self.spec.verify_dir(version)
-        # (adapters alone: their merged layers, which the generator loads to compare its adapted engine with)
-        export_weights(getattr(self.weights, "merged", self.weights), directory, write=first,
-                       cast=self.backend.wire_dtype)
-        previous = self.spec.verify_dir(version - 1)
-        if first and os.path.isdir(previous):  # the generator checked it at the previous sync
-            shutil.rmtree(previous, ignore_errors=True)
 
     def put_input(self, channel: str, value) -> None:
         if channel != ROLLOUTS:
@@ -275,6 +265,8 @@ class TrainerExecutor(Executor):
             metrics.update(step_metrics)
             metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
             metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
+            if spec.lookahead:  # the optimizer steps the last sync's weights were moved ahead by
+                metrics["weight_sync/lookahead_steps"] = float(self.lookahead_steps)
             metrics["train_step_seconds"] = time.perf_counter() - start
             metrics["step_time"] = time.perf_counter() - self._tick_started  # TRL's name: the step's wall time
             # this process's CPU time since its previous step ended (core-seconds: every thread, borrowed cores too)
