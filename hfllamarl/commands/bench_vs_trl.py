@@ -406,7 +406,7 @@ def run(args) -> int:
             for seed in seeds))
     out = {**summary, "seeds": seeds, "steps": args.steps, "precision": args.precision, "parameters": params, "cores": os.cpu_count(),
            "cpu": _cpu_name(), "preloaded": server is not None}
-    for name in variants:  # each variant's train() time against TRL's and against the default side's
+    for name in variants:  # each variant's train() time against TRL's
         if "trl" in summary:
             out[f"ratio_{name}"] = round(summary["trl"]["seconds"] / summary[name]["seconds"], 3)
             print(f"ratio (TRL train() time / {name} train() time): {out[f'ratio_{name}']:.2f}x")

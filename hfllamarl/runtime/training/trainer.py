@@ -97,7 +97,7 @@ class TrainerExecutor(Executor):
         self.version = 0  # optimizer steps taken = policy version of the current weights
         self._old_version = 0  # the version of pi_old: the current batch's first pass
         self.sent_version = 0  # the generator starts from the initial weights (version 0)
-        self.lookahead_steps = 0  # how far ahead the last sync's weights were predicted (`_sampling_weights`)
+        self.lookahead_steps = 0  # how far ahead the last sync's weights were moved (`lookahead.sampling_weights`)
         self.inbox: dict[int, list[RolloutGroup]] = {}
         self.eval_inbox: list[RolloutGroup] = []  # evaluations the generator sent (eval_dataset), logged at `step`
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
