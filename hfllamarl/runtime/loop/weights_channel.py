@@ -42,22 +42,6 @@ def verify_dir(output_dir: str, version: int) -> str:
     return os.path.join(output_dir, ".hfllamarl", "verify", f"version-{version}")
 
 
-def export_for_verify(sent, verify_dir, version: int, write: bool, cast) -> None:
-    """Trainer side of verify_weight_sync: write what the sync of `version` sends (`sent.state_dict()`; for LoRA
-    adapters, their merged layers, which the generator compares its adapted engine with) where `verify_dir(version)`
-    says, as vLLM's loader reads it from disk, before it is sent; every trainer rank calls it, `write` on one. The
-    previous version's files, which the generator checked at the previous sync, go."""
-    import os
-    import shutil
-
-    from hfllamarl.runtime.weights.hf_export import export_weights
-
-    export_weights(getattr(sent, "merged", sent), verify_dir(version), write=write, cast=cast)
-    previous = verify_dir(version - 1)
-    if write and os.path.isdir(previous):
-        shutil.rmtree(previous, ignore_errors=True)
-
-
 def tensor_digest(named_tensors) -> str:
     """sha256 over (name, dtype, shape, bytes) of each tensor, in name order: equal digests mean
     bitwise-equal weight sets, whatever order they arrived in."""

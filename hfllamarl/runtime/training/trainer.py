@@ -43,7 +43,8 @@ from hfllamarl.runtime.world import startup
 from hfllamarl.runtime.weights.tensor_parallel import reduce_partial_gradients
 from hfllamarl.runtime.world.mesh import data_world_size
 from hfllamarl.runtime.world.topology import Topology
-from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS, WeightSyncBackend, export_for_verify
+from hfllamarl.runtime.loop.weights_channel import POLICY_WEIGHTS, WeightSyncBackend
+from hfllamarl.runtime.weights.hf_export import export_for_verify
 from hfllamarl.runtime.weights.lookahead import sampling_weights
 
 logger = logging.getLogger(__name__)

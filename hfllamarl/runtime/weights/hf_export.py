@@ -92,3 +92,16 @@ def export_weights(weights, directory: str, write: bool, cast=None,
     """Write `weights.state_dict()` (an FSDP2-sharded module, or anything with such a `state_dict`) to
     `directory` as Hugging Face safetensors; call on every trainer rank, `write` on one."""
     return write_safetensors(gathered(weights.state_dict().items(), cast), directory, write, max_shard_bytes)
+
+
+def export_for_verify(sent, verify_dir, version: int, write: bool, cast) -> None:
+    """Trainer side of verify_weight_sync: write what the sync of `version` sends (`sent.state_dict()`; for LoRA
+    adapters, their merged layers, which the generator compares its adapted engine with) where `verify_dir(version)`
+    says, as vLLM's loader reads it from disk, before it is sent; every trainer rank calls it, `write` on one. The
+    previous version's files, which the generator checked at the previous sync, go."""
+    import shutil
+
+    export_weights(getattr(sent, "merged", sent), verify_dir(version), write=write, cast=cast)
+    previous = verify_dir(version - 1)
+    if write and os.path.isdir(previous):
+        shutil.rmtree(previous, ignore_errors=True)
