@@ -74,7 +74,7 @@ model = torch.nn.Linear(4, 4)
 store, host, port = group_store()
 group = ReplicaGroup(1, 2, lighthouse.address(), model, torch.optim.AdamW(model.parameters()), None,
                      collective_timeout_s=10.0, device="cpu", store=(host, port), rank=0, world_size=1,
-                     restarted=True, peer_wait_s=2.0)
+                     wait_for_peer=True, peer_wait_s=2.0)
 start = time.monotonic()
 try:
     group.begin(0)
@@ -84,18 +84,19 @@ os._exit(0)  # (torchft's server threads would hold the interpreter's exit)
 """
 
 
-def test_a_restarted_group_alone_waits_for_a_peer_then_stops_with_what_to_do():
-    """A group other than 0 restarted by its launcher that finds no live group (the lighthouse's first quorum has it
-    alone, at global step 0) does not train from the initial weights: it forms the quorum again for up to its
-    start-up budget (2 s here), then stops with an error that says to start group 0 again first."""
+def test_a_group_other_than_0_alone_waits_for_a_peer_then_stops_with_what_to_do():
+    """A group other than 0 that finds no live group (the lighthouse's first quorum has it alone, at global step 0:
+    restarted by its launcher, or launched after the others were lost) does not train from the initial weights: it
+    forms the quorum again for up to its start-up budget (2 s here), then stops with an error that says to start
+    group 0 (again) first."""
     proc = subprocess.run([sys.executable, "-c", WAIT_ALONE], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, RUST_LOG="warn"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = proc.stdout.strip().splitlines()[-1]
     seconds, message = float(line.split(" ", 1)[0]), line.split(" ", 1)[1]
     assert 2.0 <= seconds < 30, line
-    assert "trainer replica group 1 was restarted by its launcher and found no live group to copy the policy from in " \
-           "2 s" in message and "Start group 0 again" in message, message
+    assert "trainer replica group 1 found no live group to copy the policy from in 2 s" in message \
+        and "only group 0 starts a run. Start group 0" in message, message
     assert "waiting up to 2 s" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -336,8 +337,9 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
 
 @pytest.mark.slow
 def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tiny_model):
-    """Both groups under `torchrun --max-restarts 1`, group 0 checkpointing every 10 steps: group 0's trainer rank is
-    SIGKILLed at the end of its 24th step and group 1's one step later, so that no group is left. torchrun restarts
+    """Both groups under `torchrun --max-restarts 1`, group 0 checkpointing every 10 steps: group 1 is launched
+    first (it waits for group 0: only group 0 starts a run), so the two start together; group 0's trainer rank is
+    SIGKILLed at the end of global step 24 and group 1's one step later, so that no group is left. torchrun restarts
     both (group 0 10 s later, as on a slow machine): group 0 resumes from its newest checkpoint by itself; group 1,
     back first and finding no live group, waits for one and copies the policy from group 0. The run ends at its last
     step, both groups hold the same weights, and those equal the replay of the rows of the steps that count (1-20 as
@@ -351,10 +353,17 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
         checkpoints = {"save_strategy": "steps", "save_steps": 10}
         # (group 0's restart 10 s slower: group 1 is back first and must wait for it, not race it; collective_timeout_s
         # 120: group 1 waits up to 60 s)
-        for group, out, kill, config, delay in ((0, out0, 24, checkpoints, "10"), (1, out1, 25, {}, "0")):
+        # (group 1 first, and group 0 once group 1 waits for it: launched the other way round, group 1 could come
+        # up after group 0's kill on a loaded machine and the drill would lose no group at once)
+        for group, out, kill, config, delay in ((1, out1, 25, {}, "0"), (0, out0, 24, checkpoints, "10")):
             procs.append(_group(tiny_model, out, group, lighthouse.address(), "--steps", "50", "--kill-at-step",
                                 str(kill), "--timeout", "120", "--restart-delay", delay, config=config, sleep=0,
                                 launcher=_torchrun()))
+            deadline = time.monotonic() + 120
+            while group == 1 and "finds no live group" not in Path(procs[0].log_path).read_text():
+                assert time.monotonic() < deadline and procs[0].poll() is None, "group 1 did not start"
+                time.sleep(0.2)
+        procs.reverse()
         for p in procs:
             p.wait(timeout=400)
     finally:
@@ -370,7 +379,7 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
     assert again1[-1]["global_step"] == 50 and any(e["rows"] for e in again1), "group 1 never came back"
     assert "resuming from" in err0 and "checkpoint-20" in err0, err0[-3000:]
     assert "copied the weights, optimizer and schedule from a peer" in err1, err1[-3000:]
-    assert "was restarted by its launcher and finds no live group to copy the policy from; waiting" in err1
+    assert err1.count("finds no live group to copy the policy from, and only group 0 starts a run; waiting") == 2
     killed_at = float((out0 / "killed_at").read_text())
     print(f"drill: group 0 SIGKILLed after global step {first0[-1]['global_step']}, group 1 after "
           f"{first1[-1]['global_step']}; group 0 back from its checkpoint (global step {resumed_at}) in global step "

@@ -49,17 +49,18 @@ class ReplicaGroup:
         collective_timeout_s: a frozen peer is dropped after this (`ReplicaTimeouts`).
         store: (host, port) of this group's store; rank, world_size: this rank within its group's trainer ranks.
         is_main: logs the group's recoveries (its first trainer rank).
-        restarted: a group other than 0 that its launcher started again (torchrun --max-restarts): it must find a
-            peer holding a policy; it waits `peer_wait_s` for one, then stops (the job's: the start-up budget,
-            vllm_server_timeout, and at most half of collective_timeout_s, since its generators wait for its weights
-            meanwhile).
+        wait_for_peer: a group other than 0 (only group 0 starts a run, or resumes it from its checkpoint): alone at
+            global step 0 it would start over from the initial weights, whether its launcher started it again or
+            it was launched after the others were lost, so it waits `peer_wait_s` for a peer, then stops (the
+            job's: the start-up budget, vllm_server_timeout, and at most half of collective_timeout_s, since its
+            generators wait for its weights meanwhile).
     """
 
     def __init__(self, group: int, groups: int, lighthouse: str, model, optimizer, scheduler,
                  collective_timeout_s: float, device, store: tuple[str, int], rank: int, world_size: int,
-                 is_main: bool = True, restarted: bool = False, peer_wait_s: float = 240.0):
+                 is_main: bool = True, wait_for_peer: bool = False, peer_wait_s: float = 240.0):
         self.group, self.groups, self.is_main = int(group), int(groups), is_main
-        self.restarted = restarted  # started again by its launcher: it must find a peer to copy from
+        self.wait_for_peer = wait_for_peer  # alone at global step 0 at its first step: wait for a peer to copy from
         self.peer_wait_s = float(peer_wait_s)
         # Built at the first step: from then on the lighthouse waits for this group at every quorum (up to its join
         # timeout), so a group that is still starting (its generators) must not be known to it yet.
@@ -94,10 +95,10 @@ class ReplicaGroup:
                 if self._resume_step:  # (torchft's step counter starts at 0)
                     self.quorum.manager.load_state_dict({"step": self._resume_step, "batches_committed": 0})
             q = self._quorum = self.quorum.begin_step()
-            if self.restarted and q.step == 0 and q.participants == 1:  # (see `_wait_for_peer`)
+            if self.wait_for_peer and q.step == 0 and q.participants == 1:  # (see `_wait_for_peer`)
                 q, start = self._wait_for_peer(q)  # (the copy, if any, was in its last quorum: timed from there)
         seconds = time.monotonic() - start
-        self.restarted = False
+        self.wait_for_peer = False
         self.participants = q.participants
         offset = q.step - version
         if offset != self.offset:
@@ -121,27 +122,29 @@ class ReplicaGroup:
             self._seconds[what] += time.monotonic() - start
 
     def _wait_for_peer(self, q: StepQuorum) -> tuple[StepQuorum, float]:
-        """A group other than 0, restarted by its launcher and alone at global step 0: it would start over from the
-        initial weights. Every group may have been lost at once, and group 0 then resumes from its newest checkpoint
-        by itself (or starts over, without one). Form the quorum again every second until another group joins (one
-        that holds a policy: this one copies it; or one at step 0 too, which is then where the run stands, e.g. a
-        group lost in the run's first step), up to `peer_wait_s`, then stop with the error. (With 3 groups or
-        more, two restarted groups other than 0 that meet at step 0 start over together; group 0, back from its
-        checkpoint later, then copies their policy if they are ahead of it.) Returns the quorum and when it began."""
+        """A group other than 0 alone at global step 0 at its first step: it would start over from the initial
+        weights. Only group 0 starts a run: the run may be new (group 0 is still starting), or every group may have
+        been lost (this one restarted by its launcher, or launched after the others were lost), and group 0 then
+        resumes from its newest checkpoint by itself (or starts over, without one). Form the quorum again every
+        second until another group joins (one that holds a policy: this one copies it; or one at step 0 too, which
+        is then where the run stands: a new run, or a group lost in the run's first step), up to `peer_wait_s`,
+        then stop with the error. (With 3 groups or more, two groups other than 0 that meet at step 0 start
+        together; group 0, back from its checkpoint later, then copies their policy if they are ahead of it.)
+        Returns the quorum and when it began."""
         start = time.monotonic()
         deadline = start + self.peer_wait_s
         if self.is_main:
-            logger.warning("trainer replica group %d was restarted by its launcher and finds no live group to copy "
-                           "the policy from; waiting up to %.0f s for one (group 0, restarted by its launcher, "
-                           "resumes from its newest checkpoint by itself)", self.group, self.peer_wait_s)
+            logger.warning("trainer replica group %d finds no live group to copy the policy from, and only group 0 "
+                           "starts a run; waiting up to %.0f s for one (group 0, restarted by its launcher, resumes "
+                           "from its newest checkpoint by itself)", self.group, self.peer_wait_s)
         while q.step == 0 and q.participants == 1:
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"trainer replica group {self.group} was restarted by its launcher and found no live group to copy "
-                    f"the policy from in {self.peer_wait_s:.0f} s (the others ended or are lost; group 0, restarted by "
-                    "its launcher, resumes from its newest checkpoint by itself): it would train from the initial "
-                    "weights. Start group 0 again (resume_from_checkpoint=True resumes it from its checkpoint), then "
-                    "this group.")
+                    f"trainer replica group {self.group} found no live group to copy the policy from in "
+                    f"{self.peer_wait_s:.0f} s (group 0 did not start, or every group ended or is lost; group 0, "
+                    "restarted by its launcher, resumes from its newest checkpoint by itself): it would train from "
+                    "the initial weights, and only group 0 starts a run. Start group 0 (again: "
+                    "resume_from_checkpoint=True resumes it from its checkpoint), then this group.")
             time.sleep(1.0)
             start = time.monotonic()
             q = self._quorum = self.quorum.begin_step()  # (nothing was committed: the same step's quorum again)

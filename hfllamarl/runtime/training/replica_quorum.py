@@ -27,8 +27,8 @@ heartbeat timeout; a frozen one after the collective timeout; recovery copies we
 0.03-0.1 s for a small model. torchft's own `DistributedDataParallel` wrapper is not used (its comm hook asserts
 when a peer dies mid-allreduce); gradients are averaged here instead.
 
-torchft is imported only when a quorum is built (`pip install torchft==0.2.0`). The trainer does not use this module
-yet (groundwork: the plan is in docs/design/elastic.md).
+torchft is imported only when a quorum is built (`pip install torchft==0.2.0`). The trainer's replica groups
+(`replica_group`, `trainer_replica_groups`) run on it; docs/design/elastic.md has the design and the drills.
 """
 
 from __future__ import annotations
