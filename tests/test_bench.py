@@ -107,3 +107,16 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     for variant in ("sync", "async"):
         assert summary[variant]["step_s"] > 0 and 0.0 <= summary[variant]["final_reward"] <= 1.0
         assert len(json.load(open(tmp_path / "multi_turn" / f"{variant}.json"))["history"]) == 3
+
+
+def test_a_variant_names_only_fields_the_config_has():
+    """`bench vs-trl --variant` refuses a field AsyncAIPOConfig does not have before any side runs (the nearest
+    names in the message); fields it has pass through as given."""
+    from hfllamarl.commands.bench_vs_trl import _variants
+
+    assert _variants(['lookahead={"sampler_lookahead": "adamw"}']) == {
+        "hfllamarl-lookahead": {"sampler_lookahead": "adamw"}}
+    with pytest.raises(SystemExit, match="no field 'max_stalenes'.*did you mean max_staleness"):
+        _variants(['sync={"max_stalenes": 0}'])
+    with pytest.raises(SystemExit, match="give NAME="):
+        _variants(['=[1]'])

@@ -71,7 +71,14 @@ def add_arguments(parser) -> None:
 
 
 def _variants(specs: list[str]) -> dict[str, dict]:
-    """`--variant NAME=JSON` -> {"hfllamarl-NAME": fields}; a field AsyncAIPOConfig refuses fails in its run."""
+    """`--variant NAME=JSON` -> {"hfllamarl-NAME": fields}. A name AsyncAIPOConfig does not have fails here, before
+    any side runs; a value it refuses fails in the variant's own run (its checks need the whole job)."""
+    import dataclasses
+    import difflib
+
+    from hfllamarl.trainers.config import AsyncAIPOConfig
+
+    known = {f.name for f in dataclasses.fields(AsyncAIPOConfig)}
     out = {}
     for spec in specs:
         name, _, fields = spec.partition("=")
@@ -81,6 +88,11 @@ def _variants(specs: list[str]) -> dict[str, dict]:
             raise SystemExit(f"--variant {spec!r}: after NAME= give a JSON object of AsyncAIPOConfig fields ({exc})")
         if not name.strip() or not isinstance(value, dict):
             raise SystemExit(f"--variant {spec!r}: give NAME={{\"field\": value, ...}}")
+        for field in value:
+            if field not in known:
+                near = difflib.get_close_matches(field, sorted(known), n=3)
+                raise SystemExit(f"--variant {spec!r}: AsyncAIPOConfig has no field {field!r}"
+                                 + (f" (did you mean {', '.join(near)}?)" if near else ""))
         out[f"hfllamarl-{name.strip()}"] = value
     return out
 

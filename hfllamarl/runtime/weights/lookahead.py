@@ -113,22 +113,25 @@ class LookaheadWeights:
         if self.steps <= 0:
             return state
         groups = _adamw_hyper(self.optimizer)
-        trained = {_storage(p): p for p in self.model.parameters()
-                   if id(p) in groups and p in self.optimizer.state}  # (tied weights: one entry)
-        return _Predicted(state, trained, groups, self.optimizer.state, self.steps)
+        # each trained parameter's storage -> (the parameter, its optimizer group, its AdamW state); tied weights: one
+        trained = {_storage(p): (p, groups[id(p)], self.optimizer.state[p]) for p in self.model.parameters()
+                   if id(p) in groups and p in self.optimizer.state}
+        return _Predicted(state, trained, self.steps)
 
 
 class _Predicted(Mapping):
-    def __init__(self, state: dict, trained: dict, groups: dict, optimizer_state, steps: int):
-        self.state, self.trained, self.groups, self.optimizer_state, self.steps = (state, trained, groups,
-                                                                                  optimizer_state, steps)
+    """`state` with each entry whose storage is in `trained` moved `steps` predicted AdamW steps when it is read."""
+
+    def __init__(self, state: dict, trained: dict, steps: int):
+        self.state, self.trained, self.steps = state, trained, steps
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self.state[name]
-        param = self.trained.get(_storage(t))
-        if param is None:
+        entry = self.trained.get(_storage(t))
+        if entry is None:
             return t
-        out = predicted(param, self.optimizer_state[param], self.groups[id(param)], self.steps)
+        param, group, state = entry
+        out = predicted(param, state, group, self.steps)
         return t if out is None else out
 
     def __iter__(self):
