@@ -41,7 +41,8 @@ def test_bench_weight_sync_small():
 def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     """The commands run end to end, side by side (each is mostly process start-up): `bench learning` with one
     variant for a few steps writes its plot and reports the final reward; `bench vs-trl` on a tiny model runs TRL's
-    GRPOTrainer and ours for the same steps and reports both times, their ratio and the profile; `bench multi-turn`
+    GRPOTrainer and ours for the same steps (prompts with a 60-token instruction before them, where the trainer shares
+    each group's prompt) and reports both times, their ratio and the profile; `bench multi-turn`
     runs the synchronous and the asynchronous tool-calling job and reports their throughput ratio (the training runs
     themselves are tested in test_train_e2e.py and test_agentic.py)."""
     precision = "bf16" if cpu_has_bf16() else "fp32"  # the default: bf16 on both sides where the CPU has it
@@ -53,7 +54,8 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
                              "--staleness", "4", "--steps", "3", "--seeds", "0", "--output-dir",
                              str(tmp_path / "learning")], env)
     vs_trl = popen_script(["-m", "hfllamarl.cli", "bench", "vs-trl", "--steps", "2", "--hidden-size", "64", "--layers",
-                           "1", "--max-completion-length", "8", "--profile", "--output-dir", str(tmp_path / "vs"),
+                           "1", "--max-completion-length", "8", "--prompt-tokens", "60", "--profile", "--output-dir",
+                           str(tmp_path / "vs"),
                            "--variant", 'lookahead={"sampler_lookahead": "adamw", "verify_weight_sync": true, '
                                         '"max_steps": 3, "bootstrap_generation": false}'],
                           env)  # (its sides drop OMP_NUM_THREADS: each times its own setting)
@@ -73,6 +75,7 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     summary = json.loads(out.strip().splitlines()[-1])
     trl, ours = summary["trl"], summary["hfllamarl"]
     assert summary["ratio"] == round(trl["seconds"] / ours["seconds"], 3) and summary["steps"] == 2
+    assert summary["prompt_tokens"] == 60
     assert summary["precision"] == precision
     for side in (trl, ours):
         assert side["seconds"] > 0 and 0.0 <= side["final_reward"] <= 1.0
@@ -98,6 +101,9 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     # itself has no generator time
     history = json.load(open(tmp_path / "vs" / "hfllamarl.json"))["history"]
     assert all(h["time/cpu_seconds"] > 0 and h["generation/cpu_seconds"] >= 0 for h in history), history
+    # 64-token prompts, 4 completions of at most 8 tokens: the trainer computed each prompt once (at least 3 of the
+    # 4 copies of a prompt are 3 x 64 of at most 4 x 72 tokens)
+    assert all(h["shared_prompts/tokens_saved_frac"] >= 3 * 64 / (4 * 72) - 1e-6 for h in history), history
 
     out, err = multi_turn.communicate(timeout=600)
     assert multi_turn.returncode == 0, err[-3000:]

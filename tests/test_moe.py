@@ -71,7 +71,7 @@ def executor(model, coef: float) -> TrainerExecutor:
                        router_aux_loss_coef=coef)
     ex = TrainerExecutor(spec, Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=10,
                                         use_cpu=True))
-    ex.packed = True
+    ex.layout.packed = True
     return ex
 
 

@@ -222,21 +222,23 @@ def test_a_killed_group_is_left_out_and_rejoins_from_its_peer(tmp_path, tiny_mod
     out0, out1 = tmp_path / "g0", tmp_path / "g1"
     procs = []
     try:
-        procs.append(_group(tiny_model, out0, 0, lighthouse.address()))
-        first = _group(tiny_model, out1, 1, lighthouse.address(), "--kill-at-step", "8")
+        # (both launched at once: group 1 waits for group 0 to start the run, up to half of collective_timeout_s,
+        # 60 s here, longer than one job's start-up on a loaded machine)
+        procs.append(_group(tiny_model, out0, 0, lighthouse.address(), "--timeout", "60"))
+        first = _group(tiny_model, out1, 1, lighthouse.address(), "--kill-at-step", "8", "--timeout", "60")
         procs.append(first)
         first.wait(timeout=300)
         assert first.returncode == -signal.SIGKILL
         killed_at = float((out1 / "killed_at").read_text())
-        again = _group(tiny_model, out1, 1, lighthouse.address())
+        again = _group(tiny_model, out1, 1, lighthouse.address(), "--timeout", "60")
         procs.append(again)
         again.wait(timeout=300)
         procs[0].wait(timeout=300)
     finally:
         _stop(procs, lighthouse)
     err0, err1, log0, log1 = _ended(procs[0], again, out0, out1)
-    steps0 = [e["global_step"] for e in log0]  # the survivor trained every step, each once (from the step it joined:
-    assert steps0 == list(range(steps0[0], 81)) and steps0[0] < 8  # the group that starts second copies the first)
+    steps0 = [e["global_step"] for e in log0]  # the survivor started the run and trained every step, each once
+    assert steps0 == list(range(1, 81))
     assert all(len(e["rows"]) == 4 for e in log0[2:]) and all(len(e["rows"]) in (0, 4) for e in log0[:2])
     before, after = _runs(log1)
     killed = before[-1]["global_step"]  # (its 8th step: the 8th global one, unless it started second and healed)
@@ -300,8 +302,9 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
     out0, out1 = tmp_path / "g0", tmp_path / "g1"
     procs = []
     try:
-        procs.append(_group(tiny_model, out0, 0, lighthouse.address(), "--steps", "100"))
-        procs.append(_group(tiny_model, out1, 1, lighthouse.address(), "--steps", "100",
+        # (both at once: group 1 waits for group 0 to start the run; see the killed drill)
+        procs.append(_group(tiny_model, out0, 0, lighthouse.address(), "--steps", "100", "--timeout", "60"))
+        procs.append(_group(tiny_model, out1, 1, lighthouse.address(), "--steps", "100", "--timeout", "60",
                             launcher=_torchrun()))
         deadline = time.monotonic() + 300
         log0 = out0 / "trained_prompts-group0-rank0.jsonl"
@@ -319,8 +322,8 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
     finally:
         _stop(procs, lighthouse)
     err0, err1, log0, log1 = _ended(procs[0], procs[-1], out0, out1)
-    steps0 = [e["global_step"] for e in log0]  # (the group that starts second copies the first one's policy)
-    assert steps0 == list(range(steps0[0], 101))
+    steps0 = [e["global_step"] for e in log0]  # group 0 started the run and trained every step
+    assert steps0 == list(range(1, 101))
     runs = _runs(log1)
     assert len(runs) == 2, "group 1 did not come back"
     frozen_at, after = runs[0][-1]["global_step"], runs[1]
@@ -352,12 +355,12 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
     try:
         checkpoints = {"save_strategy": "steps", "save_steps": 10}
         # (group 0's restart 10 s slower: group 1 is back first and must wait for it, not race it; collective_timeout_s
-        # 120: group 1 waits up to 60 s)
+        # 180: group 1 waits up to 90 s, at its first launch and after its restart)
         # (group 1 first, and group 0 once group 1 waits for it: launched the other way round, group 1 could come
         # up after group 0's kill on a loaded machine and the drill would lose no group at once)
         for group, out, kill, config, delay in ((1, out1, 25, {}, "0"), (0, out0, 24, checkpoints, "10")):
             procs.append(_group(tiny_model, out, group, lighthouse.address(), "--steps", "50", "--kill-at-step",
-                                str(kill), "--timeout", "120", "--restart-delay", delay, config=config, sleep=0,
+                                str(kill), "--timeout", "180", "--restart-delay", delay, config=config, sleep=0,
                                 launcher=_torchrun()))
             deadline = time.monotonic() + 120
             while group == 1 and "finds no live group" not in Path(procs[0].log_path).read_text():

@@ -231,6 +231,15 @@ class AsyncAIPOConfig(GRPOConfig):
                   "must keep packed sequences apart by their position ids, as transformers' models do; this is "
                   "checked once on the model, and one that does not trains padded (logged)."},
     )
+    share_prompts: bool = field(
+        default=True,
+        metadata={"help": "With padding_free: compute each group's shared prompt once in the trainer's forward and "
+                  "backward pass, its completions after it in one packed run (a 4-D attention mask), where a cost "
+                  "estimate from the model's shapes says the prompt tokens saved outweigh the wider rows (long prompts). "
+                  "The log-probs are the separate sequences'; checked once on the model. Off with an attention "
+                  "implementation that takes no 4-D mask (flash/flex attention), the MoE load-balancing loss and "
+                  "sequence parallelism. Logged as shared_prompts/tokens_saved_frac."},
+    )
     scale_rewards: str = field(
         default="none",
         metadata={"help": "Advantage scaling, as in GRPOConfig, but defaulting to 'none': AIPO's advantage is "

@@ -41,6 +41,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--hidden-size", type=int, default=512, help="model width (512 x 6 layers: 18M parameters)")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--max-completion-length", type=int, default=96)
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="put a fixed instruction of this many tokens before every prompt (a long system or "
+                             "few-shot prompt; the bare prompts are 4 tokens): where the trainer's share_prompts "
+                             "pays; at most 256 - 4 - --max-completion-length (the model's positions)")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0, help="the model's initialisation (and the run's seed)")
     parser.add_argument("--seeds", default=None,
@@ -115,12 +119,21 @@ def digit_share(completions, **kwargs) -> list[float]:
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
-def _dataset(seed: int):
+PREAMBLE = "add one to the number and answer with its digits only, as in the examples before. "
+
+
+def preamble(tokens: int) -> str:
+    """A fixed instruction of `tokens` characters (the bench's tokenizer has one token per character) put before
+    every prompt, as a long system or few-shot prompt is (`--prompt-tokens`)."""
+    return (PREAMBLE * (tokens // len(PREAMBLE) + 1))[:tokens]
+
+
+def _dataset(seed: int, prefix: str = ""):
     from datasets import Dataset
 
     from hfllamarl.testing.tiny import successor_rows
 
-    return Dataset.from_list([{"prompt": r["prompt"]} for r in successor_rows(4096, seed=seed)])
+    return Dataset.from_list([{"prompt": prefix + r["prompt"]} for r in successor_rows(4096, seed=seed)])
 
 
 def _common(job: dict) -> dict:
@@ -190,7 +203,7 @@ def bare_vllm(job: dict) -> None:
     llm = build_engine(job["model"], job["model"], dtype=dtype, seed=job["seed"], max_model_len=256,
                        tensor_parallel_size=1, distributed=False, use_cpu=True)
     tok = llm.get_tokenizer()
-    rows = _dataset(job["seed"]).select(range(PROMPTS_PER_STEP))
+    rows = _dataset(job["seed"], job.get("preamble", "")).select(range(PROMPTS_PER_STEP))
     prompts = [{"prompt_token_ids": tok(r["prompt"])["input_ids"]} for r in rows]
     params = SamplingParams(n=NUM_GENERATIONS, max_tokens=job["max_completion_length"], temperature=1.0, logprobs=0,
                             seed=job["seed"])
@@ -219,7 +232,8 @@ def run_side(job: dict) -> None:
 
         torch.set_num_threads(os.cpu_count() or 1)
         constructed = time.perf_counter()
-        trainer = GRPOTrainer(model=job["model"], reward_funcs=digit_share, train_dataset=_dataset(job["seed"]),
+        trainer = GRPOTrainer(model=job["model"], reward_funcs=digit_share,
+                              train_dataset=_dataset(job["seed"], job.get("preamble", "")),
                               args=GRPOConfig(**_common(job), use_vllm=False), callbacks=[_callback(clock)])
         for name, key in (("_generate", "generation"), ("_calculate_rewards", "reward"),
                           ("_prepare_inputs", "prepare"), ("training_step", "training_step")):
@@ -228,7 +242,8 @@ def run_side(job: dict) -> None:
         from hfllamarl import AsyncAIPOConfig, AsyncAIPOTrainer
 
         constructed = time.perf_counter()
-        trainer = AsyncAIPOTrainer(model=job["model"], reward_funcs=digit_share, train_dataset=_dataset(job["seed"]),
+        trainer = AsyncAIPOTrainer(model=job["model"], reward_funcs=digit_share,
+                                   train_dataset=_dataset(job["seed"], job.get("preamble", "")),
                                    args=AsyncAIPOConfig(**{**_common(job), "max_staleness": 1,
                                                             **job.get("config", {})}),
                                    callbacks=[_callback(clock)])
@@ -335,6 +350,9 @@ def run(args) -> int:
     if args.steps < 2 or args.hidden_size % 64 or args.layers < 1 or args.max_completion_length < 1:
         raise SystemExit("give --steps >= 2, --hidden-size a multiple of 64 (head size 64), --layers >= 1, "
                          "--max-completion-length >= 1")
+    if not 0 <= args.prompt_tokens <= 256 - 4 - args.max_completion_length:
+        raise SystemExit(f"--prompt-tokens {args.prompt_tokens}: give 0 to {256 - 4 - args.max_completion_length} "
+                         "(the bench model has 256 positions for the prompt and the completion)")
     from hfllamarl.runtime.generation.preflight import cpu_has_bf16
 
     if args.precision == "auto":
@@ -362,6 +380,7 @@ def run(args) -> int:
             tag = name if len(seeds) == 1 else f"{name}-seed{seed}"
             job = {"side": side, "config": variants.get(name, {}), "model": model, "steps": args.steps, "seed": seed,
                    "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
+                   "preamble": preamble(args.prompt_tokens),
                    "precision": args.precision, "gradient_checkpointing": args.gradient_checkpointing,
                    "output_dir": os.path.join(args.output_dir, tag), "result": os.path.join(args.output_dir, f"{tag}.json")}
             print(f"running {name}" + (f", seed {seed}" if len(seeds) > 1 else "") + " ...", flush=True)
@@ -390,7 +409,8 @@ def run(args) -> int:
 
     print(f"\n{params / 1e6:.1f}M-parameter Llama, {args.steps} steps of {PROMPTS_PER_STEP * NUM_GENERATIONS} "
           f"completions ({NUM_GENERATIONS} per prompt) of up to {args.max_completion_length} tokens, "
-          f"{args.precision}, {os.cpu_count()} cores of {_cpu_name()}"
+          + (f"prompts of {args.prompt_tokens + 4} tokens, " if args.prompt_tokens else "")
+          + f"{args.precision}, {os.cpu_count()} cores of {_cpu_name()}"
           + ("; hfllamarl's generator forked from a warm preload server" if server is not None else "")
           + (f"; means over seeds {seeds}" if len(seeds) > 1 else ""))
     print(f"{'side':<{width}}{'train() s':>11}{'steps/s':>9}{'first step s':>14}{'final reward':>14}{'mean reward':>13}"
@@ -416,8 +436,9 @@ def run(args) -> int:
         print("final reward per seed: " + "; ".join(
             f"seed {seed}: " + ", ".join(f"{side} {final(by_seed[seed][side]):.3f}" for side in results)
             for seed in seeds))
-    out = {**summary, "seeds": seeds, "steps": args.steps, "precision": args.precision, "parameters": params, "cores": os.cpu_count(),
-           "cpu": _cpu_name(), "preloaded": server is not None}
+    out = {**summary, "seeds": seeds, "steps": args.steps, "prompt_tokens": args.prompt_tokens,
+           "precision": args.precision, "parameters": params, "cores": os.cpu_count(), "cpu": _cpu_name(),
+           "preloaded": server is not None}
     for name in variants:  # each variant's train() time against TRL's
         if "trl" in summary:
             out[f"ratio_{name}"] = round(summary["trl"]["seconds"] / summary[name]["seconds"], 3)

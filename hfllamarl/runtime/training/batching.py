@@ -9,6 +9,9 @@ Two layouts of the same sequences (prompt + completion) give the same log-probs:
   so short completions no longer cost as much as the longest one.
 - padded: prompts left-padded, completions right-padded, one sequence per row `[B, P + T]`.
 
+(A third, packed with each group's prompt computed once where it pays, is `shared_prompts.share_batch`; which
+layout a micro-batch gets is `shared_prompts.Layout`'s choice.)
+
 Either way the lm head runs only at the positions that predict a completion token (a forward pre-hook picks
 those rows of the hidden states), and pi is `x[token] - logsumexp(x)` there, so neither the prompt's logits
 nor a `[B, T, V]` log-softmax is ever made. Whether a model's attention follows position-id packing is checked

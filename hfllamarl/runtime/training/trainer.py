@@ -22,8 +22,9 @@ import torch
 
 from hfllamarl.losses import StepShape, normalize_then_sum_advantages
 
-from hfllamarl.runtime.training.batching import completion_logprobs, pack_batch, packing_agrees, pad_batch
+from hfllamarl.runtime.training.batching import completion_logprobs
 from hfllamarl.runtime.training.moe import balancing_loss_fn
+from hfllamarl.runtime.training.shared_prompts import Layout
 from hfllamarl.runtime.data.episodes import tool_counts, tool_metrics
 from hfllamarl.runtime.loop.executor import Executor, wait_for_startup
 from hfllamarl.corrections import sequence_log_weights
@@ -81,6 +82,7 @@ class TrainerSpec:
     on_eval: Callable[[dict], None] = lambda metrics: None  # evaluation during training: logs the eval_* metrics
     dynamic_sampling_groups: int = 0  # drop_zero_variance_groups: this rank's groups per step (0: off)
     padding_free: bool = True  # pack micro-batches without padding (`hfllamarl.runtime.training.batching`) if the model allows
+    share_prompts: bool = True  # a group's prompt computed once where it pays (`hfllamarl.runtime.training.shared_prompts`)
     pad_to_multiple_of: int | None = None  # round the micro-batch's width up to a multiple of this
     tools: bool = False  # tool calling (tools / environment_factory): log TRL's tools/* metrics
     router_aux_loss_coef: float = 0.0  # an MoE policy's load-balancing loss weight, as TRL resolves it (moe.py)
@@ -111,7 +113,7 @@ class TrainerExecutor(Executor):
         self.startup_profile: dict[str, float] = {}  # where the start-up went (`world.startup`; first rank, step 1)
         self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
         self.channel_seconds = 0.0  # this tick's time in the channels, before `step`
-        self.packed = False  # micro-batches packed without padding (decided by `init` on the real model)
+        self.layout = Layout(spec)  # how micro-batches are laid out: padded until `prepare` checks the real model
         self.balancing = (balancing_loss_fn(spec.model)  # (router logits, token mask) -> an MoE's aux loss
                           if spec.router_aux_loss_coef else None)
         self._tick_started = time.perf_counter()  # when this tick began (`set_step`): a step's wall time
@@ -139,9 +141,7 @@ class TrainerExecutor(Executor):
         self._prepared = True
         if self.topology.core_lender is not None:  # a single-process CPU job: borrow the generators' idle cores
             self.topology.core_lender.install(self.spec.model)
-        if self.spec.padding_free:
-            self.packed = packing_agrees(self.spec.model, self.spec.model.config.vocab_size, self.spec.device,
-                                         self.spec.pad_to_multiple_of)
+        self.layout = Layout.checked(self.spec, self.balancing)  # packed, and prompts shared where it pays
 
     def init(self) -> None:
         self.backend = self.backend or self.spec.backend
@@ -414,8 +414,7 @@ class TrainerExecutor(Executor):
         step_weights = [] if scales_steps(spec.algorithm) else None  # log(pi_old/mu) per sequence (`step_scale`)
         for k in range(steps):
             chunk = rollouts[k * mb:(k + 1) * mb]
-            build = pack_batch if self.packed else pad_batch
-            batch = build(chunk, spec.pad_token_id, spec.device, spec.pad_to_multiple_of)
+            batch = self.layout.build(chunk)
             if any(masked[k * mb:(k + 1) * mb]):  # TRL's mask_truncated_completions: no loss on them
                 keep = torch.tensor([not m for m in masked[k * mb:(k + 1) * mb]], device=spec.device)
                 batch["mask"] = batch["mask"] * keep[:, None]
@@ -450,6 +449,7 @@ class TrainerExecutor(Executor):
                 m["aux_loss"] = float(aux.detach())
             m["is_ratio/outside_support_frac"] = float(outside.sum()) / max(float(batch["mask"].sum()), 1.0)
             m["entropy"] = float((entropy * batch["mask"]).sum()) / max(float(batch["mask"].sum()), 1.0)
+            m["shared_prompts/tokens_saved_frac"] = batch["tokens_saved_frac"]
             # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
             agree(nonfinite_problems(batch, raw.masked_fill(outside, 0.0), chunk_advantages, loss, chunk, k * mb),
                   step=self.version + 1, rank_name=self.topology.describe(self.topology.rank))

@@ -57,6 +57,15 @@ def import_time_environment(env) -> dict:
     return {k: v for k, v in env.items() if k in IMPORT_TIME_NAMES or k.startswith(IMPORT_TIME_PREFIXES)}
 
 
+def _read_at_import(before: dict) -> tuple[dict, set]:
+    """The import-time environment the warm modules read (the server's before it imported them), and the variables
+    those imports set themselves (vLLM sets PYTORCH_NVML_BASED_CUDA_CHECK when imported; a spawned job's imports set
+    it the same way, so a job with or without it is served alike)."""
+    after = import_time_environment(os.environ)
+    changed = {k for k in {*before, *after} if before.get(k) != after.get(k)}
+    return {k: v for k, v in before.items() if k not in changed}, changed
+
+
 def _terminate(signum, frame) -> None:
     raise SystemExit(0)
 
@@ -70,6 +79,7 @@ def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
     signal.signal(signal.SIGTERM, _terminate)  # a kill: the `finally` below removes the socket, then exit
     os.environ.pop(ENV_ROOM, None)  # (its span stays: the children's environment is shown there)
     owner_fd = os.pidfd_open(owner)
+    before = import_time_environment(os.environ)
     warm(modules)
     import threading
 
@@ -97,7 +107,8 @@ def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
     sel.register(rfd, selectors.EVENT_READ, "sigchld")
     children: dict[int, socket.socket] = {}
     state = {"lsock": lsock, "sel": sel, "pipe": (rfd, wfd), "owner_fd": owner_fd, "threads": threads,
-             "native_threads": native, "code": code, "import_env": import_time_environment(os.environ)}
+             "native_threads": native, "code": code}
+    state["import_env"], state["set_at_import"] = _read_at_import(before)
     try:
         while True:
             for key, _ in sel.select(timeout=1.0):
@@ -174,7 +185,8 @@ def _handle(conn: socket.socket, children: dict, state: dict) -> None:
         for fd in fds:
             os.close(fd)
         return
-    theirs, ours = import_time_environment(req.get("env", {})), state["import_env"]
+    ours = state["import_env"]
+    theirs = {k: v for k, v in import_time_environment(req.get("env", {})).items() if k not in state["set_at_import"]}
     differs = sorted(k for k in {*theirs, *ours} if theirs.get(k) != ours.get(k))
     if differs:  # (names only: the values may be tokens)
         _send(conn, {"error": f"the job's environment differs from the server's in {', '.join(differs)}, read once "
