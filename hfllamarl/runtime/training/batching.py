@@ -242,6 +242,26 @@ def _entropy(x: torch.Tensor, rows: int = 4096) -> torch.Tensor:
     return torch.cat(out)
 
 
+def layout_agrees(model, rollouts: list[Rollout], layout: dict, leaky: dict, device,
+                  multiple_of: int | None = None) -> tuple[bool, float, float]:
+    """Whether the micro-batch `layout` of two `rollouts` gives the log-probs of the same sequences padded, judged
+    against the difference a leak makes (`leaky`: the same inputs where the second sequence sees the first), so
+    that kernel noise in bf16 does not count as a leak. Returns (agrees, the error, the leak's size)."""
+    sampling = Sampling()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            reference = completion_logprobs(model, pad_batch(rollouts, 0, device, multiple_of), sampling)
+            good = completion_logprobs(model, layout, sampling)
+            leak = completion_logprobs(model, leaky, sampling)
+    finally:
+        model.train(was_training)
+    error = float((good - reference).abs().max())
+    leak_size = float((leak - reference)[1].abs().max())
+    return error <= max(1e-5, 0.05 * leak_size), error, leak_size
+
+
 def packing_agrees(model, vocab_size: int, device, multiple_of: int | None = None) -> bool:
     """Whether `model` computes the same log-probs packed as padded: its attention keeps packed sequences apart
     when told only by the position ids. Decided against the difference that leaking across sequences makes (the
@@ -257,19 +277,7 @@ def packing_agrees(model, vocab_size: int, device, multiple_of: int | None = Non
     width = math.lcm(14, multiple_of or 1)
     packed = pack_batch(rollouts, 0, device, multiple_of=width)  # one row: 9 tokens, then 5 (then padding)
     leaky = dict(packed, position_ids=torch.arange(width, device=device).unsqueeze(0))  # the second sees the first
-    sampling = Sampling()
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            reference = completion_logprobs(model, pad_batch(rollouts, 0, device, multiple_of), sampling)
-            good = completion_logprobs(model, packed, sampling)
-            leak = completion_logprobs(model, leaky, sampling)
-    finally:
-        model.train(was_training)
-    error = float((good - reference).abs().max())
-    leak_size = float((leak - reference)[1].abs().max())
-    agrees = error <= max(1e-5, 0.05 * leak_size)
+    agrees, error, leak_size = layout_agrees(model, rollouts, packed, leaky, device, multiple_of)
     if not agrees:
         logger.warning("padding-free packing is off: this model's attention does not keep packed sequences apart "
                        "by position ids (log-prob error %.3g, leak %.3g); micro-batches are padded instead.",

@@ -26,7 +26,8 @@ import math
 import torch
 
 from hfllamarl.runtime.loop.rollout import Rollout
-from hfllamarl.runtime.training.batching import _loss_side, _round_up, pack_batch, pack_rows, packing_agrees, pad_batch
+from hfllamarl.runtime.training.batching import (_loss_side, _round_up, layout_agrees, pack_batch, pack_rows,
+                                                 packing_agrees, pad_batch)
 
 logger = logging.getLogger(__name__)
 
@@ -147,13 +148,9 @@ class PromptSharing:
 
 
 def sharing_agrees(model, sharing: PromptSharing, vocab_size: int, device) -> bool:
-    """Whether `model` computes the same log-probs with a shared prompt as with separate padded sequences. Decided
-    against the difference a leak makes (the second completion allowed to see the first), so that kernel noise in
-    bf16 does not count as a leak. Every trainer rank calls it at the same point (FSDP2 gathers weights in the
-    forward)."""
-    from hfllamarl.runtime.loop.sampling import Sampling
-    from hfllamarl.runtime.training.batching import completion_logprobs, pad_batch
-
+    """Whether `model` computes the same log-probs with a shared prompt as with separate padded sequences
+    (`batching.layout_agrees`; the leak: the second completion allowed to see the first). Every trainer rank calls
+    it at the same point (FSDP2 gathers weights in the forward)."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab_size, (13,), generator=g).tolist()
     rollouts = [Rollout(prompt="", prompt_ids=ids[:5], completion_ids=ids[5:9], behavior_logprobs=[0.0] * 4,
@@ -163,19 +160,8 @@ def sharing_agrees(model, sharing: PromptSharing, vocab_size: int, device) -> bo
     shared = share_batch(rollouts, 0, device, 2, sharing.mask, sharing.multiple_of)
     leaky_mask = shared["attention_mask"].clone()
     leaky_mask[..., 9:13, 5:9] = True if sharing.mask == "bool" else 0.0  # the second completion sees the first
-    sampling = Sampling()
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            reference = completion_logprobs(model, pad_batch(rollouts, 0, device, sharing.multiple_of), sampling)
-            good = completion_logprobs(model, shared, sampling)
-            leak = completion_logprobs(model, dict(shared, attention_mask=leaky_mask), sampling)
-    finally:
-        model.train(was_training)
-    error = float((good - reference).abs().max())
-    leak_size = float((leak - reference)[1].abs().max())
-    agrees = error <= max(1e-5, 0.05 * leak_size)
+    agrees, error, leak_size = layout_agrees(model, rollouts, shared, dict(shared, attention_mask=leaky_mask), device,
+                                             sharing.multiple_of)
     if not agrees:
         logger.warning("share_prompts is off: this model's attention does not follow a 4-D attention mask (log-prob "
                        "error %.3g, leak %.3g); each completion carries its own copy of the prompt.", error, leak_size)
