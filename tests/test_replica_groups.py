@@ -222,9 +222,9 @@ def test_a_killed_group_is_left_out_and_rejoins_from_its_peer(tmp_path, tiny_mod
     out0, out1 = tmp_path / "g0", tmp_path / "g1"
     procs = []
     try:
-        # (both launched at once: group 1 waits for group 0 to start the run, up to half of collective_timeout_s,
+        # (both launched at once: group 1 waits for group 0 to start the run, up to half of its collective_timeout_s,
         # 60 s here, longer than one job's start-up on a loaded machine)
-        procs.append(_group(tiny_model, out0, 0, lighthouse.address(), "--timeout", "60"))
+        procs.append(_group(tiny_model, out0, 0, lighthouse.address()))
         first = _group(tiny_model, out1, 1, lighthouse.address(), "--kill-at-step", "8", "--timeout", "60")
         procs.append(first)
         first.wait(timeout=300)
@@ -302,8 +302,9 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
     out0, out1 = tmp_path / "g0", tmp_path / "g1"
     procs = []
     try:
-        # (both at once: group 1 waits for group 0 to start the run; see the killed drill)
-        procs.append(_group(tiny_model, out0, 0, lighthouse.address(), "--steps", "100", "--timeout", "60"))
+        # (both at once: group 1 waits for group 0 to start the run, see the killed drill; group 0 keeps 30 s, the
+        # longest it waits in a collective its frozen peer is inside)
+        procs.append(_group(tiny_model, out0, 0, lighthouse.address(), "--steps", "100"))
         procs.append(_group(tiny_model, out1, 1, lighthouse.address(), "--steps", "100", "--timeout", "60",
                             launcher=_torchrun()))
         deadline = time.monotonic() + 300
