@@ -74,7 +74,7 @@ model = torch.nn.Linear(4, 4)
 store, host, port = group_store()
 group = ReplicaGroup(1, 2, lighthouse.address(), model, torch.optim.AdamW(model.parameters()), None,
                      collective_timeout_s=10.0, device="cpu", store=(host, port), rank=0, world_size=1,
-                     wait_for_peer=True, peer_wait_s=2.0)
+                     peer_wait_s=2.0)
 start = time.monotonic()
 try:
     group.begin(0)

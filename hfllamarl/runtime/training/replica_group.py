@@ -49,18 +49,16 @@ class ReplicaGroup:
         collective_timeout_s: a frozen peer is dropped after this (`ReplicaTimeouts`).
         store: (host, port) of this group's store; rank, world_size: this rank within its group's trainer ranks.
         is_main: logs the group's recoveries (its first trainer rank).
-        wait_for_peer: a group other than 0 (only group 0 starts a run, or resumes it from its checkpoint): alone at
-            global step 0 it would start over from the initial weights, whether its launcher started it again or
-            it was launched after the others were lost, so it waits `peer_wait_s` for a peer, then stops (the
+        peer_wait_s: how long a group other than 0 waits for a peer when it is alone at global step 0 at its first
+            step (only group 0 starts a run, or resumes it from its checkpoint: `_wait_for_peer`), then stops (the
             job's: the start-up budget, vllm_server_timeout, and at most half of collective_timeout_s, since its
             generators wait for its weights meanwhile).
     """
 
     def __init__(self, group: int, groups: int, lighthouse: str, model, optimizer, scheduler,
                  collective_timeout_s: float, device, store: tuple[str, int], rank: int, world_size: int,
-                 is_main: bool = True, wait_for_peer: bool = False, peer_wait_s: float = 240.0):
+                 is_main: bool = True, peer_wait_s: float = 240.0):
         self.group, self.groups, self.is_main = int(group), int(groups), is_main
-        self.wait_for_peer = wait_for_peer  # alone at global step 0 at its first step: wait for a peer to copy from
         self.peer_wait_s = float(peer_wait_s)
         # Built at the first step: from then on the lighthouse waits for this group at every quorum (up to its join
         # timeout), so a group that is still starting (its generators) must not be known to it yet.
@@ -87,7 +85,8 @@ class ReplicaGroup:
         """This step's quorum (a group behind its peers heals here). `version`: the job's own policy version."""
         with self._timed("quorum"):
             start = time.monotonic()
-            if self.quorum is None:
+            first = self.quorum is None
+            if first:
                 self.quorum = self._build()
                 if self._scheduler is not None:
                     self.quorum.register_state("scheduler", self._scheduler.state_dict,
@@ -95,10 +94,9 @@ class ReplicaGroup:
                 if self._resume_step:  # (torchft's step counter starts at 0)
                     self.quorum.manager.load_state_dict({"step": self._resume_step, "batches_committed": 0})
             q = self._quorum = self.quorum.begin_step()
-            if self.wait_for_peer and q.step == 0 and q.participants == 1:  # (see `_wait_for_peer`)
+            if first and self.group != 0 and q.step == 0 and q.participants == 1:  # (see `_wait_for_peer`)
                 q, start = self._wait_for_peer(q)  # (the copy, if any, was in its last quorum: timed from there)
         seconds = time.monotonic() - start
-        self.wait_for_peer = False
         self.participants = q.participants
         offset = q.step - version
         if offset != self.offset:
