@@ -89,6 +89,27 @@ def family_model(tmp_path_factory):
     return get
 
 
+def cpu_trainer(model, **fields):
+    """A `TrainerExecutor` over `model` in one process, for one step's gradients: SGD at learning rate 0, AIPO
+    (rho 4), a reward of 0, one batch at staleness 0, temperature 1, no clipping; `fields`: more `TrainerSpec`
+    fields (num_generations, micro_batch_size, ...). Its layout is padded until the test sets or checks one."""
+    import torch
+
+    from hfllamarl.plugins.algorithms.aipo import AIPO
+    from hfllamarl.runtime.data.rewards import RewardRunner
+    from hfllamarl.runtime.loop.sampling import Sampling
+    from hfllamarl.runtime.loop.schedule import Schedule
+    from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
+    from hfllamarl.runtime.world.topology import Topology
+
+    spec = TrainerSpec(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), scheduler=None,
+                       algorithm=AIPO(rho=4.0), rewards=RewardRunner([lambda completions, **kw: [0.0] * len(completions)]),
+                       backend=None, schedule=Schedule(1, 0), sampling=Sampling(), max_grad_norm=None, pad_token_id=0,
+                       device=torch.device("cpu"), **fields)
+    return TrainerExecutor(spec, Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=10,
+                                          use_cpu=True))
+
+
 def free_port() -> int:
     """A port free now, chosen below the kernel's ephemeral range: a port the kernel hands out (bind to 0) can be
     taken by any outgoing connection (gloo's, a store client's) before the launcher that was given it binds it

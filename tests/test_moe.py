@@ -4,15 +4,11 @@
 import pytest
 import torch
 
-from hfllamarl.plugins.algorithms.aipo import AIPO
+from conftest import cpu_trainer
 from hfllamarl.runtime.training.batching import completion_logprobs, pack_batch, pad_batch
 from hfllamarl.runtime.training.moe import aux_loss_coef, balancing_loss_fn
-from hfllamarl.runtime.data.rewards import RewardRunner
 from hfllamarl.runtime.loop.rollout import Rollout
 from hfllamarl.runtime.loop.sampling import Sampling
-from hfllamarl.runtime.loop.schedule import Schedule
-from hfllamarl.runtime.world.topology import Topology
-from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +59,8 @@ def test_the_loss_equals_transformers_aux_loss_on_the_padded_micro_batch(moe, bu
     assert float(want) > 1.0  # (num_experts x sum f_i P_i: 1 when perfectly balanced) a real value, not 0
 
 
-def executor(model, coef: float) -> TrainerExecutor:
-    spec = TrainerSpec(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), scheduler=None,
-                       algorithm=AIPO(rho=4.0), rewards=RewardRunner([lambda completions, **kw: [0.0] * len(completions)]),
-                       backend=None, schedule=Schedule(1, 0), num_generations=2, micro_batch_size=2,
-                       sampling=Sampling(), max_grad_norm=None, pad_token_id=0, device=torch.device("cpu"),
-                       router_aux_loss_coef=coef)
-    ex = TrainerExecutor(spec, Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=10,
-                                        use_cpu=True))
+def executor(model, coef: float):
+    ex = cpu_trainer(model, num_generations=2, micro_batch_size=2, router_aux_loss_coef=coef)
     ex.layout.packed = True
     return ex
 

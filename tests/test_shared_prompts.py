@@ -5,16 +5,12 @@ hand values, and the trainer's step with and without sharing."""
 import pytest
 import torch
 
-from hfllamarl.plugins.algorithms.aipo import AIPO
-from hfllamarl.runtime.data.rewards import RewardRunner
+from conftest import cpu_trainer
 from hfllamarl.runtime.loop.rollout import Rollout
 from hfllamarl.runtime.loop.sampling import Sampling
-from hfllamarl.runtime.loop.schedule import Schedule
 from hfllamarl.runtime.training.batching import completion_logprobs
 from hfllamarl.runtime.training.shared_prompts import (Layout, PromptSharing, prompt_units, share_batch,
                                                        sharing_agrees)
-from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
-from hfllamarl.runtime.world.topology import Topology
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -115,15 +111,9 @@ def test_the_cost_model_by_hand():
     assert windowed.choose(rs) == 1  # a sequence longer than the window: the custom mask would not apply it
 
 
-def executor(model, share: bool) -> TrainerExecutor:
-    spec = TrainerSpec(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), scheduler=None,
-                       algorithm=AIPO(rho=4.0), rewards=RewardRunner([lambda completions, **kw: [0.0] * len(completions)]),
-                       backend=None, schedule=Schedule(1, 0), num_generations=4, micro_batch_size=8,
-                       sampling=Sampling(), max_grad_norm=None, pad_token_id=0, device=torch.device("cpu"),
-                       share_prompts=share)
-    ex = TrainerExecutor(spec, Topology(mode="single", rank=0, world_size=2, num_generators=1, timeout_s=10,
-                                        use_cpu=True))
-    ex.layout = Layout.checked(spec)
+def executor(model, share: bool):
+    ex = cpu_trainer(model, num_generations=4, micro_batch_size=8, share_prompts=share)
+    ex.layout = Layout.checked(ex.spec)
     return ex
 
 

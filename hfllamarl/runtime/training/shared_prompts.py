@@ -184,7 +184,7 @@ class Layout:
         packed = bool(spec.padding_free) and packing_agrees(model, model.config.vocab_size, spec.device,
                                                             spec.pad_to_multiple_of)
         sharing = None
-        if packed and getattr(spec, "share_prompts", False) and balancing is None and spec.pad_to_multiple_of is None:
+        if packed and spec.share_prompts and balancing is None and spec.pad_to_multiple_of is None:
             sharing = PromptSharing.for_model(model)
             if sharing is None:
                 logger.info("share_prompts is off: attention implementation %r takes no 4-D attention mask",
