@@ -166,6 +166,21 @@ def test_a_job_whose_import_time_environment_differs_is_spawned_not_forked(tmp_p
     assert "CODE 0" in res.stdout and "HOME " in res.stdout, res  # the same environment still forks
 
 
+def test_a_variable_the_servers_own_imports_set_does_not_stop_a_fork(tmp_path, server):
+    """vLLM sets PYTORCH_NVML_BASED_CUDA_CHECK when it is imported (the server's warm imports do): a job whose
+    environment has it (its process imported vLLM too) and one whose environment lacks it (a shell's) are both
+    forked, since a spawned child's imports would set it the same way."""
+    client = server
+    (tmp_path / "probe.py").write_text("print('RAN', flush=True)\n")
+    code = ("import os, sys\nfrom hfllamarl.runtime.world.preload import Client\n"
+            f"base = {{k: v for k, v in os.environ.items() if k != 'PYTORCH_NVML_BASED_CUDA_CHECK'}}\n"
+            f"base['PYTHONPATH'] = {str(tmp_path)!r}\n"
+            "for env in (base, {**base, 'PYTORCH_NVML_BASED_CUDA_CHECK': '1'}):\n"
+            f"    print('CODE', Client({client.path!r}).run('probe', [], env).wait(60), flush=True)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.stdout.count("CODE 0") == 2 and res.stdout.count("RAN") == 2, res
+
+
 def test_the_preload_command_serves_the_jobs_of_a_shell_and_refuses_an_open_directory(tmp_path):
     """`hfllamarl preload`: a directory others can write to is refused (anyone there could stand in for the
     server); a private one is made, the server answers there, forks a child whose command line reads as a spawned
