@@ -1,11 +1,12 @@
 """Trainer replica groups (`trainer_replica_groups`): whole jobs joined per step by torchft's quorum.
 
 The drills (slow): two groups of one trainer and one generator each, on the tiny model; group 1 is SIGKILLed at the
-end of its 8th step and started again by hand, as its launcher would. Group 0 trains every global step; group 1
-rejoins by copying the policy from group 0 and trains its share of the later steps; at the end both groups hold the
-same weights, bit for bit, no dataset row is trained twice, and the weights equal (to fp32 rounding) an independent
-replay of the same rows in one process without groups (plain torch: the model, the job's loss over each global
-step's rows, clipping, AdamW, the linear schedule).
+end of its 8th step and started again by hand, as its launcher would. Group 0 trains every global step, and group 1's
+share too while it is away; group 1 rejoins by copying the policy from group 0, samples its own share until its
+generator's batches are current, then trains what they sample; at the end both groups hold the same weights, bit for
+bit, every global step trained each prompt of its batch once, and the weights equal (to fp32 rounding) an
+independent replay of the same rows in one process without groups (plain torch: the model, the job's loss over each
+global step's rows, clipping, AdamW, the linear schedule).
 """
 
 import json
@@ -64,6 +65,89 @@ def test_a_valid_replica_group_config():
     assert (c.trainer_replica_groups, c.trainer_replica_group) == (2, 1)
 
 
+def test_a_missing_share_is_dealt_to_its_own_group_when_it_takes_part_else_to_the_participants_in_turn():
+    """`ReplicaGroup.makes_up` on hand cases: every participant deals the missing shares the same way."""
+    import torch
+
+    from hfllamarl.runtime.training.replica_group import ReplicaGroup
+
+    def dealt(groups, members, missing):
+        out = {}
+        for g in members:
+            group = ReplicaGroup(g, groups, "http://h:1", torch.nn.Linear(2, 2), None, None, 10.0, "cpu", ("h", 1), 0, 1)
+            group.members, group.missing = set(members), missing
+            out.update({h: g for h in group.makes_up()})
+        return out
+
+    assert dealt(2, {0}, [1]) == {1: 0}  # group 1 away: group 0 samples its share
+    assert dealt(2, {0, 1}, [1]) == {1: 1}  # group 1 back, holding nothing current: its own
+    assert dealt(3, {0, 2}, [1]) == {1: 2}  # share 1: the second of the participants [0, 2]
+    assert dealt(4, {0, 3}, [1, 2]) == {1: 3, 2: 0}
+    assert dealt(4, {1, 2, 3}, [0, 2]) == {0: 1, 2: 2}
+    assert dealt(2, {0, 1}, []) == {}
+
+
+def test_a_made_up_share_holds_that_groups_prompts_sampled_on_policy_and_split_over_the_groups_ranks(tiny_model):
+    """`ShareMakeup.sample`: the prompts of share 1 of a global batch (not share 0's), sampled by the trainer's model
+    with each token's log-prob under it (a plain forward of the prompt and completion alone), each data-parallel rank
+    keeping its positions; asked again in a retried attempt, the same rollouts (sampled once, counted once)."""
+    from types import SimpleNamespace
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hfllamarl.runtime.loop.sampling import Sampling
+    from hfllamarl.runtime.training.bootstrap import BootstrapSampler
+    from hfllamarl.runtime.training.replica_makeup import ShareMakeup
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    data = Dataset.from_dict({"prompt": [f"{n} + 1 =" for n in range(40)], "answer": [str(n + 1) for n in range(40)]})
+    spec = SimpleNamespace(chat_template_kwargs={}, sampling=Sampling(temperature=0.8), max_completion_length=6,
+                           max_model_len=128, prompts_per_batch=3, num_generations=2, seed=7, shuffle=True)
+    group = SimpleNamespace(group=0, groups=2, members={0}, is_main=True, made_up=0)
+    sampler = BootstrapSampler(model, tok, data, spec, torch.device("cpu"), model.generation_config)
+    ranks = [ShareMakeup(sampler, 2, d) for d in (0, 1)]
+    parts = [m.sample(group, 1, 5, version=9) for m in ranks]
+    want = group_batch_rows(40, 3, 5, 7, True, 1, 2)
+    assert [g.rollouts[0].row_index for g in parts[0] + parts[1]] == want
+    assert not set(want) & set(group_batch_rows(40, 3, 5, 7, True, 0, 2))
+    assert [g.position for g in parts[0]] == [0, 1] and [g.position for g in parts[1]] == [2]
+    assert group.made_up == 6  # (each rank samples the whole share: its sharded forward passes stay in step)
+    for g in parts[0] + parts[1]:
+        assert g.rollouts[0].columns == {"answer": data[g.rollouts[0].row_index]["answer"]}
+        for r in g.rollouts:
+            assert r.versions == [9] * len(r.completion_ids) and len(r.completion_ids) >= 1
+            with torch.no_grad():
+                logits = model(torch.tensor([r.prompt_ids + r.completion_ids])).logits[0].float()
+            start = len(r.prompt_ids) - 1
+            want_lp = torch.log_softmax(logits[start:start + len(r.completion_ids)] / 0.8, -1)
+            want_lp = want_lp.gather(-1, torch.tensor(r.completion_ids)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(r.behavior_logprobs), want_lp, atol=1e-4)
+    again = ranks[0].sample(group, 1, 5, version=9)
+    assert [id(g) for g in again] == [id(g) for g in parts[0]] and group.made_up == 6
+
+
+def test_a_share_the_trainer_cannot_sample_is_left_out_and_says_why(caplog):
+    from types import SimpleNamespace
+
+    from hfllamarl.runtime.loop.sampling import Sampling
+    from hfllamarl.runtime.training.replica_makeup import ShareMakeup, blocker
+
+    spec = SimpleNamespace(agent=None, reward_models=[object()], sampling=Sampling(), generation_kwargs={"stop": ["x"]})
+    why = blocker(spec)
+    assert "reward models score on the generator" in why and "generation_kwargs ['stop'] are vLLM options" in why
+    assert blocker(SimpleNamespace(agent=None, reward_models=[], sampling=Sampling(), generation_kwargs={})) is None
+    group = SimpleNamespace(group=0, groups=2, members={0}, is_main=True, made_up=0)
+    makeup = ShareMakeup(None, 1, 0, why)
+    with caplog.at_level("WARNING", logger="hfllamarl"):
+        assert makeup.sample(group, 1, 3, 3) == [] and makeup.sample(group, 1, 4, 4) == []
+    assert group.made_up == 0
+    said = [r.getMessage() for r in caplog.records if "is missing and not trained" in r.getMessage()]
+    assert len(said) == 1 and "the share of group 1 of global step 4" in said[0] and why in said[0], said
+
+
 WAIT_ALONE = """
 import os, sys, time, torch
 from hfllamarl.runtime.training.replica_group import ReplicaGroup
@@ -100,6 +184,13 @@ def test_a_group_other_than_0_alone_waits_for_a_peer_then_stops_with_what_to_do(
     assert "waiting up to 2 s" in proc.stderr, proc.stderr[-2000:]
 
 
+# AdamW's epsilon in the drills and their replay: at the default 1e-8 an element whose gradient is about 0 takes a step
+# of about the learning rate either way, so fp32 rounding can set two equal trainings apart by as much as a share
+# left out (two replays of one drill's rows, per sequence and padded: 2.6e-4 of the movement apart at 1e-8, 2.0e-5
+# at 1e-6)
+EPS = 1e-6
+
+
 def _group(model, out, group, lighthouse, *extra, launcher=(), config=None, sleep=0.5):
     """One group's job, its output in OUT/../g<group>-<n>.log (a file: a pipe nobody reads would fill and stop it);
     `config`: more AsyncAIPOConfig fields; `sleep`: seconds after each step (a survivor outlasts a restart)."""
@@ -110,7 +201,8 @@ def _group(model, out, group, lighthouse, *extra, launcher=(), config=None, slee
            "--reward", "digits", "--no-bootstrap", "--timeout", "30", "--save-model", str(out / "final"),
            "--dump-trained",
            "--extra", json.dumps({"trainer_replica_groups": 2, "trainer_replica_group": group,
-                                  "torchft_lighthouse": lighthouse, "save_strategy": "no", **(config or {})}), *extra]
+                                  "torchft_lighthouse": lighthouse, "save_strategy": "no", "adam_epsilon": EPS,
+                                  **(config or {})}), *extra]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.log_path = log.name
     log.close()
@@ -129,9 +221,6 @@ def _replay(model_dir, outs, steps):
     at max_grad_norm, AdamW, the linear schedule; a step without rows steps only the schedule. Returns the initial
     and the replayed state dicts."""
     import torch
-    from transformers import AutoModelForCausalLM
-
-    from hfllamarl.losses import StepShape
 
     lines = [e for out in outs for path in out.glob("trained-batches-group*-rank0.jsonl") for e in _log(path)]
     last = {}  # a step committed again (the groups went back to a checkpoint): the last quorum's commit counts
@@ -144,14 +233,28 @@ def _replay(model_dir, outs, steps):
             assert key not in by_step, f"group {e['group']} trained global step {e['global_step']} twice"
             by_step[key] = e
     config = make(max_steps=steps, learning_rate=1e-3, num_generations=4, max_completion_length=4, max_staleness=1,
-                  seed=0, trainer_replica_groups=2, torchft_lighthouse="http://h:1")
+                  seed=0, trainer_replica_groups=2, torchft_lighthouse="http://h:1", adam_epsilon=EPS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (tiny forwards: a second thread only spins, and beside another test it slows it 10x)
+    try:
+        return _replayed(model_dir, config, by_step, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replayed(model_dir, config, by_step, steps):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hfllamarl.losses import StepShape
+
     assert (config.weight_decay, config.warmup_steps, str(config.lr_scheduler_type.value), config.temperature,
             config.bf16, config.mask_truncated_completions) == (0.0, 0, "linear", 1.0, False, False)
     algorithm = config.build_algorithm()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.999), eps=1e-8,
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.999), eps=EPS,
                                   weight_decay=0.0)
     for step in range(1, steps + 1):
         entries = [by_step[step, g] for g in (0, 1) if (step, g) in by_step]
@@ -239,18 +342,15 @@ def test_a_killed_group_is_left_out_and_rejoins_from_its_peer(tmp_path, tiny_mod
     err0, err1, log0, log1 = _ended(procs[0], again, out0, out1)
     steps0 = [e["global_step"] for e in log0]  # the survivor started the run and trained every step, each once
     assert steps0 == list(range(1, 81))
-    assert all(len(e["rows"]) == 4 for e in log0[2:]) and all(len(e["rows"]) in (0, 4) for e in log0[:2])
+    assert all(len(e["rows"]) in (4, 8) for e in log0)  # (8: group 1's share too, while it is missing)
     before, after = _runs(log1)
     killed = before[-1]["global_step"]  # (its 8th step: the 8th global one, unless it started second and healed)
     rejoined = after[0]["global_step"]
     assert killed + 1 < rejoined and [e["global_step"] for e in after] == list(range(rejoined, 81))
     assert any(e["rows"] for e in after), "the restarted group never trained its share"
-    # every row a share of its global step (the batch of 8 prompts a single job would sample), none twice a step
-    for e0 in log0:
-        step = e0["global_step"]
-        e1 = [e for e in log1 if e["global_step"] == step]
-        rows = e0["rows"] + (e1[0]["rows"] if e1 else [])
-        assert set(rows) <= set(batch_rows(64, 8, step - 1, 0)) and len(rows) == len(set(rows))
+    # (group 0 sampled group 1's share itself while it was away, group 1 its own until its generator's were current)
+    assert "samples the share of group 1 itself while it is missing (that group is away)" in err0
+    assert "samples the share of group 1 itself while it is missing (that group holds nothing current" in err1
     # the recovery, as the survivor logged it
     assert "left: [1]" in err0 and f"rejoined: 1 (absent for global steps {killed + 1}-{rejoined - 1}" in err0, \
         err0[-3000:]
@@ -265,9 +365,9 @@ def test_a_killed_group_is_left_out_and_rejoins_from_its_peer(tmp_path, tiny_mod
 def _check_final_weights(model_dir, out0, out1, prompts_log, steps):
     """Both groups end with one policy, bit for bit, and it equals (to fp32 rounding) one process's training on the
     same rows without the failure: its distance to the replay's, against how far the weights moved (L2 over every
-    weight). In runs of the three drills that ratio was 1e-6 to 7.5e-5 (fp32 noise through AdamW: an element whose
-    gradient is about 0 can take a step of the learning rate either way); the same replays with one group's share of
-    one step left out gave 3.1e-3 to 2.6e-2."""
+    weight). With AdamW's epsilon at 1e-6 (`EPS`) that ratio was 1.9e-6 to 5.4e-6 in runs of the three drills; the
+    same replays with the made-up share of one step left out gave 0.087 to 0.33. And every global step trained each
+    prompt of its batch once, whichever group held it or made it up."""
     from safetensors.torch import load_file
 
     final, other = load_file(out0 / "final" / "model.safetensors"), load_file(out1 / "final" / "model.safetensors")
@@ -278,6 +378,10 @@ def _check_final_weights(model_dir, out0, out1, prompts_log, steps):
         logged.setdefault(e["global_step"], []).append(e["rows"])
     for (step, _), e in by_step.items():  # the dumped rows are the ones the prompts logs name for that step
         assert [r["row"] for r in e["rollouts"][::4]] in logged[step]
+    for step in range(1, steps + 1):  # nothing skipped, nothing twice: each global step trained every prompt of its
+        # batch (the 8 a single job samples) once, whichever group held it or sampled it when it was missing
+        rows = [r["row"] for g in (0, 1) if (step, g) in by_step for r in by_step[step, g]["rollouts"][::4]]
+        assert sorted(rows) == sorted(batch_rows(64, 8, step - 1, 0)), (step, rows)
 
     def norm(a, b):
         return sum(float(((a[k] - b[k]).double() ** 2).sum()) for k in final) ** 0.5

@@ -263,6 +263,7 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
         top_entropy_quantile=args.top_entropy_quantile,
         ref_sync=(args.ref_model_mixup_alpha, args.ref_model_sync_steps) if args.sync_ref_model else None,
         replica_group=group, lookahead=args.sampler_lookahead == "adamw",
+        replica_makeup=replica_makeup(trainer, model, device) if group is not None else None,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)
     os.makedirs(args.output_dir, exist_ok=True)
@@ -288,6 +289,19 @@ def replica_group(trainer, model, optimizer, scheduler, device):
                         # (a group other than 0 alone at step 0 waits for a peer this long; its generators wait for its
                         # weights up to collective_timeout_s meanwhile)
                         peer_wait_s=min(args.vllm_server_timeout, args.collective_timeout_s / 2))
+
+
+def replica_makeup(trainer, model, device):
+    """Trainer replica groups: what samples the shares of a step no group holds (`replica_makeup`)."""
+    from hfllamarl.runtime.training.bootstrap import BootstrapSampler
+    from hfllamarl.runtime.training.replica_makeup import ShareMakeup, blocker
+
+    topo, spec = trainer.topology, trainer._generator_spec()
+    why_not = blocker(spec) or ("trainer tensor parallelism shards the vocabulary the sampler draws from"
+                                if topo.trainer_tp > 1 else None)
+    sampler = None if why_not else BootstrapSampler(model, trainer.processing_class, trainer.train_dataset, spec, device,
+                                                    generation_config=getattr(model, "generation_config", None))
+    return ShareMakeup(sampler, topo.data_parallel_size, topo.data_rank_of(topo.rank), why_not)
 
 
 def load_best_model(trainer) -> None:

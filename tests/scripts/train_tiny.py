@@ -94,18 +94,24 @@ class KillAt(TrainerCallback):
 
 
 class SlowSteps(TrainerCallback):
-    """Sleeps this many seconds after every step (a drill that needs the job to outlast a restart)."""
+    """Sleeps this many seconds after every step (a drill that needs the job to outlast a restart); with trainer
+    replica groups only after a step that fewer than all groups trained (a survivor slows down while its peer is
+    away, and runs at full speed with it)."""
 
-    def __init__(self, seconds):
-        self.seconds = seconds
+    def __init__(self, seconds, groups=1):
+        self.seconds, self.groups, self.trained_by = seconds, groups, 0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.trained_by = int((logs or {}).get("replicas/trainer_groups", self.trained_by))
 
     def on_step_end(self, args, state, control, **kwargs):
-        time.sleep(self.seconds)
+        if self.groups == 1 or self.trained_by < self.groups:
+            time.sleep(self.seconds)
 
 
 def dump_trained(output_dir: str) -> None:
     """Trainer replica groups: after every committed step, what this group trained in it (each rollout's tokens and
-    behaviour log-probs, its advantage; nothing when it took part without rows) goes to
+    behaviour log-probs, its advantage, the shares it made up included; nothing when it took part without rows) goes to
     OUTPUT_DIR/trained-batches-group<G>-rank<R>.jsonl with the global step and the id of the quorum that committed
     it, for a replay of the same rows in one process."""
     from hfllamarl.runtime.training.trainer import TrainerExecutor
@@ -115,12 +121,12 @@ def dump_trained(output_dir: str) -> None:
     def replica_gradients(self, rollouts, advantages, old, sampled_offset):
         out = original(self, rollouts, advantages, old, sampled_offset)
         group = self.spec.replica_group
-        trained = bool(self.trained_rows[-1])  # (a share sampled under an old offset is not trained)
+        trained, advantages = self.replica_trained  # (its own share, unless sampled under an old offset; made-up ones)
         line = {"global_step": group.global_step, "group": group.group, "quorum": group._quorum.quorum_id,
-                "advantages": advantages.tolist() if trained else [],
+                "advantages": advantages.tolist(),
                 "rollouts": [{"row": r.row_index, "prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids,
                               "behavior_logprobs": r.behavior_logprobs, "finish_reason": r.finish_reason}
-                             for r in rollouts] if trained else []}
+                             for r in trained]}
         name = f"trained-batches-group{group.group}-rank{os.environ.get('RANK', '0')}.jsonl"
         with open(os.path.join(output_dir, name), "a") as fh:
             fh.write(json.dumps(line) + "\n")
@@ -345,7 +351,8 @@ def main():
                    help="sample with temperature 0.9, top-k 20, top-p 0.95, min-p 0.02, repetition penalty 1.3")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="generator_kv_cache_bytes (tiny: vLLM fails to start)")
     p.add_argument("--no-bootstrap", action="store_true", help="bootstrap_generation=False: every batch from vLLM")
-    p.add_argument("--step-sleep", type=float, default=0, help="sleep this many seconds after every step")
+    p.add_argument("--step-sleep", type=float, default=0, help="sleep this many seconds after every step (with trainer replica groups: "
+                   "every step fewer than all groups trained)")
     p.add_argument("--restart-delay", type=float, default=0,
                    help="on a launcher's restart, sleep this many seconds before anything (a slow machine's restart)")
     p.add_argument("--dump-trained", action="store_true",
@@ -404,7 +411,7 @@ def main():
         if a.stop_at_step:
             trainer.add_callback(StopAt(a.stop_at_step))
         if a.step_sleep:
-            trainer.add_callback(SlowSteps(a.step_sleep))
+            trainer.add_callback(SlowSteps(a.step_sleep, int(json.loads(a.extra).get("trainer_replica_groups", 1))))
         TRAIN_CALLED[0] = time.time()
         out = trainer.train(resume_from_checkpoint=True if a.resume else None)
         # what open-r1's grpo.py does after train(), on every process (a generator rank included)

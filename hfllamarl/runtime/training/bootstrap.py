@@ -91,22 +91,24 @@ class BootstrapSampler:
         self.eos = sorted(t for t in eos if t is not None)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos or [0])[0]
 
-    def _prompts(self, batch_index: int):
-        spec = self.spec
-        indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
-        rows = [self.dataset[i] for i in indices]
-        return [(i, row, self.encoder.encode(row["prompt"])) for i, row in zip(indices, rows)]
-
     def sample(self, batch_index: int, version: int) -> list[RolloutGroup] | None:
         """The groups of batch `batch_index`, sampled now by the policy at `version`; None when a prompt leaves no
         room for a whole completion (max_model_len: the generator decides what becomes of it)."""
         spec = self.spec
-        prompts = self._prompts(batch_index)
+        indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
+        return self.sample_rows(indices, batch_index, version, spec.seed * 1_000_003 + batch_index)
+
+    def sample_rows(self, indices: list[int], batch_index: int, version: int, seed: int) -> list[RolloutGroup] | None:
+        """`sample` of the dataset rows `indices` (positions 0, 1, ... of batch `batch_index`), the sampler's random
+        stream seeded with `seed`."""
+        spec = self.spec
+        prompts = [(i, row, self.encoder.encode(row["prompt"])) for i, row in
+                   zip(indices, (self.dataset[i] for i in indices))]
         if any(len(ids) + spec.max_completion_length > spec.max_model_len for _, _, ids in prompts):
             return None
         start = time.perf_counter()
         streams = [ids for _, _, ids in prompts for _ in range(spec.num_generations)]
-        generator = torch.Generator(device=self.device).manual_seed(spec.seed * 1_000_003 + batch_index)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         # (in chunks of at most TOKENS_PER_CHUNK prompt and completion tokens: the KV cache stays bounded)
         per_chunk = max(1, TOKENS_PER_CHUNK // (max(len(s) for s in streams) + spec.max_completion_length))
         tokens, logprobs, reasons = [], [], []

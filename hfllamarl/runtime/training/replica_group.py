@@ -9,18 +9,21 @@ which group g trains share g (`prompts.group_batch_rows`). Per optimizer step, o
 1. `begin(version)`: the step's quorum. A group behind its peers (restarted, or frozen and let go) copies their
    weights, optimizer and learning-rate schedule here; it then knows the global step, and `offset` (the global
    batch of its own batch 0) changes. What it sampled before under the old offset is not trained (those rows were
-   sampled by weights it no longer holds, and their global step is past): its share of that step is lost, and
-   logged.
-2. `step_tokens(local)`: one small allreduce over the participants: the step's completion tokens over every group
-   (the loss is normalised by them, so the groups' averaged gradient is the whole global batch's token mean,
-   whatever the number of groups and whether a group trains rows at all) and which groups take part.
+   sampled by weights it no longer holds, and their global step is past), and logged.
+2. `step_tokens(local, holds)`: one small allreduce over the participants: the step's completion tokens over every
+   group (the loss is normalised by them, so the groups' averaged gradient is the whole global batch's token mean,
+   whatever the number of groups and whether a group trains rows at all), which groups take part, and which shares
+   of the global batch they hold. A share no participant holds (its group away, or back but holding nothing
+   current) is sampled by the group it is dealt to (`makes_up`), on its trainer, and trained in this step
+   (`replica_makeup`); `more_tokens` then counts those tokens too. So no prompt of a global batch is skipped.
 3. forward and backward on the group's rows; `average(model)`: gradients averaged over the participants.
 4. `commit()`: every collective of the step succeeded on every participant; else the same rows are trained again
    with the next quorum (a group lost mid-step costs that attempt, nothing else).
 
 The quorum's own counters are global; the job's (its policy version, its ticks, what its generators sampled) stay
 its own, so a restarted group runs the same loop as a fresh job: its first steps have nothing current to train
-(their batches were keyed by the old offset) and it takes part with no rows, then trains its share.
+(their batches were keyed by the old offset), so it samples its share of them itself, then trains what its
+generators sample.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class ReplicaGroup:
         self.global_step = 0  # committed global steps (after `commit`: this step included)
         self.retries = 0  # attempts whose commit failed
         self.rows_lost = 0  # rows of this group's shares that were sampled under an old offset, not trained
+        self.missing: list[int] = []  # shares of the step's batch no participant holds (`step_tokens`)
+        self.made_up = 0  # prompts of missing shares this group sampled and trained itself (`replica_makeup`)
         self.steps_missed = 0  # global steps this group was not part of (restarted or frozen)
         self._failed_at: float | None = None  # when the first failed attempt of the current step ended
         self._attempts = 0  # failed attempts of the current step
@@ -153,17 +158,24 @@ class ReplicaGroup:
         at that global step (a peer ahead of it is copied from; one behind copies from this group)."""
         self.offset, self._resume_step = offset, version + offset
 
-    def step_tokens(self, local_tokens: float) -> float:
+    def step_tokens(self, local_tokens: float, holds: bool = True) -> float:
         """The step's completion tokens over every participating group (this group's: `local_tokens`, summed over
-        its own ranks already); learns which groups take part and logs a change."""
-        q = self._quorum
-        vector = torch.zeros(1 + self.groups, dtype=torch.float64)
+        its own ranks already); learns which groups take part and which of them hold their share of the step's
+        batch (`holds`: this group's), so that every participant knows the shares `missing` from it, and logs a
+        change."""
+        q, groups = self._quorum, self.groups
+        vector = torch.zeros(1 + 2 * groups, dtype=torch.float64)
         vector[0] = float(local_tokens)
         vector[1 + self.group] = 1.0
+        vector[1 + groups + self.group] = float(bool(holds))
         with self._timed("quorum"):
             self.quorum.manager.allreduce(vector).wait()  # (AVG over the participants; a failure is recorded)
+        if self.failed:  # (this attempt does not commit: the vector is not the participants', and no work is done)
+            self.missing = []
+            return float(local_tokens)
         vector *= q.participants
-        members = {g for g in range(self.groups) if vector[1 + g] > 0.5}
+        members = {g for g in range(groups) if vector[1 + g] > 0.5}
+        self.missing = [g for g in range(groups) if vector[1 + groups + g] < 0.5]
         if members != self.members and self.members:
             now, step = time.monotonic(), q.step + 1
             for g in self.members - members:
@@ -183,6 +195,28 @@ class ReplicaGroup:
                                f"; rejoined: {', '.join(back)}" if back else "")
         self.members = members
         return float(vector[0])
+
+    @property
+    def failed(self) -> bool:
+        """A collective of this attempt failed: it does not commit (the same rows are trained with the next quorum),
+        so its forward and backward can be skipped."""
+        return self.quorum.manager.errored() is not None
+
+    def makes_up(self) -> list[int]:
+        """The missing shares this group samples and trains itself this step (`replica_makeup`): its own when it
+        takes part without it, and of the others' the ones dealt to it (share h: the (h mod n)-th of the n
+        participants, in group order). Every participant deals the same way from the same `step_tokens` result."""
+        members = sorted(self.members)
+        return [h for h in self.missing
+                if (h if h in self.members else members[h % len(members)]) == self.group]
+
+    def more_tokens(self, local_tokens: float) -> float:
+        """A second token count over the participants, when shares were missing: the completion tokens of the shares
+        sampled for them (this group's: `local_tokens`), which the step's loss is normalised by too."""
+        vector = torch.tensor([float(local_tokens)], dtype=torch.float64)
+        with self._timed("quorum"):
+            self.quorum.manager.allreduce(vector).wait()
+        return float(vector[0]) * self._quorum.participants
 
     def average(self, model: torch.nn.Module) -> None:
         """Average the gradients over the participating groups (zeros where this group has none)."""
@@ -221,6 +255,7 @@ class ReplicaGroup:
         for the slowest group in them) and in the gradient average (`time/replica_average`)."""
         out = {"replicas/trainer_groups": float(self.participants), "replicas/trainer_retries": float(self.retries),
                "replicas/trainer_rows_lost": float(self.rows_lost),
+               "replicas/trainer_prompts_made_up": float(self.made_up),
                "replicas/trainer_steps_missed": float(self.steps_missed),
                "replicas/global_step": float(self.global_step),
                "time/replica_quorum": self._seconds["quorum"], "time/replica_average": self._seconds["average"]}

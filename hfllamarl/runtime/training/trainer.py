@@ -89,6 +89,7 @@ class TrainerSpec:
     top_entropy_quantile: float = 1.0  # < 1: TRL's entropy mask on the per-token loss (`iterations.high_entropy_mask`)
     ref_sync: tuple[float, int] | None = None  # sync_ref_model: (ref_model_mixup_alpha, ref_model_sync_steps)
     replica_group: Any = None  # trainer_replica_groups > 1: this job's `replica_group.ReplicaGroup`
+    replica_makeup: Any = None  # and its `replica_makeup.ShareMakeup` (the missing shares it samples itself)
     lookahead: bool = False  # sampler_lookahead='adamw': the generator samples with predicted weights (lookahead.py)
 
 
@@ -321,24 +322,32 @@ class TrainerExecutor(Executor):
     def _replica_gradients(self, rollouts: list[Rollout], advantages, old: list,
                            sampled_offset: int) -> tuple[list[Rollout], tuple]:
         """Trainer replica groups: this step's quorum, the gradients of this group's rows averaged over the groups
-        that take part, until a commit succeeds (`replica_group`). Returns what stands for the step's rows (empty:
-        no group trained any, no optimizer step) and the loss and stats of this group's own."""
+        that take part, until a commit succeeds (`replica_group`); shares no group holds are sampled and trained too
+        (`replica_makeup`). Returns what stands for the step's rows (empty: no group trained any, no optimizer step)
+        and the loss and stats of this group's own."""
         group = self.spec.replica_group
         while True:
-            group.begin(self.version)
+            q = group.begin(self.version)
             rows = rollouts if sampled_offset == group.offset else []  # (sampled under an older offset: lost)
-            local = _all_sum({"tokens": self._loss_tokens(rows)})["tokens"]
-            total = group.step_tokens(local)
-            result = (self._accumulate_gradients(rows, advantages, old, step_tokens=total, groups=group.participants)
-                      if rows else (0.0, {}))
+            local = _all_sum({"tokens": self._loss_tokens(rows), "rows": len(rows)})
+            total = group.step_tokens(local["tokens"], holds=local["rows"] > 0)
+            made, made_advantages, made_tokens = self.spec.replica_makeup.rows(self, q.step)  # (shares no group held)
+            trained, total = rows + made, total + made_tokens
+            trained_advantages = torch.cat([a for a in (advantages if rows else None, made_advantages)
+                                            if a is not None] or [torch.zeros(0)])
+            old.clear()  # (pi_old of this attempt's rows: num_iterations is 1 with replica groups)
+            result = (self._accumulate_gradients(trained, trained_advantages, old, step_tokens=total,
+                                                 groups=group.participants)
+                      if trained and not group.failed else (0.0, {}))  # (a failed count: this attempt does not commit)
             group.average(self.spec.model)
             if group.commit():
                 break
             self.spec.optimizer.zero_grad(set_to_none=True)  # the same rows again, with the next quorum
         if rollouts and not rows:
             group.discard(len(rollouts) // max(self.spec.num_generations, 1))
-            self.trained_rows[-1] = []
-        return (rollouts if total > 0 else []), result
+        self.trained_rows[-1] = [r.row_index for r in trained[:: self.spec.num_generations]]
+        self.replica_trained = (trained, trained_advantages)  # (what the group trained in the step: made-up shares too)
+        return ((rollouts or trained) if total > 0 else []), result
 
     def _loss_tokens(self, rollouts: list[Rollout]) -> int:
         """The completion tokens of `rollouts` the loss counts (not the masked truncated ones)."""
