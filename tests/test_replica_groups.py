@@ -129,6 +129,31 @@ def test_a_made_up_share_holds_that_groups_prompts_sampled_on_policy_and_split_o
     assert [id(g) for g in again] == [id(g) for g in parts[0]] and group.made_up == 6
 
 
+def test_two_fsdp2_ranks_of_a_group_make_up_a_share_in_step_and_split_it(tmp_path):
+    """A group of two FSDP2 trainer ranks (gloo): both sample the whole missing share in step (no hang: neither stops
+    decoding before the other), rank 0 keeps positions 0-1 and rank 1 position 2, and together they hold what the
+    whole model samples in one process with the same stream: the same prompts and tokens, the same log-probs."""
+    from conftest import SCRIPTS, run_script, tail
+
+    from hfllamarl.testing.tiny import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "llama"))
+    proc = run_script([str(SCRIPTS / "makeup_sharded.py"), model], nproc=2, timeout=300)
+    assert proc.returncode == 0, tail(proc)
+    res = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1][len("RESULT "):])
+    assert res["sharded"]
+    (first, second), whole = res["parts"], res["whole"]
+    assert [p for p, _ in first] == [0, 1] and [p for p, _ in second] == [2] and [p for p, _ in whole] == [0, 1, 2]
+    assert res["made_up"] == 6  # (rank 0 sampled the share twice: sharded, then whole)
+    lengths = set()
+    for (_, got), (_, want) in zip(first + second, whole):
+        assert [(r[0], r[1], r[3]) for r in got] == [(r[0], r[1], r[3]) for r in want]
+        for r, w in zip(got, want):
+            assert max((abs(a - b) for a, b in zip(r[2], w[2])), default=0.0) < 1e-4
+            lengths.add(len(r[1]))
+    assert sum(len(rollouts) for _, rollouts in whole) == 12 and lengths
+
+
 def test_a_share_the_trainer_cannot_sample_is_left_out_and_says_why(caplog):
     from types import SimpleNamespace
 
