@@ -174,6 +174,17 @@ class TrustMasked:
         return corrected
 
 
+def rowwise(correction) -> bool:
+    """Whether `correction` weighs each row (sequence) from that row's own log-probs alone: none, TRL's importance
+    weights, or a plugin that says so (`rowwise = True`), with a trust mask on top or not; a step rule (`+ess`) or a
+    bound over the whole micro-batch (m2po) is not."""
+    if correction is None or isinstance(correction, ImportanceSampling):
+        return True
+    if isinstance(correction, TrustMasked):
+        return rowwise(correction.base)
+    return not isinstance(correction, StepScaled) and bool(getattr(correction, "rowwise", False))
+
+
 def trust_mask(coef_1: torch.Tensor, advantages: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """`TrustMasked`'s keep mask (1.0 / 0.0) for objective ratios `coef_1` (`[B, T]` or `[B, 1]`) and `[B, 1]`
     advantages: 0 where A > 0 and c > 1 + high, or A < 0 and c < 1 - low."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hfllamarl.corrections import ImportanceSampling, share, trust_mask
+from hfllamarl.corrections import ImportanceSampling, rowwise, share, trust_mask
 from hfllamarl.losses import (CLIPPED_LOSS_TYPES, LOSS_TYPES, StepShape, aggregate, check_choice, group_advantages,
                               off_policy_mask, per_token_objective, policy_ratio, ratio_metrics, reference_kl,
                               vespo_weight, weight_metrics)
@@ -107,6 +107,13 @@ class PolicyLoss:
     @property
     def loss_type(self) -> str:
         return self.objective.loss_type
+
+    @property
+    def rows_apart(self) -> bool:
+        """Whether a row whose advantage is 0 adds exactly nothing to the step's loss and gradient and changes no
+        other row's: a token-normalised objective proportional to the advantage (dapo, cispo), no KL term (beta 0)
+        and a correction that weighs each row on its own. The trainer then skips such rows' forward and backward."""
+        return self.objective.loss_type in ("dapo", "cispo") and self.beta == 0 and rowwise(self.correction)
 
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         """`[N]` rewards (NaN: unscored) -> `[N]` advantages."""

@@ -27,6 +27,7 @@ from hfllamarl.corrections import Corrected, log_weight, share
 class A3PO:
     """`a3po`: the interpolated proximal policy (see the module's text); needs each token's staleness."""
 
+    rowwise = True  # (each row weighed from its own log-probs: `corrections.rowwise`)
     level = "token"
 
     def __init__(self, cap: float = 5.0, lag: float = 1.0):

@@ -25,6 +25,7 @@ from hfllamarl.corrections import Corrected, log_weight, share
 class Decoupled:
     """`decoupled`: b_t = pi_old_t/mu_t, dropped (mask) or clipped (truncate) above `cap`; the anchor is pi_old."""
 
+    rowwise = True  # (each row weighed from its own log-probs: `corrections.rowwise`)
     level = "token"
 
     def __init__(self, cap: float = 5.0, action: str = "mask"):
@@ -45,6 +46,7 @@ class Decoupled:
 class Coupled:
     """`coupled`: no behaviour weight; the objective's ratio refers to mu (plain PPO on stale samples)."""
 
+    rowwise = True  # (each row weighed from its own log-probs: `corrections.rowwise`)
     level = "token"
 
     def __call__(self, old_logprobs, behavior_logprobs, mask, staleness=None) -> Corrected:

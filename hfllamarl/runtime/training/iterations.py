@@ -26,9 +26,44 @@ import torch.distributed as dist
 _PAD = -1e9  # a sentinel no entropy can take (entropies are >= 0)
 
 
+def skips_flat_rows(spec, balancing) -> bool:
+    """Whether the trainer may skip the forward and backward of rows whose advantage is 0 (`rows_to_train`): the
+    algorithm's loss keeps rows apart (`PolicyLoss.rows_apart`: such a row adds exactly nothing), and nothing else
+    in the step reads every row (a reference model's KL, an MoE's balancing loss, the entropy mask's quantile)."""
+    return (bool(getattr(spec.algorithm, "rows_apart", False)) and spec.ref_model is None and balancing is None
+            and spec.top_entropy_quantile >= 1.0 and not scales_steps(spec.algorithm))
+
+
+def rows_to_train(advantages, skip: bool) -> list[int]:
+    """The rows of this rank's batch that run forward and backward: with `skip` (`skips_flat_rows`) the rows whose
+    advantage is not 0 (a group whose rewards are all equal has none: GRPO's flat groups, often most of a late
+    batch), topped up in order with skipped ones until every data-parallel rank runs as many rows (so as many
+    micro-batches: their gradient reduction is collective), and at least one (the step's metrics); else every row.
+    The step's token count, the loss's normaliser, still counts every row, so the loss and gradient are those of the
+    whole batch."""
+    n = len(advantages)
+    if not skip or not n:
+        return list(range(n))
+    kept = [i for i in range(n) if float(advantages[i]) != 0.0]
+    count = max(len(kept), 1)
+    from hfllamarl.runtime.world.mesh import data_group, data_world_size
+
+    if data_world_size() > 1:
+        t = torch.tensor([count], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=data_group())
+        count = int(t)
+    chosen = set(kept)
+    for i in range(n):
+        if len(chosen) >= count:
+            break
+        chosen.add(i)
+    return sorted(chosen)
+
+
 def loss_keywords(algorithm) -> set[str]:
-    """Which optional inputs the algorithm's `loss` names, of `old_logprobs`, `entropy_mask` and `staleness`."""
-    return {"old_logprobs", "entropy_mask", "staleness"} & set(inspect.signature(algorithm.loss).parameters)
+    """Which optional inputs the algorithm's `loss` names, of `old_logprobs`, `entropy_mask`, `staleness` and
+    `shape` (the step's `StepShape`)."""
+    return {"old_logprobs", "entropy_mask", "staleness", "shape"} & set(inspect.signature(algorithm.loss).parameters)
 
 
 def token_staleness(rollouts, version: int, shape, device) -> torch.Tensor:

@@ -28,8 +28,9 @@ from hfllamarl.runtime.training.shared_prompts import Layout
 from hfllamarl.runtime.data.episodes import tool_counts, tool_metrics
 from hfllamarl.runtime.loop.executor import Executor, wait_for_startup
 from hfllamarl.corrections import sequence_log_weights
-from hfllamarl.runtime.training.iterations import (high_entropy_mask, loss_keywords, mix_reference, scaled_lr,
-                                                   scales_steps, step_scale, token_staleness)
+from hfllamarl.runtime.training.iterations import (high_entropy_mask, loss_keywords, mix_reference, rows_to_train,
+                                                   scaled_lr, scales_steps, skips_flat_rows, step_scale,
+                                                   token_staleness)
 from hfllamarl.runtime.training.finite import (NonFiniteError, agree, first_bad_gradient, nonfinite_problems,
                                                total_grad_norm)
 from hfllamarl.runtime.training.rank_metrics import all_max as _all_max, all_sum as _all_sum, evaluation_metrics
@@ -117,6 +118,7 @@ class TrainerExecutor(Executor):
         self.layout = Layout(spec)  # how micro-batches are laid out: padded until `prepare` checks the real model
         self.balancing = (balancing_loss_fn(spec.model)  # (router logits, token mask) -> an MoE's aux loss
                           if spec.router_aux_loss_coef else None)
+        self.skips_flat_rows = skips_flat_rows(spec, self.balancing)  # (rows with advantage 0: `rows_to_train`)
         self._tick_started = time.perf_counter()  # when this tick began (`set_step`): a step's wall time
         self._cpu_started: float | None = None  # this process's CPU time when its last step ended (or its first began)
         self._prepared = self._reported = False
@@ -411,13 +413,16 @@ class TrainerExecutor(Executor):
             self._old_version = self.version  # pi_old's version: the batch's first pass
         spec, model = self.spec, self.spec.model
         mb = spec.micro_batch_size
+        tokens = _all_sum({"tokens": self._loss_tokens(rollouts)})["tokens"] if step_tokens is None else step_tokens
+        keep = rows_to_train(advantages, self.skips_flat_rows)  # (the step's tokens count the skipped rows too)
+        skipped = 1.0 - len(keep) / max(len(rollouts), 1)
+        rollouts, advantages = [rollouts[i] for i in keep], advantages[keep]
         steps = math.ceil(len(rollouts) / mb)
         masked = [spec.mask_truncated_completions and r.finish_reason == "length" for r in rollouts]
-        tokens = _all_sum({"tokens": self._loss_tokens(rollouts)})["tokens"] if step_tokens is None else step_tokens
         shape = StepShape(tokens=tokens, trainer_ranks=data_world_size() * groups,  # (groups: replica groups)
                           micro_batches=steps, max_completion_length=spec.max_completion_length)
-        extra = {"shape": shape} if takes_shape(spec.algorithm) else {}
         takes = loss_keywords(spec.algorithm)
+        extra = {"shape": shape} if "shape" in takes else {}
         stats: dict[str, list[float]] = {}
         loss_total = 0.0
         step_weights = [] if scales_steps(spec.algorithm) else None  # log(pi_old/mu) per sequence (`step_scale`)
@@ -468,6 +473,7 @@ class TrainerExecutor(Executor):
                 stats.setdefault(key, []).append(value)
         if step_weights is not None:  # the learning-rate factor of this step ("_step_scale") and its metrics
             stats.update(step_scale(spec.algorithm, step_weights))
+        stats["trainer/flat_rows_skipped_frac"] = [skipped]
         return loss_total, stats
 
     def evaluation_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
@@ -570,13 +576,6 @@ class TrainerExecutor(Executor):
 
     def save_checkpoint(self) -> None:
         self.spec.save_checkpoint(self.version)
-
-
-def takes_shape(algorithm) -> bool:
-    """Whether the algorithm's `loss` names a `shape` parameter (then it gets the step's `StepShape`)."""
-    import inspect
-
-    return "shape" in inspect.signature(algorithm.loss).parameters
 
 
 def checked_loss(algorithm, out) -> tuple[torch.Tensor, dict[str, float]]:
