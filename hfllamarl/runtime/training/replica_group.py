@@ -35,6 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
+from hfllamarl.runtime.training.rank_metrics import all_max
 from hfllamarl.runtime.training.replica_quorum import ReplicaQuorum, StepQuorum
 
 logger = logging.getLogger("hfllamarl")
@@ -76,6 +77,7 @@ class ReplicaGroup:
         self.retries = 0  # attempts whose commit failed
         self.rows_lost = 0  # rows of this group's shares that were sampled under an old offset, not trained
         self.missing: list[int] = []  # shares of the step's batch no participant holds (`step_tokens`)
+        self.failed = False  # this attempt's count failed on a rank of the group: it does not commit, no work is done
         self.made_up = 0  # prompts of missing shares this group sampled and trained itself (`replica_makeup`)
         self.steps_missed = 0  # global steps this group was not part of (restarted or frozen)
         self._failed_at: float | None = None  # when the first failed attempt of the current step ended
@@ -170,6 +172,9 @@ class ReplicaGroup:
         vector[1 + groups + self.group] = float(bool(holds))
         with self._timed("quorum"):
             self.quorum.manager.allreduce(vector).wait()  # (AVG over the participants; a failure is recorded)
+            # The group's ranks agree on whether the count failed: one that skipped its forward, or sampled a share
+            # the others did not, would stall the collectives of the group's own sharded model.
+            self.failed = all_max([float(self.quorum.manager.errored() is not None)])[0] > 0
         if self.failed:  # (this attempt does not commit: the vector is not the participants', and no work is done)
             self.missing = []
             return float(local_tokens)
@@ -195,12 +200,6 @@ class ReplicaGroup:
                                f"; rejoined: {', '.join(back)}" if back else "")
         self.members = members
         return float(vector[0])
-
-    @property
-    def failed(self) -> bool:
-        """A collective of this attempt failed: it does not commit (the same rows are trained with the next quorum),
-        so its forward and backward can be skipped."""
-        return self.quorum.manager.errored() is not None
 
     def makes_up(self) -> list[int]:
         """The missing shares this group samples and trains itself this step (`replica_makeup`): its own when it
