@@ -1,5 +1,5 @@
-"""Rows whose advantage is 0 (a group whose rewards are all equal) skip the trainer's forward and backward where the
-loss keeps rows apart (`iterations.rows_to_train`, `PolicyLoss.rows_apart`): the step's loss and gradient are those
+"""With skip_flat_rows, rows whose advantage is 0 (a group whose rewards are all equal) skip the trainer's forward and
+backward where the loss keeps rows apart (`iterations.rows_to_train`, `PolicyLoss.rows_apart`): the step's loss and gradient are those
 of the whole batch, checked against the same step with every row run."""
 
 import pytest
@@ -56,7 +56,7 @@ def test_a_step_that_skips_flat_rows_has_the_whole_batchs_loss_and_gradient(mode
     advantages = torch.tensor([0.0] * 4 + [1.0, -0.5, 0.25, -0.75] + [0.0] * 4)
     out = []
     for skip in (False, True):
-        ex = cpu_trainer(model, num_generations=4, micro_batch_size=3)
+        ex = cpu_trainer(model, num_generations=4, micro_batch_size=3, skip_flat_rows=True)
         assert ex.skips_flat_rows  # (AIPO, no reference model)
         ex.skips_flat_rows = skip
         model.zero_grad()
@@ -81,3 +81,14 @@ def test_data_parallel_ranks_run_as_many_rows():
     assert proc.returncode == 0, tail(proc)
     rows = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1][len("RESULT "):])
     assert rows == [[0, 1, 2], [0, 2, 5]]
+
+
+def test_skip_flat_rows_is_refused_where_it_cannot_be_exact():
+    from hfllamarl import AsyncAIPOConfig
+
+    AsyncAIPOConfig(output_dir="/tmp/hfllamarl-flat", report_to="none", skip_flat_rows=True)  # aipo, dapo, beta 0
+    for kw, says in (({"beta": 0.04}, "beta 0.04"), ({"loss_type": "grpo"}, "loss_type 'grpo'"),
+                     ({"top_entropy_quantile": 0.5}, "top_entropy_quantile 0.5")):
+        with pytest.raises(ValueError, match="skip_flat_rows=True needs a loss") as err:
+            AsyncAIPOConfig(output_dir="/tmp/hfllamarl-flat", report_to="none", skip_flat_rows=True, **kw)
+        assert says in str(err.value), str(err.value)

@@ -240,6 +240,14 @@ class AsyncAIPOConfig(GRPOConfig):
                   "implementation that takes no 4-D mask (flash/flex attention), the MoE load-balancing loss and "
                   "sequence parallelism. Logged as shared_prompts/tokens_saved_frac."},
     )
+    skip_flat_rows: bool = field(
+        default=False,
+        metadata={"help": "Run no forward or backward for rows whose advantage is 0 (groups whose rewards are all "
+                  "equal): the loss and gradient are unchanged (the step's tokens still count them), the per-token "
+                  "metrics (entropy, clip ratios) are then over the rows run. Needs a loss that keeps rows apart "
+                  "(dapo or cispo, beta 0, a row-wise correction), top_entropy_quantile 1 and no MoE balancing loss. "
+                  "Logged as trainer/flat_rows_skipped_frac."},
+    )
     scale_rewards: str = field(
         default="none",
         metadata={"help": "Advantage scaling, as in GRPOConfig, but defaulting to 'none': AIPO's advantage is "

@@ -27,6 +27,13 @@ def loss_params(algorithm) -> set[str]:
 def check_iteration_fields(args, algorithm) -> None:
     """Config-time checks (the values themselves, and whether the algorithm takes what they need)."""
     k, q = args.num_iterations, args.top_entropy_quantile
+    if args.skip_flat_rows and not (getattr(algorithm, "rows_apart", False) and q >= 1.0):
+        raise ValueError("AsyncAIPOConfig: skip_flat_rows=True needs a loss in which a row with advantage 0 adds "
+                         "nothing and no row's term depends on another's (loss_type 'dapo' or 'cispo', beta=0, an "
+                         "off_policy_correction that weighs each row on its own: not m2po or '+ess') and "
+                         f"top_entropy_quantile=1 (here: algorithm {args.algorithm!r}, loss_type "
+                         f"{getattr(algorithm, 'loss_type', None)!r}, beta {getattr(algorithm, 'beta', None)!r}, "
+                         f"top_entropy_quantile {q}); leave it False.")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"AsyncAIPOConfig: num_iterations={k!r}; it must be a whole number >= 1 (optimizer passes "
                          "over each generation batch).")

@@ -27,10 +27,15 @@ _PAD = -1e9  # a sentinel no entropy can take (entropies are >= 0)
 
 
 def skips_flat_rows(spec, balancing) -> bool:
-    """Whether the trainer may skip the forward and backward of rows whose advantage is 0 (`rows_to_train`): the
-    algorithm's loss keeps rows apart (`PolicyLoss.rows_apart`: such a row adds exactly nothing), and nothing else
-    in the step reads every row (a reference model's KL, an MoE's balancing loss, the entropy mask's quantile)."""
-    return (bool(getattr(spec.algorithm, "rows_apart", False)) and spec.ref_model is None and balancing is None
+    """Whether the trainer skips the forward and backward of rows whose advantage is 0 (`rows_to_train`): asked for
+    (`skip_flat_rows`, whose config check refuses a loss that does not keep rows apart), and nothing else in the step
+    reads every row (a reference model's KL, the entropy mask's quantile; an MoE's balancing loss is refused here)."""
+    if not spec.skip_flat_rows:
+        return False
+    if balancing is not None:
+        raise ValueError("skip_flat_rows=True: the MoE load-balancing loss (router_aux_loss_coef) reads every row's "
+                         "router logits, so no row can be skipped; leave skip_flat_rows False for this model.")
+    return (bool(getattr(spec.algorithm, "rows_apart", False)) and spec.ref_model is None
             and spec.top_entropy_quantile >= 1.0 and not scales_steps(spec.algorithm))
 
 

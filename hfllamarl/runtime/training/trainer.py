@@ -92,6 +92,7 @@ class TrainerSpec:
     replica_group: Any = None  # trainer_replica_groups > 1: this job's `replica_group.ReplicaGroup`
     replica_makeup: Any = None  # and its `replica_makeup.ShareMakeup` (the missing shares it samples itself)
     lookahead: bool = False  # sampler_lookahead='adamw': the generator samples with predicted weights (lookahead.py)
+    skip_flat_rows: bool = False  # no forward or backward for rows with advantage 0 where exact (`rows_to_train`)
 
 
 class TrainerExecutor(Executor):
