@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -111,33 +110,11 @@ def cpu_trainer(model, **fields):
 
 
 def free_port() -> int:
-    """A port free now, chosen below the kernel's ephemeral range: a port the kernel hands out (bind to 0) can be
-    taken by any outgoing connection (gloo's, a store client's) before the launcher that was given it binds it
-    (EADDRINUSE in a drill, seen in CI); ports below that range are only ever taken by an explicit bind. Drawn from
-    the OS's entropy, not the `random` module: the trainers the tests run in-process seed it (`set_seed(42)`), so
-    both xdist workers drew the same ports in the same order (EADDRINUSE again, CI on 2a9db14: port 29349 is the
-    12th draw after `random.seed(42)`)."""
-    import glob
-    import random
+    """A port free now, below the kernel's ephemeral range (`hfllamarl.runtime.world.ports.free_port`, which says why:
+    EADDRINUSE in a drill, seen in CI, and both xdist workers drawing the same ports after `random.seed(42)`)."""
+    from hfllamarl.runtime.world.ports import free_port as pick
 
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
-            low = int(fh.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(200):
-        port = random.SystemRandom().randrange(10000, max(low, 10001))
-        if glob.glob(f"/dev/shm/*cpushm-{port}*"):  # a killed tensor-parallel CPU engine's segment names this port
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # (no free port below the range: fall back to the kernel's choice)
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick()
 
 
 def run_script(args: list[str], nproc: int | None = None, timeout: float = 600, env: dict | None = None,

@@ -157,11 +157,9 @@ def _write_model(params: float, directory: str) -> tuple[int, int, float]:
 
 def _launch(opts: dict, world: int, timeout: float) -> list[dict]:
     extra = {"MALLOC_MMAP_THRESHOLD_": "65536"} if opts.get("live") else {}
-    import socket
+    from hfllamarl.runtime.world.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # (below the ephemeral range: a released kernel-chosen port can be taken before rank 0 binds it)
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

@@ -50,11 +50,9 @@ def add_weight_sync_arguments(parser) -> None:
 
 def launch(opts: dict, world: int, timeout: float) -> dict:
     """Start `world` bench workers (rank 0 hosts the store) and return rank 0's gathered results."""
-    import socket
+    from hfllamarl.runtime.world.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # (below the ephemeral range: a released kernel-chosen port can be taken before rank 0 binds it)
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
