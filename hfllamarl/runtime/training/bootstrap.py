@@ -42,6 +42,18 @@ logger = logging.getLogger(__name__)
 TOKENS_PER_CHUNK = 65536  # prompt + completion tokens sampled at once (the trainer's KV cache holds that many)
 
 
+def cannot_sample(spec) -> list[str]:
+    """What the trainer's sampler cannot do as the generators do, for the job's `GeneratorSpec` (empty: it samples
+    the same distribution); its bootstrap and a replica group's missing shares (`replica_makeup`) both ask."""
+    reasons = [
+        (spec.agent is not None, "multi-turn rollouts (tools, environments, rollout_func) run on the generator"),
+        (bool(spec.reward_models), "reward models score on the generator"),
+        (spec.sampling.penalties, "repetition / presence / frequency penalties"),
+        (bool(spec.generation_kwargs), f"generation_kwargs {sorted(spec.generation_kwargs or {})} are vLLM options"),
+    ]
+    return [text for hit, text in reasons if hit]
+
+
 def blocker(args, spec, topology, resuming: bool) -> str | None:
     """Why this job cannot bootstrap (None: it can). `spec`: the job's `GeneratorSpec`."""
     if not args.bootstrap_generation:
@@ -50,16 +62,12 @@ def blocker(args, spec, topology, resuming: bool) -> str | None:
         (topology.mode != "single", "its ranks were started by a launcher (each rank starts at once)"),
         (resuming, "it resumes from a checkpoint"),
         (topology.failure == "continue", "generator_failure='continue' survives a lost replica only once all are up"),
-        (spec.agent is not None, "multi-turn rollouts (tools, environments, rollout_func) run on the generator"),
-        (bool(spec.reward_models), "reward models score on the generator"),
         (spec.schedule.generation_ticks > 1, "partial rollouts are carried by the generator"),
         (bool(args.drop_zero_variance_groups), "dynamic sampling draws from the generator's reserve"),
-        (spec.sampling.penalties, "repetition / presence / frequency penalties"),
-        (bool(spec.generation_kwargs), f"generation_kwargs {sorted(spec.generation_kwargs)} are vLLM options"),
         (spec.eval_on_start, "eval_on_start evaluates the starting policy on the generator"),
         (spec.replica_groups > 1, "trainer replica groups take part in every step's quorum from the first"),
     ]
-    why = [text for hit, text in reasons if hit]
+    why = cannot_sample(spec) + [text for hit, text in reasons if hit]
     return "; ".join(why) if why else None
 
 

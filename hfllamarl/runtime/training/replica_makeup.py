@@ -24,6 +24,7 @@ import torch
 from hfllamarl.runtime.data.prompts import group_batch_rows
 from hfllamarl.runtime.loop.rollout import RolloutGroup
 from hfllamarl.runtime.loop.schedule import trainer_positions
+from hfllamarl.runtime.training.bootstrap import cannot_sample
 from hfllamarl.runtime.training.rank_metrics import all_sum
 
 logger = logging.getLogger("hfllamarl")
@@ -32,14 +33,7 @@ logger = logging.getLogger("hfllamarl")
 def blocker(spec) -> str | None:
     """Why the trainer cannot sample a missing share as the generators would (None: it can). `spec`: the job's
     `GeneratorSpec`."""
-    reasons = [
-        (spec.agent is not None, "multi-turn rollouts (tools, environments, rollout_func) run on the generator"),
-        (bool(spec.reward_models), "reward models score on the generator"),
-        (spec.sampling.penalties, "repetition / presence / frequency penalties are vLLM's"),
-        (bool(spec.generation_kwargs), f"generation_kwargs {sorted(spec.generation_kwargs or {})} are vLLM options"),
-    ]
-    why = [text for hit, text in reasons if hit]
-    return "; ".join(why) if why else None
+    return "; ".join(cannot_sample(spec)) or None
 
 
 class ShareMakeup:
