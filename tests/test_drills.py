@@ -507,6 +507,29 @@ def test_a_rank_hung_in_its_exit_is_named_after_the_collective_timeout_and_a_cle
     assert len(met) == 2 and max(met) < 2.0, met
 
 
+def test_a_rank_hung_past_the_end_of_the_job_prints_its_stacks_before_it_is_killed():
+    """Ranks started bare (collective_timeout_s=4: the watcher's grace is the heartbeat's 10 s floor): rank 1 passes
+    the end-of-job rendezvous, then hangs in an exit handler that runs after it. Rank 0 exits 0; the watcher it left
+    asks the hung rank for its threads' Python stacks (SIGUSR1), which name the handler it hangs in, then kills it
+    and says so; nothing is left."""
+    from hfllamarl.runtime.world.liveness import heartbeat_timeout
+
+    survivor, victim = launch_bare(2, [str(SCRIPTS / "exit_rendezvous.py"), "hung-late"], env={})
+    try:
+        start = time.monotonic()
+        out, err = survivor.communicate(timeout=90)  # (its stderr closes when its watcher is done too)
+        v_out, v_err = victim.communicate(timeout=30)
+        seconds = time.monotonic() - start
+    finally:
+        survivor.kill()
+        victim.kill()
+    assert survivor.returncode == 0 and victim.returncode == -9, (survivor.returncode, victim.returncode, err[-2000:])
+    assert "rank 1 (generator 0) (pid" in err and "reached the end of the job but did not exit" in err, err[-2000:]
+    assert "its threads' Python stacks are printed above" in err, err[-2000:]
+    assert "hang_in_teardown" in v_err and "exit_rendezvous.py" in v_err, v_err[-3000:]
+    assert heartbeat_timeout(4.0) - 1 < seconds < 60, seconds
+
+
 def test_a_bootstrap_batch_longer_than_the_generators_start_up_wait_does_not_fail_the_job(family_model, tmp_path):
     """Plain python, vllm_server_timeout=45: the bootstrap batch in progress when the generator becomes ready takes
     60 s more. The trainer announced the batch (bounded by collective_timeout_s), so the ready generator waits for

@@ -7,7 +7,9 @@ the rendezvous, leaves behind a small watcher process (a new session: it outlive
 launcher's workers). The watcher waits for the other ranks of the job on this machine to exit; one still there after
 `grace_s` is named on stderr, given the error torchrun prints as that rank's root cause, and killed, so the launcher
 returns (non-zero: a rank did not end by itself) within `grace_s` of the end of the job. Its work was complete: it
-had passed the rendezvous, after the job's last step, checkpoint and save.
+had passed the rendezvous, after the job's last step, checkpoint and save. Before the kill, a rank that still runs
+(not stopped) is asked for the Python stack of each of its threads (`dump_stacks_on_request`, SIGUSR1): they are
+printed on its stderr, above the watcher's message, and show where its exit hangs.
 
 Every rank's watcher looks at the same peers; a claim file per frozen process makes one of them report and kill it.
 The watcher runs `python -S -I` on this file's `main` (no site, no package import: it starts in milliseconds).
@@ -38,6 +40,21 @@ def watch(peers: dict[str, dict], grace_s: float, job_id: str) -> subprocess.Pop
         return None
 
 
+DUMP_SIGNAL = signal.SIGUSR1
+DUMP_WAIT_S = 1.0  # how long the stacks may take to print before the kill
+
+
+def dump_stacks_on_request() -> None:
+    """From here on (past the end-of-job rendezvous: nothing of the job's own uses the signal) SIGUSR1 prints every
+    thread's Python stack on stderr; the watcher asks for it before it kills a rank whose exit hangs."""
+    import faulthandler
+
+    try:
+        faulthandler.register(DUMP_SIGNAL, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # (no usable stderr: the kill comes without stacks)
+        pass
+
+
 def _stat(pid: int) -> tuple[str, str] | None:
     """(state, start time) of `pid`, None when it is gone (as `processes.proc_stat`, which this file cannot import)."""
     try:
@@ -52,6 +69,18 @@ def _stat(pid: int) -> tuple[str, str] | None:
 def _alive(where: dict) -> bool:
     stat = _stat(int(where["pid"]))
     return stat is not None and stat[0] not in ("Z", "X") and stat[1] == where.get("start", stat[1])
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether `pid` has a handler for `signum` (its SigCgt mask): the default action of SIGUSR1 would end it."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _error_file(pid: int) -> str | None:
@@ -82,7 +111,10 @@ def _claim(job_id: str, where: dict) -> bool:
 def _end(name: str, where: dict, grace_s: float) -> None:
     pid = int(where["pid"])
     state = _stat(pid)
-    how = "stopped (SIGSTOP or a tracer)" if state and state[0] in ("T", "t") else "still running"
+    stopped = bool(state and state[0] in ("T", "t"))
+    dumps = not stopped and _catches(pid, DUMP_SIGNAL)
+    how = ("stopped (SIGSTOP or a tracer)" if stopped else
+           "still running (its threads' Python stacks are printed above)" if dumps else "still running")
     message = (f"hfllamarl: {name} (pid {pid}) reached the end of the job but did not exit within {grace_s:.0f} s of "
                f"the other ranks: it is {how}; killed so that the launcher returns. The run's work is complete (that "
                f"rank had passed the end-of-job rendezvous, after the last step, checkpoint and save); the launcher "
@@ -93,6 +125,12 @@ def _end(name: str, where: dict, grace_s: float) -> None:
             with open(path, "w") as fh:
                 json.dump({"message": {"message": message, "extraInfo": {
                     "py_callstack": message, "timestamp": str(int(time.time()))}}}, fh)
+        except OSError:
+            pass
+    if dumps:
+        try:
+            os.kill(pid, DUMP_SIGNAL)
+            time.sleep(DUMP_WAIT_S)
         except OSError:
             pass
     print(message, file=sys.stderr, flush=True)

@@ -226,8 +226,9 @@ class Liveness:
                               frozen=missing)
             time.sleep(0.05)  # (a clean exit waits for the last rank's mark: look often, the store answers at once)
         if topo.mode == "launcher":  # nothing watches a rank past this point: a watcher sees that each one exits
-            from hfllamarl.runtime.world.exit_watch import watch
+            from hfllamarl.runtime.world.exit_watch import dump_stacks_on_request, watch
 
+            dump_stacks_on_request()
             watch(self._local_peers(), self.stale_s, topo.job_id)
         self.mark_done()
         self._linger()  # (the store's host stays until the others have seen every rank arrive)
