@@ -4,12 +4,16 @@ Past the end-of-job rendezvous (`Liveness.finish`) a rank has nothing left to do
 it any more: a rank frozen there (SIGSTOP, a hung interpreter teardown, a non-daemon thread) keeps `torchrun` waiting
 for its exit until the allocation's wall time, while every other rank has exited 0. So each launched rank, once past
 the rendezvous, leaves behind a small watcher process (a new session: it outlives the rank and is not one of the
-launcher's workers). The watcher waits for the other ranks of the job on this machine to exit; one still there after
-`grace_s` is named on stderr, given the error torchrun prints as that rank's root cause, and killed, so the launcher
-returns (non-zero: a rank did not end by itself) within `grace_s` of the end of the job. Its work was complete: it
-had passed the rendezvous, after the job's last step, checkpoint and save. Before the kill, a rank that still runs
-(not stopped) is asked for the Python stack of each of its threads (`dump_stacks_on_request`, SIGUSR1): they are
-printed on its stderr, above the watcher's message, and show where its exit hangs.
+launcher's workers). The watcher waits for the other ranks of the job on this machine to exit. A rank's exit is not
+instant: the interpreter's teardown of torch, transformers and vLLM takes seconds of CPU (about 3 s measured on an
+idle 2-core machine; several times that on a crowded one). So a rank is judged by its progress, not by the clock: one
+that is still there and has used (almost) no CPU time for `grace_s` (stopped, or waiting on something that never comes) is
+named on stderr, given the error torchrun prints as that rank's root cause, and killed; one that keeps working is
+given up to `BUSY_LIMIT` x `grace_s`, then treated the same way. The launcher so returns (non-zero: a rank did not end
+by itself) within `grace_s` of a frozen rank's last work. Its work was complete: it had passed the rendezvous, after
+the job's last step, checkpoint and save. Before the kill, a rank that still runs (not stopped) is asked for the
+Python stack of each of its threads (`dump_stacks_on_request`, SIGUSR1): they are printed on its stderr, above the
+watcher's message, and show where its exit hangs.
 
 Every rank's watcher looks at the same peers; a claim file per frozen process makes one of them report and kill it.
 The watcher runs `python -S -I` on this file's `main` (no site, no package import: it starts in milliseconds).
@@ -55,20 +59,20 @@ def dump_stacks_on_request() -> None:
         pass
 
 
-def _stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of `pid`, None when it is gone (as `processes.proc_stat`, which this file cannot import)."""
+BUSY_LIMIT = 4  # a rank still working at exit is given at most this many times the grace
+WORKING_SHARE = 0.05  # working: at least this share of a core over the last `grace_s` (idle threads' wake-ups use less)
+
+
+def _stat(pid: int) -> tuple[str, str, int] | None:
+    """(state, start time, CPU ticks used) of `pid`, None when it is gone (as `processes.proc_stat`, which this file
+    cannot import)."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             data = fh.read()
     except OSError:
         return None
     fields = data[data.rindex(")") + 2:].split()
-    return fields[0], fields[19]
-
-
-def _alive(where: dict) -> bool:
-    stat = _stat(int(where["pid"]))
-    return stat is not None and stat[0] not in ("Z", "X") and stat[1] == where.get("start", stat[1])
+    return fields[0], fields[19], int(fields[11]) + int(fields[12])
 
 
 def _catches(pid: int, signum: int) -> bool:
@@ -108,17 +112,17 @@ def _claim(job_id: str, where: dict) -> bool:
     return True
 
 
-def _end(name: str, where: dict, grace_s: float) -> None:
+def _end(name: str, where: dict, why: str) -> None:
     pid = int(where["pid"])
     state = _stat(pid)
     stopped = bool(state and state[0] in ("T", "t"))
     dumps = not stopped and _catches(pid, DUMP_SIGNAL)
     how = ("stopped (SIGSTOP or a tracer)" if stopped else
            "still running (its threads' Python stacks are printed above)" if dumps else "still running")
-    message = (f"hfllamarl: {name} (pid {pid}) reached the end of the job but did not exit within {grace_s:.0f} s of "
-               f"the other ranks: it is {how}; killed so that the launcher returns. The run's work is complete (that "
-               f"rank had passed the end-of-job rendezvous, after the last step, checkpoint and save); the launcher "
-               f"reports it as failed because it did not end by itself.")
+    message = (f"hfllamarl: {name} (pid {pid}) reached the end of the job but {why}: it is {how}; killed so that "
+               f"the launcher returns. The run's work is complete (that rank had passed the end-of-job rendezvous, "
+               f"after the last step, checkpoint and save); the launcher reports it as failed because it did not end "
+               f"by itself.")
     path = _error_file(pid)
     if path and not os.path.exists(path):
         try:
@@ -143,15 +147,30 @@ def _end(name: str, where: dict, grace_s: float) -> None:
 def main(spec: str) -> int:
     job = json.loads(spec)
     peers, grace_s = job["peers"], float(job["grace_s"])
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        peers = {name: where for name, where in peers.items() if _alive(where)}
-        if not peers:
-            return 0
+    start = time.monotonic()
+    ticks_s = os.sysconf("SC_CLK_TCK")
+    seen = {name: [] for name in peers}  # name -> [(when, CPU ticks)] over the last grace_s
+    while peers:
+        now = time.monotonic()
+        for name, where in list(peers.items()):
+            stat = _stat(int(where["pid"]))
+            if stat is None or stat[0] in ("Z", "X") or stat[1] != where.get("start", stat[1]):
+                del peers[name]  # (exited, or the pid is another process's now)
+                continue
+            samples = seen[name]
+            samples.append((now, stat[2] if stat[0] not in ("T", "t") else None))
+            while len(samples) > 1 and samples[1][0] <= now - grace_s:
+                samples.pop(0)
+            stopped = samples[-1][1] is None
+            used_s = 0.0 if stopped or samples[0][1] is None else (samples[-1][1] - samples[0][1]) / ticks_s
+            idle = now - start >= grace_s and (stopped or used_s < WORKING_SHARE * grace_s)
+            if idle or now - start > BUSY_LIMIT * grace_s:
+                why = (f"did not exit and did no work for {grace_s:.0f} s" if idle else
+                       f"still worked on its exit {now - start:.0f} s after the other ranks")
+                if _claim(job["job_id"], where):  # (else another rank's watcher reports and kills it)
+                    _end(name, where, why)
+                del peers[name]
         time.sleep(0.2)
-    for name, where in sorted(peers.items()):
-        if _alive(where) and _claim(job["job_id"], where):
-            _end(name, where, grace_s)
     return 0
 
 
