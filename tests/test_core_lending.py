@@ -1,14 +1,12 @@
 """Core lending: once every generator child has finished the trainer's tick, the trainer's next layer runs on every
-core, and the cores go back at the end of its step; while the trainer waits, a generator's next layer runs on its
-share of the trainer's cores too, given back as soon as the trainer has work (checked against the OS's own affinity
-and torch's threads)."""
+core, and the cores go back at the end of its step (checked against the OS's own affinity and torch's threads)."""
 
 import os
 
 import pytest
 import torch
 
-from hfllamarl.runtime.world.core_lending import CoreBoard, CoreBorrower, CoreLender, lent_cpus
+from hfllamarl.runtime.world.core_lending import CoreBoard, CoreLender
 
 CPUS = sorted(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="needs two cores")
@@ -61,49 +59,6 @@ def test_the_trainer_borrows_only_after_every_generator_finished_its_tick_and_gi
         assert lender.borrowed and threads_in_backward == [len(CPUS)]
     lender.close()
     assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {CPUS[0]}
-
-
-def test_a_generator_borrows_the_trainers_cores_only_while_the_trainer_waits(tmp_path, restore):
-    """The generator's engine model (here a transformers one: the hooks are on its decoder layers, as on vLLM's)
-    runs a layer on its own core plus the trainer's once the trainer says it waits (`CoreLender.waits`, at the start
-    of a tick), goes back at the next layer once the trainer's step began (`busy`), and at the end of its sampling
-    (`end_tick`, which returns the seconds borrowed)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    board = CoreBoard(str(tmp_path / "board"), num_generators=1, create=True)
-    lender = CoreLender(board, own_cpus=CPUS[1:2], all_cpus=CPUS[:2])
-    borrower = CoreBorrower(CoreBoard(str(tmp_path / "board"), num_generators=1), own_cpus=CPUS[:1],
-                            lent_cpus=lent_cpus(CPUS[1:2], num_generators=1, generator=0))
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2))
-    seen = []
-    model.model.layers[1].register_forward_pre_hook(lambda m, a: seen.append((torch.get_num_threads(),
-                                                                               os.sched_getaffinity(0))))
-    borrower.install(model)
-    os.sched_setaffinity(0, CPUS[:1])
-    torch.set_num_threads(1)
-    own, wide = (1, {CPUS[0]}), (2, set(CPUS[:2]))
-
-    model(torch.tensor([[1, 2, 3]]))  # the trainer is at work (a new board says so)
-    assert seen[-1] == own and not borrower.borrowed
-    lender.waits()
-    model(torch.tensor([[1, 2, 3]]))
-    assert seen[-1] == wide and borrower.borrowed
-    lender.busy()
-    model(torch.tensor([[1, 2, 3]]))
-    assert seen[-1] == own and not borrower.borrowed
-    lender.waits()
-    model(torch.tensor([[1, 2, 3]]))
-    assert seen[-1] == wide
-    seconds = borrower.end_tick()
-    assert (torch.get_num_threads(), os.sched_getaffinity(0)) == own and 0 < seconds < 60
-    assert borrower.end_tick() == 0.0
-    borrower.close()
-
-
-def test_the_trainers_cores_are_dealt_among_the_generators():
-    assert [lent_cpus([0, 1, 2], 2, g) for g in (0, 1)] == [[0, 2], [1]]
-    assert [lent_cpus([0], 2, g) for g in (0, 1)] == [[0], []]
 
 
 @pytest.mark.slow

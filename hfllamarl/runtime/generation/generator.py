@@ -25,7 +25,7 @@ from hfllamarl.runtime.world import startup
 from hfllamarl.runtime.world.collector import collector_paused
 from hfllamarl.runtime.generation.engine import WeightSyncMismatch, build_engine, load_weights, loader_boxes, verify_against_disk
 from hfllamarl.runtime.weights.lora_adapters import engine_options
-from hfllamarl.runtime.world.core_lending import open_board, open_borrower
+from hfllamarl.runtime.world.core_lending import open_board
 from hfllamarl.runtime.loop.executor import Executor, wait_for_startup
 from hfllamarl.runtime.data.prompts import PromptEncoder, group_batch_rows
 from hfllamarl.runtime.loop.rollout import ROLLOUTS, UNFINISHED, InFlightBatch, Rollout, RolloutGroup
@@ -106,7 +106,6 @@ class GeneratorExecutor(Executor):
         self.evaluated = spec.initial_version - 1 if spec.initial_version or spec.eval_on_start else 0
         self.backend = None  # the weight-sync backend; `run_job` sets the one its channel uses
         self.core_board = None  # single-process CPU job: where this child says it has finished a tick
-        self.borrower = None  # ... and borrows the trainer's cores while the trainer waits (`CoreBorrower`)
         self.adapters = None  # lora_sync='adapter': the engine's live adapter (`AdapterSlot`)
         self.agent = None  # `MultiTurn`, when the job has tools, environments or a rollout_func
         self.live = list(range(getattr(topology, "num_replicas", 1)))  # live replicas, told by the trainer each tick
@@ -130,9 +129,6 @@ class GeneratorExecutor(Executor):
                                             spec.initial_version)
             startup.mark("engine")
         self.core_board = open_board(self.topology.num_generators) if self.topology.mode == "child" else None
-        self.borrower = open_borrower(self.core_board)
-        if self.borrower is not None:
-            self.llm.apply_model(self.borrower.install)
         self.slot = self.topology.rank - self.topology.num_trainers  # this generator's place on the core board
         startup.mark("ready")
         startup.publish(self.topology)  # (the first trainer rank reads it past the wait below)
@@ -249,8 +245,6 @@ class GeneratorExecutor(Executor):
     def close(self) -> None:
         if self.adapters is not None:
             self.adapters.close()
-        if self.borrower is not None:
-            self.borrower.close()
 
     def get_output(self, channel: str):
         if channel != ROLLOUTS:
@@ -280,8 +274,6 @@ class GeneratorExecutor(Executor):
                 self.pending = self.generate_tick(batch)
             if self.eval_due():
                 self.pending += self.evaluate()
-        if self.borrower is not None:  # back on its own cores before its rollouts can start the trainer's step
-            self.borrower.give_back()
         if self.core_board is not None:  # idle until the next tick's channels: the trainer may use these cores
             self.core_board.finished(self.slot, self.tick)
 
@@ -347,10 +339,9 @@ class GeneratorExecutor(Executor):
         self.in_flight = [f for f in self.in_flight if f.unfinished()]
         now = time.process_time()
         cpu, self.cpu_mark = now - self.cpu_mark, now
-        borrowed = self.borrower.end_tick() if self.borrower is not None else 0.0  # (its sampling is done)
         groups = [RolloutGroup(group, f.batch_index, f.policy_version, seconds, tokens, position=position,
                                replica=self.topology.replica, weights_load_seconds=self.weight_load_seconds,
-                               cpu_seconds=cpu, borrowed_seconds=borrowed, data_offset=f.data_offset)
+                               cpu_seconds=cpu, data_offset=f.data_offset)
                   for f in finished for group, position in zip(f.groups, f.positions or range(len(f.groups)))]
         self._score_with_models(groups)
         return groups

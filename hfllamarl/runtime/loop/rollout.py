@@ -91,7 +91,6 @@ class RolloutGroup:
     replica: int = 0  # the generator replica that sampled it (`batch_tokens` and the seconds are that replica's)
     weights_load_seconds: float = 0.0  # that replica's last load of new weights into its engine, before sampling
     cpu_seconds: float = 0.0  # that replica's process CPU time (every thread) since its previous tick closed
-    borrowed_seconds: float = 0.0  # of that replica's generation time, how long it also ran on the trainer's cores
     data_offset: int = 0  # trainer replica groups: the generator's data offset when it sampled (global batch - batch)
 
 

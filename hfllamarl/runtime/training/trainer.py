@@ -190,14 +190,8 @@ class TrainerExecutor(Executor):
         self._tick_started = time.perf_counter()
         if self._cpu_started is None:
             self._cpu_started = time.process_time()
-        lender = getattr(self.topology, "core_lender", None)
-        if lender is not None:  # its channels next: the generators may use its cores meanwhile
-            lender.waits()
 
     def step(self) -> None:
-        lender = getattr(self.topology, "core_lender", None)
-        if lender is not None:  # the trainer has work: its cores are its own again
-            lender.busy()
         if self.eval_inbox:
             evaluations, self.eval_inbox = self.eval_inbox, []
             for version in sorted({g.eval_version for g in evaluations}):
@@ -558,9 +552,6 @@ class TrainerExecutor(Executor):
         metrics["weight_sync/load_seconds"] = max(g.weights_load_seconds for g in groups)
         # The generator processes' CPU time (core-seconds, every thread) over their ticks that closed this batch.
         metrics["generation/cpu_seconds"] = sum({g.replica: g.cpu_seconds for g in groups}.values())
-        # The share of it the slowest replica also ran on the trainer's cores, lent while the trainer waited.
-        metrics["generation/borrowed_frac"] = max(g.borrowed_seconds / g.generation_seconds
-                                                  if g.generation_seconds > 0 else 0.0 for g in groups)
         tokens = sum(v for k, v in per_replica.items() if k.endswith("/tokens/max"))
         metrics["generation/tokens_per_s"] = tokens / gen_seconds if gen_seconds > 0 else 0.0
         return metrics

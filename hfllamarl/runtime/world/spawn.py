@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from hfllamarl.runtime.world.core_lending import ENV_BOARD, ENV_LENT, lent_cpus
+from hfllamarl.runtime.world.core_lending import ENV_BOARD
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +149,6 @@ def start_children(topo, spec_path: str, prestarted: Prestarted | None = None) -
         job_env = {ENV_STORE: f"{host}:{port}", ENV_JOB: str(topo.job_id)}
         if board is not None:
             job_env[ENV_BOARD] = board.path
-            lent = lent_cpus(split[0], topo.num_generators, rank - topo.num_trainers)
-            job_env[ENV_LENT] = ",".join(map(str, lent))
         proc = prestarted.claim(topo, rank, split, job_env, spec_path) if prestarted is not None else None
         if proc is None:
             env = {**os.environ, **_rank_env(topo, rank, split), **job_env}
