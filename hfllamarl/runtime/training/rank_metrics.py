@@ -1,5 +1,5 @@
-"""Metrics reduced over the trainer ranks: sums and maxima, the metrics reward functions log, and the eval_* metrics
-of an evaluation during training."""
+"""Metrics reduced over the trainer ranks: sums and maxima, a step's logged metrics, the metrics reward functions
+log, and the eval_* metrics of an evaluation during training."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from hfllamarl.runtime.data.episodes import tool_counts, tool_metrics
 from hfllamarl.runtime.loop.rollout import Rollout, RolloutGroup
 from hfllamarl.runtime.training import shared_rewards
 from hfllamarl.runtime.world.mesh import data_group, data_world_size
@@ -47,6 +48,83 @@ def logged_means(logged: dict[str, tuple[float, int]]) -> dict[str, float]:
             acc[0] += total
             acc[1] += count
     return {name: total / count for name, (total, count) in sorted(totals.items()) if count}
+
+
+def step_metrics(spec, groups: list[RolloutGroup], rollouts: list[Rollout], rewards: list[float], per_func: dict,
+                 staleness: list[list[int]], loss_total: float, stats: dict) -> dict[str, float]:
+    """A step's logged metrics, reduced over the trainer world (`spec`: the trainer's `TrainerSpec`; `staleness`:
+    per completion, per token; `stats`: the algorithm's metrics, one value per micro-batch, logged under their own
+    names)."""
+    n = len(rollouts)
+    oldest = [max(s) for s in staleness if s]  # a completion is as stale as its first token
+    lengths = [r.num_sampled for r in rollouts]  # as TRL: the tokens the policy sampled, not the tools'
+    G = spec.num_generations
+    flat = [all(math.isclose(x, rewards[i]) for x in rewards[i:i + G]) for i in range(0, n, G)]
+    ended = [length for length, r in zip(lengths, rollouts) if r.finish_reason != "length"]
+    partial = [len(r.completion_ids) for r in rollouts if r.segments > 1]
+    scored = [x for x in rewards if not math.isnan(x)]  # as TRL's nanmean/nanstd: unscored ones left out
+    local = {
+        "reward_sum": sum(scored), "reward_sq": sum(x * x for x in scored), "scored": len(scored), "count": n,
+        "staleness_sum": sum(oldest), "staleness_n": len(oldest),
+        "token_staleness_sum": sum(map(sum, staleness)), "partial": len(partial), "partial_len": sum(partial),
+        "len_sum": sum(lengths), "truncated": sum(r.finish_reason == "length" for r in rollouts),
+        "empty": sum(length == 0 for length in lengths),
+        "groups": len(flat), "flat_groups": sum(flat), "ended": len(ended), "ended_len": sum(ended),
+        "tokens": sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts),
+    }
+    for name, scores in per_func.items():
+        vals = [s for s in scores if s is not None]
+        local[f"rf_sum/{name}"] = sum(vals)
+        local[f"rf_sq/{name}"] = sum(x * x for x in vals)
+        local[f"rf_n/{name}"] = len(vals)
+    if spec.tools:
+        local.update(tool_counts(rollouts))
+    summed = all_sum(local)
+    extremes = all_max([max(lengths), -min(lengths), max(ended, default=-1), -min(ended, default=1 << 30)])
+    count, scored_n = summed["count"], max(summed["scored"], 1.0)
+    mean = summed["reward_sum"] / scored_n
+    metrics: dict[str, float] = {"reward": mean,
+                                 "reward_std": math.sqrt(max(summed["reward_sq"] / scored_n - mean * mean, 0.0))}
+    for name in per_func:
+        k = max(summed[f"rf_n/{name}"], 1)
+        metrics[f"rewards/{name}/mean"] = f_mean = summed[f"rf_sum/{name}"] / k
+        metrics[f"rewards/{name}/std"] = math.sqrt(max(summed[f"rf_sq/{name}"] / k - f_mean * f_mean, 0.0))
+    metrics["frac_reward_zero_std"] = summed["flat_groups"] / max(summed["groups"], 1)  # TRL's: no signal
+    state = spec.trainer_state
+    if state is not None and hasattr(state, "num_input_tokens_seen"):  # prompt + completion tokens trained, as TRL
+        state.num_input_tokens_seen = int(state.num_input_tokens_seen or 0) + int(summed["tokens"])
+        metrics["num_tokens"] = float(state.num_input_tokens_seen)
+    # The loss and the algorithm's own metrics (is_ratio/*, clipped_frac, behavior_kl, kl, ...), plus the share of
+    # sampled tokens the current policy's top-k/top-p/min-p no longer allow (weight 0; only off-policy).
+    metrics.update(reduce_metrics({"loss": [loss_total], "staleness/max": [max(oldest, default=0)], **stats}))
+    metrics["staleness/mean"] = summed["staleness_sum"] / max(summed["staleness_n"], 1)
+    metrics["staleness/token_mean"] = summed["token_staleness_sum"] / max(summed["len_sum"], 1)
+    metrics["partial_rollouts/count"] = summed["partial"]  # completions generated over more than one tick
+    metrics["partial_rollouts/mean_length"] = summed["partial_len"] / max(summed["partial"], 1)
+    metrics["completions/mean_length"] = summed["len_sum"] / count
+    metrics["completions/truncated_frac"] = summed["truncated"] / count
+    metrics["completions/empty_frac"] = summed["empty"] / count  # they get a reward, but no token to train
+    if spec.tools:
+        metrics.update(tool_metrics(summed, count))
+    # TRL's names: min/max length, truncated share, lengths of the completions that ended (0 when none did)
+    metrics["completions/max_length"], metrics["completions/min_length"] = extremes[0], -extremes[1]
+    metrics["completions/clipped_ratio"] = metrics["completions/truncated_frac"]
+    any_ended = summed["ended"] > 0
+    metrics["completions/mean_terminated_length"] = summed["ended_len"] / summed["ended"] if any_ended else 0.0
+    metrics["completions/max_terminated_length"] = extremes[2] if any_ended else 0.0
+    metrics["completions/min_terminated_length"] = -extremes[3] if any_ended else 0.0
+    # Each replica sampled its share of the batch at once: tokens add up, the slowest replica is the time.
+    per_replica = reduce_metrics({f"{g.replica}/{what}/max": [value] for g in groups for what, value in
+                                  (("tokens", g.batch_tokens), ("seconds", g.generation_seconds))})
+    gen_seconds = max(v for k, v in per_replica.items() if k.endswith("/seconds/max"))
+    metrics["generation/seconds"] = gen_seconds
+    # The generator side of the last weight sync: its load into the engine (vLLM's reload, or the adapter's).
+    metrics["weight_sync/load_seconds"] = max(g.weights_load_seconds for g in groups)
+    # The generator processes' CPU time (core-seconds, every thread) over their ticks that closed this batch.
+    metrics["generation/cpu_seconds"] = sum({g.replica: g.cpu_seconds for g in groups}.values())
+    tokens = sum(v for k, v in per_replica.items() if k.endswith("/tokens/max"))
+    metrics["generation/tokens_per_s"] = tokens / gen_seconds if gen_seconds > 0 else 0.0
+    return metrics
 
 
 def evaluation_metrics(spec, groups: list[RolloutGroup]) -> dict[str, float]:
