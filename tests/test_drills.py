@@ -484,17 +484,33 @@ def test_a_rank_hung_in_its_exit_is_named_after_the_collective_timeout_and_a_cle
     after 10 s of silence, the heartbeat's floor). A rank whose interpreter cannot exit (a non-daemon thread that never
     ends; its heartbeat goes on) is named by the other after collective_timeout_s, which exits non-zero and kills it;
     two ranks that exit cleanly do so with code 0, the end-of-job rendezvous taking a moment (seen: 0.3-0.5 s on a
-    loaded machine, load average 18 on 2 cores), not a timeout."""
+    loaded machine, load average 18 on 2 cores), not a timeout. A third pair: rank 1 passes the rendezvous, then
+    hangs in an exit handler that runs after it; rank 0 exits 0, and the watcher it left asks the hung rank for its
+    threads' Python stacks (SIGUSR1), which name the handler it hangs in, then kills it after the heartbeat's floor
+    (10 s without work) and says so."""
+    from hfllamarl.runtime.world.liveness import heartbeat_timeout
+
     script = str(SCRIPTS / "exit_rendezvous.py")
     clean = launch_bare(2, [script, "clean"], env={})
     hung = launch_bare(2, [script, "hung"], env={})
-    outs = {}
-    for name, procs in (("clean", clean), ("hung", hung)):
+    outs, late, started = {}, [], 0.0
+    for name in ("clean", "hung", "late"):
+        procs = {"clean": clean, "hung": hung, "late": late}[name]
         try:
-            outs[name] = [p.communicate(timeout=60) for p in procs] + [time.time()]
+            outs[name] = [p.communicate(timeout=90) for p in procs] + [time.monotonic() - started]
         finally:
             for p in procs:
                 p.kill()
+        if name == "clean":  # (the third pair starts once the clean one, whose rendezvous is timed, has ended)
+            started = time.monotonic()
+            late[:] = launch_bare(2, [script, "hung-late"], env={})
+    survivor, victim = late  # (the survivor's stderr closes once its watcher is done too)
+    err, v_err = outs["late"][0][1], outs["late"][1][1]
+    assert survivor.returncode == 0 and victim.returncode == -9, (survivor.returncode, victim.returncode, err[-2000:])
+    assert "rank 1 (generator 0) (pid" in err and "reached the end of the job but did not exit" in err, err[-2000:]
+    assert "its threads' Python stacks are printed above" in err, err[-2000:]
+    assert "hang_in_teardown" in v_err and "exit_rendezvous.py" in v_err, v_err[-3000:]
+    assert heartbeat_timeout(4.0) - 1 < outs["late"][-1] < 60, outs["late"][-1]
     survivor, victim = hung
     err = outs["hung"][0][1]
     assert survivor.returncode == 1 and victim.returncode == -9, (survivor.returncode, victim.returncode, err[-2000:])
@@ -505,29 +521,6 @@ def test_a_rank_hung_in_its_exit_is_named_after_the_collective_timeout_and_a_cle
            if line.startswith("MET ")]
     # (well under the 4 s a missing rank would be waited for, and the 10 s of silence that would name one)
     assert len(met) == 2 and max(met) < 2.0, met
-
-
-def test_a_rank_hung_past_the_end_of_the_job_prints_its_stacks_before_it_is_killed():
-    """Ranks started bare (collective_timeout_s=4: the watcher's grace is the heartbeat's 10 s floor): rank 1 passes
-    the end-of-job rendezvous, then hangs in an exit handler that runs after it. Rank 0 exits 0; the watcher it left
-    asks the hung rank for its threads' Python stacks (SIGUSR1), which name the handler it hangs in, then kills it
-    and says so; nothing is left."""
-    from hfllamarl.runtime.world.liveness import heartbeat_timeout
-
-    survivor, victim = launch_bare(2, [str(SCRIPTS / "exit_rendezvous.py"), "hung-late"], env={})
-    try:
-        start = time.monotonic()
-        out, err = survivor.communicate(timeout=90)  # (its stderr closes when its watcher is done too)
-        v_out, v_err = victim.communicate(timeout=30)
-        seconds = time.monotonic() - start
-    finally:
-        survivor.kill()
-        victim.kill()
-    assert survivor.returncode == 0 and victim.returncode == -9, (survivor.returncode, victim.returncode, err[-2000:])
-    assert "rank 1 (generator 0) (pid" in err and "reached the end of the job but did not exit" in err, err[-2000:]
-    assert "its threads' Python stacks are printed above" in err, err[-2000:]
-    assert "hang_in_teardown" in v_err and "exit_rendezvous.py" in v_err, v_err[-3000:]
-    assert heartbeat_timeout(4.0) - 1 < seconds < 60, seconds
 
 
 def test_a_bootstrap_batch_longer_than_the_generators_start_up_wait_does_not_fail_the_job(family_model, tmp_path):
