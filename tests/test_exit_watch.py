@@ -13,7 +13,8 @@ from hfllamarl.runtime.world.processes import process_identity
 GRACE_S = 1.5
 
 # A process that works (CPU) for SECONDS and then exits, or forever (-1).
-BUSY = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile float(sys.argv[1]) < 0 or time.monotonic() < end:\n    pass\n"
+BUSY = ("import sys, time\nend = time.monotonic() + float(sys.argv[1])\n"
+        "while float(sys.argv[1]) < 0 or time.monotonic() < end:\n    pass\n")
 
 
 def _start(code: str, *args: str) -> subprocess.Popen:

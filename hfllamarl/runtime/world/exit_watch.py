@@ -7,13 +7,13 @@ the rendezvous, leaves behind a small watcher process (a new session: it outlive
 launcher's workers). The watcher waits for the other ranks of the job on this machine to exit. A rank's exit is not
 instant: the interpreter's teardown of torch, transformers and vLLM takes seconds of CPU (about 3 s measured on an
 idle 2-core machine; several times that on a crowded one). So a rank is judged by its progress, not by the clock: one
-that is still there and has used (almost) no CPU time for `grace_s` (stopped, or waiting on something that never comes) is
-named on stderr, given the error torchrun prints as that rank's root cause, and killed; one that keeps working is
-given up to `BUSY_LIMIT` x `grace_s`, then treated the same way. The launcher so returns (non-zero: a rank did not end
-by itself) within `grace_s` of a frozen rank's last work. Its work was complete: it had passed the rendezvous, after
-the job's last step, checkpoint and save. Before the kill, a rank that still runs (not stopped) is asked for the
-Python stack of each of its threads (`dump_stacks_on_request`, SIGUSR1): they are printed on its stderr, above the
-watcher's message, and show where its exit hangs.
+that is still there and has used (almost) no CPU time for `grace_s` (stopped, or waiting on something that never
+comes) is named on stderr, given the error torchrun prints as that rank's root cause, and killed; one that keeps
+working is given up to `BUSY_LIMIT` x `grace_s`, then treated the same way. The launcher so returns (non-zero: a rank
+did not end by itself) within `grace_s` of a frozen rank's last work. Its work was complete: it had passed the
+rendezvous, after the job's last step, checkpoint and save. Before the kill, a rank that still runs (not stopped) is
+asked for the Python stack of each of its threads (`dump_stacks_on_request`, SIGUSR1): they are printed on its stderr,
+above the watcher's message, and show where its exit hangs.
 
 Every rank's watcher looks at the same peers; a claim file per frozen process makes one of them report and kill it.
 The watcher runs `python -S -I` on this file's `main` (no site, no package import: it starts in milliseconds).
@@ -162,7 +162,8 @@ def main(spec: str) -> int:
             while len(samples) > 1 and samples[1][0] <= now - grace_s:
                 samples.pop(0)
             stopped = samples[-1][1] is None
-            used_s = 0.0 if stopped or samples[0][1] is None else (samples[-1][1] - samples[0][1]) / ticks_s
+            ticks = [t for _, t in samples if t is not None]  # (a rank stopped, then continued, works again)
+            used_s = 0.0 if stopped else (ticks[-1] - ticks[0]) / ticks_s
             idle = now - start >= grace_s and (stopped or used_s < WORKING_SHARE * grace_s)
             if idle or now - start > BUSY_LIMIT * grace_s:
                 why = (f"did not exit and did no work for {grace_s:.0f} s" if idle else
