@@ -252,10 +252,10 @@ class TrainerExecutor(Executor):
         old: list[torch.Tensor] = []  # pi_old per micro-batch: the first pass's log-probs, detached
         save_due, metrics = False, {}
         for p in range(max(1, spec.schedule.passes(batch_index))):  # each pass: one optimizer step, one version
-            step_metrics = self._optimizer_pass(train_rollouts, advantages, old, sampled_offset)
+            passed = self._optimizer_pass(train_rollouts, advantages, old, sampled_offset)
             if p == 0:  # what the batch generated and scored is logged once, with its first step (TRL: at generation)
-                metrics = self._step_metrics(groups, rollouts, rewards, per_func, staleness, step_metrics.pop("loss"),
-                                             step_metrics.pop("stats"))
+                metrics = step_metrics(spec, groups, rollouts, rewards, per_func, staleness, passed.pop("loss"),
+                                       passed.pop("stats"))
                 if sampling:
                     metrics.update(_all_sum(sampling))
                 metrics["reward_seconds"] = reward_seconds
@@ -266,8 +266,8 @@ class TrainerExecutor(Executor):
                 if spec.replica_group is not None:
                     metrics.update(spec.replica_group.metrics())  # replicas/trainer_groups, ...
             else:
-                metrics = reduce_metrics({"loss": [step_metrics.pop("loss")], **step_metrics.pop("stats")})
-            metrics.update(step_metrics)
+                metrics = reduce_metrics({"loss": [passed.pop("loss")], **passed.pop("stats")})
+            metrics.update(passed)
             metrics["weight_sync_seconds"] = self.weights_channel.last_seconds if self.weights_channel else 0.0
             metrics["weight_sync/bytes"] = float(self.sync_bytes)  # per sync, all generator ranks get it
             if spec.lookahead:  # the optimizer steps the last sync's weights were moved ahead by
@@ -480,11 +480,6 @@ class TrainerExecutor(Executor):
     def evaluation_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
         """The eval_* metrics of one evaluation (`hfllamarl.runtime.training.rank_metrics.evaluation_metrics`)."""
         return evaluation_metrics(self.spec, groups)
-
-    def _step_metrics(self, groups: list[RolloutGroup], rollouts: list[Rollout], rewards: list[float], per_func: dict,
-                      staleness: list[list[int]], loss_total: float, stats: dict) -> dict[str, float]:
-        """The step's logged metrics (`hfllamarl.runtime.training.rank_metrics.step_metrics`)."""
-        return step_metrics(self.spec, groups, rollouts, rewards, per_func, staleness, loss_total, stats)
 
     def close(self) -> None:
         if self.topology.core_lender is not None:
