@@ -474,7 +474,8 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
     first (it waits for group 0: only group 0 starts a run), so the two start together; group 0's trainer rank is
     SIGKILLed at the end of global step 24 and group 1's one step later, so that no group is left. torchrun restarts
     both (group 0 10 s later, as on a slow machine): group 0 resumes from its newest checkpoint by itself; group 1,
-    back first and finding no live group, waits for one and copies the policy from group 0. The run ends at its last
+    back first and finding no live group, waits for one and copies the policy from group 0 (on a crowded machine its
+    restart can take longer than group 0's: then it finds group 0 back and copies at once). The run ends at its last
     step, both groups hold the same weights, and those equal the replay of the rows of the steps that count (1-20 as
     first trained, 21-50 as trained again)."""
     from hfllamarl.runtime.training.replica_quorum import start_lighthouse
@@ -512,11 +513,14 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
     assert again1[-1]["global_step"] == 50 and any(e["rows"] for e in again1), "group 1 never came back"
     assert "resuming from" in err0 and "checkpoint-20" in err0, err0[-3000:]
     assert "copied the weights, optimizer and schedule from a peer" in err1, err1[-3000:]
-    assert err1.count("finds no live group to copy the policy from, and only group 0 starts a run; waiting") == 2
+    # (once at its first launch, which the drill waits for; again after its restart unless group 0 was back first)
+    waits = err1.count("finds no live group to copy the policy from, and only group 0 starts a run; waiting")
+    assert waits in (1, 2), waits
     killed_at = float((out0 / "killed_at").read_text())
     print(f"drill: group 0 SIGKILLed after global step {first0[-1]['global_step']}, group 1 after "
           f"{first1[-1]['global_step']}; group 0 back from its checkpoint (global step {resumed_at}) in global step "
           f"{resumed_at + 1} at +{again0[0]['time'] - killed_at:.1f} s, group 1 in global step "
-          f"{again1[0]['global_step']} at +{again1[0]['time'] - killed_at:.1f} s; "
+          f"{again1[0]['global_step']} at +{again1[0]['time'] - killed_at:.1f} s "
+          f"({'back first, it waited for group 0' if waits == 2 else 'back after group 0'}); "
           f"{max(first0[-1]['global_step'], first1[-1]['global_step']) - resumed_at} global steps trained again")
     _check_final_weights(tiny_model, out0, out1, log0 + log1, 50)
