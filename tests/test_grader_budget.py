@@ -62,6 +62,7 @@ def test_several_hundred_math_completions_in_one_call_against_math_verify():
     assert agree >= 0.99 * (len(scores) - len(unscored))
 
 
+@pytest.mark.timing  # (the sandboxed check of sqrt(25) must finish within sample_timeout_s)
 def test_a_check_that_times_out_is_unscored_and_its_group_keeps_its_scores():
     """Groups of 4 (gold 5): right cheaply, right through the sandbox, a sum that cannot be checked in time,
     wrong. The sum scores None (never 0.0), the others keep their verdicts; through the trainer's RewardRunner
@@ -145,6 +146,7 @@ def test_bad_settings_are_refused(kwargs, match):
         module.configure(**kwargs)
 
 
+@pytest.mark.timing  # (40 sandboxed checks within 2 s each: CI 30 saw 3 run out on a worker beside a drill)
 def test_one_worker_and_several_give_the_same_scores():
     completions = [rf"\boxed{{({k})+1}}" for k in range(40)] + [SLOW]
     golds = [str(k + 1 if k % 3 else k) for k in range(40)] + ["1"]
