@@ -14,6 +14,7 @@ from hfllamarl.runtime.weights import checkpoint
 from hfllamarl.runtime.weights.fsdp import broadcast_from_rank0, loaded_on_rank0_only, shard_model
 from hfllamarl.runtime.weights.loading import build_empty, init_lora, load_shards, materialize
 from hfllamarl.runtime.weights.lora import is_peft
+from hfllamarl.runtime.training.attention import use_fast_cpu_attention
 from hfllamarl.runtime.training.reporting import Reporter
 from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
 from hfllamarl.runtime.loop.weights_channel import verify_dir
@@ -183,6 +184,11 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
     ref_model = prepare_reference(trainer, device) if args.beta > 0 else None
     trainer._ref_model = ref_model  # (TRL's `trainer.ref_model`)
     prepare_policy(trainer, device, resume_dir)
+    named = "attn_implementation" in (args.model_init_kwargs or {})
+    if use_fast_cpu_attention(model, device, named):  # (SDPA, or the plain form where measured faster: `attention`)
+        logger.info("the trainer's attention on this CPU: SDPA, or the plain form for rows it measures faster on")
+        if ref_model is not None:
+            use_fast_cpu_attention(ref_model, device, named)
     model.train()
     weights = None
     if is_peft(model):  # the adapters alone, or the adapted layers merged (`lora_sync`)

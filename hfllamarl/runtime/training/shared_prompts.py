@@ -31,7 +31,8 @@ from hfllamarl.runtime.training.batching import (_loss_side, _round_up, layout_a
 
 logger = logging.getLogger(__name__)
 
-MASKS = {"sdpa": "bool", "eager": "float"}  # attention implementations that take a 4-D mask, and its kind
+# attention implementations that take a 4-D mask, and its kind
+MASKS = {"sdpa": "bool", "eager": "float", "hfllamarl_sdpa": "bool"}
 
 
 def prompt_units(rollouts: list[Rollout], per_copy: int) -> list[list[int]]:
