@@ -30,6 +30,22 @@ def _packed_mask(batch: int, length: int, starts: list[int]) -> torch.Tensor:
     return allowed[None, None].expand(batch, 1, length, length)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_decoding_step_in_the_plain_form_equals_torchs_sdpa(padded):
+    """One query row over cached keys (the trainer's own sampling), every key or a left-padded batch's mask."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(4, 4, 1, 32, generator=g), torch.randn(4, 2, 9, 32, generator=g), torch.randn(4, 2, 9, 32,
+                                                                                                     generator=g)
+    mask = None
+    if padded:
+        mask = torch.ones(4, 1, 1, 9, dtype=torch.bool)
+        mask[1, ..., :3] = False
+        mask[3, ..., :1] = False
+    ours = attention._plain(Heads(2), q, k, v, mask, None, None)
+    theirs = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+    torch.testing.assert_close(ours, theirs.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["causal", "bool", "additive"])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_the_plain_form_equals_torchs_sdpa_values_and_gradients(kind, groups):
@@ -79,7 +95,7 @@ def test_a_whole_bf16_model_with_the_plain_form_computes_what_transformers_eager
     transformers' eager attention (the same arithmetic, written by transformers)."""
     ours, theirs = _bf16(qwen2, "sdpa"), _bf16(qwen2, "eager")
     assert use_fast_cpu_attention(ours, torch.device("cpu"), named=False)
-    monkeypatch.setattr(attention, "_plain_is_faster", lambda *a: True)
+    monkeypatch.setattr(attention, "_plain_is_faster", lambda *a, **k: True)
     calls = []
     plain = attention._plain
     monkeypatch.setattr(attention, "_plain", lambda *a: calls.append(1) or plain(*a))
@@ -100,12 +116,12 @@ def test_a_whole_bf16_model_with_the_plain_form_computes_what_transformers_eager
 
 
 def test_which_calls_take_the_plain_form(monkeypatch):
-    """Measured once per shape; never in fp32, over rows longer than LONGEST, or where queries and keys differ in
-    length (decoding with a cache); the measurement is real and logged."""
+    """Measured once per shape (training-shaped or decoding); never in fp32, over more than LONGEST keys, or where
+    several query rows meet a longer cache (a prefill continued); the measurement is real and logged."""
     measured = []
     monkeypatch.setattr(attention, "_choice", {})
     real = attention._plain_is_faster
-    monkeypatch.setattr(attention, "_plain_is_faster", lambda *a: measured.append(a) or real(*a))
+    monkeypatch.setattr(attention, "_plain_is_faster", lambda *a, **k: measured.append((a, k)) or real(*a, **k))
     module = Heads()
 
     def call(dtype, rows, length, mask=None):
@@ -116,11 +132,15 @@ def test_which_calls_take_the_plain_form(monkeypatch):
 
     call(torch.float32, 40, 40)
     call(torch.bfloat16, attention.LONGEST + 1, attention.LONGEST + 1)
-    call(torch.bfloat16, 1, 40)  # a decode step
+    call(torch.bfloat16, 1, attention.LONGEST + 1)
+    call(torch.bfloat16, 5, 40)
     assert measured == []
     call(torch.bfloat16, 40, 40)
     call(torch.bfloat16, 50, 50, _packed_mask(1, 50, [0, 20]))  # the same bucket (64): one measurement
-    assert set(measured) == {(torch.bfloat16, 2, 32, 64)} and list(attention._choice) == [(torch.bfloat16, 2, 32, 64)]
+    call(torch.bfloat16, 1, 60)  # a decoding step: measured on its own
+    train, decode = (torch.bfloat16, 2, 32, 64, False), (torch.bfloat16, 2, 32, 64, True)
+    assert {a + (k.get("decoding", False),) for a, k in measured} == {train, decode}
+    assert sorted(attention._choice) == [train, decode]
 
 
 def test_which_models_are_switched(qwen2, tmp_path, caplog):
@@ -137,7 +157,28 @@ def test_which_models_are_switched(qwen2, tmp_path, caplog):
     model.save_pretrained(tmp_path / "saved")  # what the user gets back does not name it
     assert NAME not in json.dumps(json.loads((tmp_path / "saved" / "config.json").read_text()))
     with caplog.at_level(logging.INFO, logger=attention.__name__):
-        attention._choice.pop((torch.bfloat16, 7, 32, 64), None)
-        attention._plain_is_faster(torch.bfloat16, 7, 32, 64)
-    assert any("7 heads of 32, rows up to 64 tokens" in r.getMessage() and "ms SDPA" in r.getMessage()
-               for r in caplog.records)
+        for decoding in (False, True):
+            attention._choice.pop((torch.bfloat16, 7, 32, 64, decoding), None)
+            attention._plain_is_faster(torch.bfloat16, 7, 32, 64, decoding=decoding)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("7 heads of 32, rows up to 64 tokens" in m and "ms SDPA" in m for m in messages), messages
+    assert any("7 heads of 32, decoding over keys up to 64 tokens" in m and "ms SDPA" in m for m in messages)
+
+
+def test_sampling_with_a_cache_in_the_plain_form_writes_what_transformers_eager_attention_does(qwen2, monkeypatch):
+    """The trainer's own sampling (`bootstrap`): transformers' generate, a left-padded batch, bf16, greedy; the
+    plain form forced in the prefill and in every decoding step, against eager attention on the same weights."""
+    ours, theirs = _bf16(qwen2, "sdpa"), _bf16(qwen2, "eager")
+    assert use_fast_cpu_attention(ours, torch.device("cpu"), named=False)
+    monkeypatch.setattr(attention, "_plain_is_faster", lambda *a, **k: True)
+    rows = []
+    plain = attention._plain
+    monkeypatch.setattr(attention, "_plain", lambda *a: rows.append(a[1].shape[2]) or plain(*a))
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, ours.config.vocab_size, (2, 9), generator=g)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0
+    out = [m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+           for m in (ours, theirs)]
+    assert 1 in rows and 9 in rows, rows  # decoding steps and the prefill both took it
+    assert out[0].tolist() == out[1].tolist()
