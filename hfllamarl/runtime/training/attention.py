@@ -16,7 +16,8 @@ on this machine: once per process for each (dtype, heads, head size, key length 
 decoding or not), both forms on random inputs (forward and backward; 20 forwards for decoding), the plain one kept
 if it took under 90 % of SDPA's time (`_plain_is_faster`; the measured times are logged). Longer rows always take
 SDPA (the plain form holds rows x rows scores per head). Both compute the same function; they round differently
-in bf16 (as any two kernels do). A model whose attention was named in `model_init_kwargs` keeps it; a GPU keeps SDPA.
+in bf16 (as any two kernels do), so which one a bf16 run takes rests on this machine's measurement. A model whose
+attention was named in `model_init_kwargs` keeps it (name one for a fixed kernel); a GPU keeps SDPA.
 """
 
 from __future__ import annotations
