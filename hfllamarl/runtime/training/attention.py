@@ -33,7 +33,7 @@ NAME = "hfllamarl_sdpa"
 LONGEST = 512  # rows longer than this always take SDPA
 _HALF = (torch.bfloat16, torch.float16)
 _UNHANDLED = ("position_bias", "cache", "s_aux", "sinks", "softcap", "output_attentions")
-_choice: dict[tuple, bool] = {}  # (dtype, heads, head size, row bucket) -> the plain form is faster
+_choice: dict[tuple, bool] = {}  # (dtype, heads, head size, key bucket, decoding) -> the plain form is faster
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,

@@ -26,13 +26,13 @@ import math
 import torch
 
 from hfllamarl.runtime.loop.rollout import Rollout
+from hfllamarl.runtime.training.attention import NAME as ATTENTION
 from hfllamarl.runtime.training.batching import (_loss_side, _round_up, layout_agrees, pack_batch, pack_rows,
                                                  packing_agrees, pad_batch)
 
 logger = logging.getLogger(__name__)
 
-# attention implementations that take a 4-D mask, and its kind
-MASKS = {"sdpa": "bool", "eager": "float", "hfllamarl_sdpa": "bool"}
+MASKS = {"sdpa": "bool", "eager": "float", ATTENTION: "bool"}  # attention implementations taking a 4-D mask: its kind
 
 
 def prompt_units(rollouts: list[Rollout], per_copy: int) -> list[list[int]]:
