@@ -46,7 +46,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none"
 
     A NaN reward (an unscored completion: every reward function returned None) is left out of its group's mean and
     of every std, and gets advantage 0, as TRL's nanmean/nanstd and its final `nan_to_num` do (so does a completion
-    whose group has a single scored member under "group": its std is NaN).
+    whose group has a single scored member under "group": its std is NaN). A group whose scored rewards are all equal
+    gets exactly 0 (its mean, a float sum over the group, can round to a hair off them), so that the trainer knows its
+    rows add nothing (`skip_flat_backward`).
 
     Args:
         rewards: `[B*G]`, the G completions of each prompt contiguous.
@@ -59,6 +61,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none"
     check_choice("scale_rewards", scale, ("none", "group", "batch"))
     grouped = rewards.view(-1, group_size)  # [B, G]
     adv = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
+    scored = ~torch.isnan(grouped)  # a group whose scored rewards are all equal: exactly 0 (the mean can round)
+    flat = (torch.where(scored, grouped, torch.inf).amin(1, keepdim=True)
+            == torch.where(scored, grouped, -torch.inf).amax(1, keepdim=True))
+    adv = adv.masked_fill(flat, 0.0)
     if scale == "group":
         adv = adv / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
     elif scale == "batch":

@@ -115,6 +115,14 @@ class PolicyLoss:
         and a correction that weighs each row on its own. The trainer then skips such rows' forward and backward."""
         return self.objective.loss_type in ("dapo", "cispo") and self.beta == 0 and rowwise(self.correction)
 
+    @property
+    def flat_rows_inert(self) -> bool:
+        """Whether a row whose advantage is 0 sends no gradient to the weights (though its log-probs may enter the
+        loss's normaliser, weights and metrics): every objective's per-token term is proportional to the row's
+        advantage, with its weights and masks detached, so this holds for all of them without a KL term (beta 0).
+        The trainer then runs such rows forward only (`forward_only_plan`)."""
+        return self.beta == 0
+
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         """`[N]` rewards (NaN: unscored) -> `[N]` advantages."""
         return group_advantages(rewards, group_size, self.scale_rewards)

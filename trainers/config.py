@@ -11,24 +11,15 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from trl import GRPOConfig
 
-from hfllamarl.runtime.loop.sampling import NEUTRAL_KWARGS, TRANSFORM_KWARGS, Sampling
+from hfllamarl.runtime.loop.sampling import NEUTRAL_KWARGS, Sampling
 
 from . import trainer_layout
 from .config_fields import UNSUPPORTED as _UNSUPPORTED
 from .config_fields import remember_written_fields, warn_written_use_vllm, written_fields
+from .sampling_fields import check_sampling
 from .schedule_fields import check_partial_rollouts, check_sampler_lookahead
 from .tool_budget import check_tool_tick, default_tool_budget
 
-# generation_kwargs the trainer sets itself, with what to set instead.
-_SET_BY_TRAINER = {
-    "n": "the group size is num_generations",
-    "max_tokens": "the completion length is max_completion_length",
-    "logprobs": "the generator asks vLLM for the sampled token's log-prob itself",
-    "prompt_logprobs": "the generator asks vLLM for the sampled token's log-prob itself",
-    "min_tokens": "it masks the end-of-sequence token for the first tokens, which the trainer's pi does not follow",
-    "truncate_prompt_tokens": "the prompts are validated against the context instead (a truncated prompt would "
-                              "differ from the one the trainer scores)",
-}
 # vLLM quantization methods that quantize full-precision weights on load (so also at every weight sync).
 _ONLINE_QUANTIZATION = {"fp8": "vLLM's fp8 kernels, compute capability 8.9+, e.g. H100 or L40S"}
 
@@ -248,6 +239,15 @@ class AsyncAIPOConfig(GRPOConfig):
                   "(dapo or cispo, beta 0, a row-wise correction), top_entropy_quantile 1 and no MoE balancing loss. "
                   "Logged as trainer/flat_rows_skipped_frac."},
     )
+    skip_flat_backward: bool = field(
+        default=True,
+        metadata={"help": "Run only the forward pass for rows whose advantage is 0 (groups whose rewards are all "
+                  "equal), no backward: they add nothing to the gradient, and their log-probs still enter the loss "
+                  "and its metrics, so the step and its metrics are the whole batch's (to rounding: those rows run "
+                  "in a pass of their own). Applies where no gradient flows through such a row: beta 0 and no MoE "
+                  "balancing loss (otherwise every row runs both passes). Logged as "
+                  "trainer/flat_rows_forward_only_frac."},
+    )
     scale_rewards: str = field(
         default="none",
         metadata={"help": "Advantage scaling, as in GRPOConfig, but defaulting to 'none': AIPO's advantage is "
@@ -384,7 +384,7 @@ class AsyncAIPOConfig(GRPOConfig):
                              f"choose one of {', '.join(map(repr, AGGREGATIONS))}.")
         check_partial_rollouts(self)
         check_sampler_lookahead(self)
-        self._check_sampling()
+        check_sampling(self)
         if not (math.isfinite(self.aipo_rho) and self.aipo_rho >= 1.0):
             raise ValueError(
                 f"AsyncAIPOConfig: aipo_rho={self.aipo_rho}; it must be >= 1 (a lower clip would down-weight "
@@ -480,38 +480,6 @@ class AsyncAIPOConfig(GRPOConfig):
     def neutral_generation_kwargs(self) -> dict:
         """generation_kwargs that leave the sampled distribution alone (stop strings, ...), passed to vLLM as is."""
         return {k: v for k, v in (self.generation_kwargs or {}).items() if k in NEUTRAL_KWARGS}
-
-    def _check_sampling(self) -> None:
-        if isinstance(self.generation_kwargs, str):  # from a command line or a YAML recipe
-            import json
-
-            self.generation_kwargs = json.loads(self.generation_kwargs)
-        kw = self.generation_kwargs or {}
-        if not isinstance(kw, dict):
-            raise ValueError(f"AsyncAIPOConfig: generation_kwargs must be a dict of vLLM SamplingParams, got "
-                             f"{type(kw).__name__}.")
-        for key in kw:
-            if key in NEUTRAL_KWARGS or key in TRANSFORM_KWARGS:
-                continue
-            why = _SET_BY_TRAINER.get(key, "it changes which tokens can be sampled in a way the trainer's pi does not "
-                                           "follow, so pi/mu would not be 1 even on-policy")
-            raise ValueError(f"AsyncAIPOConfig: generation_kwargs[{key!r}] is not supported: {why}. Supported: the "
-                             f"sampling transforms {sorted(TRANSFORM_KWARGS)} (applied by both the generator and the "
-                             f"trainer) and {sorted(NEUTRAL_KWARGS)}.")
-        s = self.sampling
-        checks = [
-            (math.isfinite(s.temperature) and s.temperature > 0, f"temperature={s.temperature}: it must be > 0 (RL "
-             "samples; a greedy generator has no distribution to correct)"),
-            (0 < s.top_p <= 1, f"top_p={s.top_p}: it must be in (0, 1]"),
-            (0 <= s.min_p <= 1, f"min_p={s.min_p}: it must be in [0, 1]"),
-            (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0,
-             f"repetition_penalty={s.repetition_penalty}: it must be > 0"),
-            (math.isfinite(s.presence_penalty) and math.isfinite(s.frequency_penalty),
-             "presence_penalty and frequency_penalty must be finite"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f"AsyncAIPOConfig: {message}.")
 
     @property
     def algorithm_options(self) -> dict:

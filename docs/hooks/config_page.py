@@ -22,7 +22,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "generator_dtype", "generator_quantization", "generator_kv_cache_bytes", "generator_enforce_eager"),
     "Weight sync": ("weight_sync_backend", "verify_weight_sync"),
     "Batches": ("drop_zero_variance_groups", "dynamic_sampling_extra_prompts", "padding_free",
-                "share_prompts"),
+                "share_prompts", "skip_flat_backward", "skip_flat_rows"),
     "Tool calls and agentic rollouts": ("tool_call_timeout_s", "max_tool_calls_per_turn", "rollout_time_budget_s"),
     "Failures and timeouts": ("collective_timeout_s", "reward_errors"),
 }

@@ -40,7 +40,7 @@ def _round_up(n: int, multiple: int | None) -> int:
     return -(-n // multiple) * multiple if multiple else n
 
 
-def _loss_side(rollouts: list[Rollout], pad_id: int) -> dict[str, torch.Tensor]:
+def loss_side(rollouts: list[Rollout], pad_id: int) -> dict[str, torch.Tensor]:
     """`[B, T]` completion ids, mask and behaviour log-probs, and `[B, P]` prompt ids and mask (penalties)."""
     B = len(rollouts)
     T = max(max(len(r.completion_ids) for r in rollouts), 1)
@@ -82,8 +82,8 @@ def pad_batch(rollouts: list[Rollout], pad_id: int, device, multiple_of: int | N
     """One sequence per row: prompts left-padded and completions right-padded, so every completion starts at
     the same column. Returns input_ids / attention_mask / position_ids `[B, W]` (W = P + T, rounded up to
     `multiple_of`), token_mask (the attention mask: 1 at real tokens), `targets` `[B, T]` and the loss side
-    (`_loss_side`)."""
-    out = _loss_side(rollouts, pad_id)
+    (`loss_side`)."""
+    out = loss_side(rollouts, pad_id)
     B, T = out["completion_ids"].shape
     P = out["prompt_ids"].shape[1]
     W = _round_up(P + T, multiple_of)
@@ -121,7 +121,7 @@ def pack_batch(rollouts: list[Rollout], pad_id: int, device, multiple_of: int | 
     restarting at 0 for each; a row's tail is padding, numbered as a sequence of its own so that it attends to
     nothing real. No attention mask: transformers finds the sequences from the position ids. Same keys as
     `pad_batch` (attention_mask None; token_mask `[rows, W]` marks the real tokens)."""
-    out = _loss_side(rollouts, pad_id)
+    out = loss_side(rollouts, pad_id)
     T = out["completion_ids"].shape[1]
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
     W = _round_up(max(lengths), multiple_of)

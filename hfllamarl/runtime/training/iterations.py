@@ -65,6 +65,51 @@ def rows_to_train(advantages, skip: bool) -> list[int]:
     return sorted(chosen)
 
 
+def skips_flat_backward(spec, balancing, skips_rows: bool) -> bool:
+    """Whether rows whose advantage is 0 run forward only (`forward_only_plan`): asked for (`skip_flat_backward`, the
+    default), not skipped whole already (`skips_flat_rows`), and no gradient reaches the weights through such a row:
+    the algorithm says so (`flat_rows_inert`: every per-token term is proportional to the row's advantage, the
+    weights detached), no KL to a reference model and no MoE balancing loss (both read every row's forward)."""
+    return (bool(getattr(spec, "skip_flat_backward", False)) and not skips_rows and balancing is None
+            and spec.ref_model is None and bool(getattr(spec.algorithm, "flat_rows_inert", False)))
+
+
+def forward_only_plan(advantages, micro_batch_size: int, on: bool) -> list[tuple[list[int], list[int], bool]]:
+    """This rank's micro-batches (its rows in order, `micro_batch_size` at a time, as without the plan), each as
+    (rows run forward and backward, rows run forward only, whether a forward-only pass runs with none of its own).
+
+    With `on` (`skips_flat_backward`), a row whose advantage is 0 runs forward only: its log-probs and entropy still
+    enter the micro-batch's loss and metrics, which are therefore the whole micro-batch's, but it adds exactly nothing
+    to the gradient, so its backward is left out. FSDP's forward and backward passes are collective, so every
+    data-parallel rank runs the same passes per micro-batch: where any rank has a row with signal, every rank runs a
+    backward (a rank with none runs its first flat row with gradient, which adds 0), and where any rank has a flat
+    row, every rank runs a forward-only pass (a rank with none runs one of its rows again and drops the result).
+    When no rank has a row with signal at all, one row of the first micro-batch runs with gradient (zeros): the
+    optimizer still steps, as it does over a flat batch without the plan."""
+    n = len(advantages)
+    bounds = [(k, min(k + micro_batch_size, n)) for k in range(0, n, micro_batch_size)]
+    if not on:
+        return [(list(range(a, b)), [], False) for a, b in bounds]
+    flat = [float(a) == 0.0 for a in advantages]
+    flags = torch.tensor([[int(not all(flat[a:b])), int(any(flat[a:b]))] for a, b in bounds], dtype=torch.long)
+    from hfllamarl.runtime.world.mesh import data_group, data_world_size
+
+    if data_world_size() > 1 and len(bounds):
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=data_group())
+    if len(bounds) and not bool(flags[:, 0].any()):
+        flags[0, 0] = 1  # (every rank then runs one flat row of its first micro-batch with gradient)
+    plan = []
+    for k, (a, b) in enumerate(bounds):
+        grad = [i for i in range(a, b) if not flat[i]] if flags[k, 1] else list(range(a, b))
+        rest = [i for i in range(a, b) if i not in grad]
+        if not flags[k, 0]:
+            grad, rest = [], list(range(a, b))
+        elif not grad:
+            grad, rest = rest[:1], rest[1:]
+        plan.append((grad, rest, bool(flags[k, 1]) and not rest))
+    return plan
+
+
 def loss_keywords(algorithm) -> set[str]:
     """Which optional inputs the algorithm's `loss` names, of `old_logprobs`, `entropy_mask`, `staleness` and
     `shape` (the step's `StepShape`)."""

@@ -27,7 +27,7 @@ import torch
 
 from hfllamarl.runtime.loop.rollout import Rollout
 from hfllamarl.runtime.training.attention import NAME as ATTENTION
-from hfllamarl.runtime.training.batching import (_loss_side, _round_up, layout_agrees, pack_batch, pack_rows,
+from hfllamarl.runtime.training.batching import (loss_side, _round_up, layout_agrees, pack_batch, pack_rows,
                                                  packing_agrees, pad_batch)
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def share_batch(rollouts: list[Rollout], pad_id: int, device, per_copy: int, mas
     units packed first-fit decreasing into rows as wide as the longest unit (rounded up to `multiple_of`). Same keys
     as `batching.pack_batch`; `attention_mask` is `[rows, 1, W, W]`: bool (True: attend) for `mask="bool"`, else
     float (0 or the dtype's minimum, added to the scores). Each row's padding tail attends to itself only."""
-    out = _loss_side(rollouts, pad_id)
+    out = loss_side(rollouts, pad_id)
     T = out["completion_ids"].shape[1]
     units = prompt_units(rollouts, per_copy)
     lengths = [_unit_length(rollouts, u) for u in units]

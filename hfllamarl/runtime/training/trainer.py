@@ -19,17 +19,18 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from hfllamarl.losses import StepShape, normalize_then_sum_advantages
 
-from hfllamarl.runtime.training.batching import completion_logprobs
+from hfllamarl.runtime.training.batching import completion_logprobs, loss_side
 from hfllamarl.runtime.training.moe import balancing_loss_fn
 from hfllamarl.runtime.training.shared_prompts import Layout
 from hfllamarl.runtime.loop.executor import Executor, wait_for_startup
 from hfllamarl.corrections import sequence_log_weights
 from hfllamarl.runtime.training.iterations import (high_entropy_mask, loss_keywords, mix_reference, rows_to_train,
-                                                   scaled_lr, scales_steps, skips_flat_rows, step_scale,
-                                                   token_staleness)
+                                                   forward_only_plan, scaled_lr, scales_steps, skips_flat_backward,
+                                                   skips_flat_rows, step_scale, token_staleness)
 from hfllamarl.runtime.training.finite import (NonFiniteError, agree, first_bad_gradient, nonfinite_problems,
                                                total_grad_norm)
 from hfllamarl.runtime.training.rank_metrics import all_max as _all_max, all_sum as _all_sum, evaluation_metrics
@@ -93,6 +94,7 @@ class TrainerSpec:
     replica_makeup: Any = None  # and its `replica_makeup.ShareMakeup` (the missing shares it samples itself)
     lookahead: bool = False  # sampler_lookahead='adamw': the generator samples with predicted weights (lookahead.py)
     skip_flat_rows: bool = False  # no forward or backward for rows with advantage 0 where exact (`rows_to_train`)
+    skip_flat_backward: bool = False  # no backward for rows with advantage 0 where exact (`forward_only_plan`)
 
 
 class TrainerExecutor(Executor):
@@ -120,6 +122,7 @@ class TrainerExecutor(Executor):
         self.balancing = (balancing_loss_fn(spec.model)  # (router logits, token mask) -> an MoE's aux loss
                           if spec.router_aux_loss_coef else None)
         self.skips_flat_rows = skips_flat_rows(spec, self.balancing)  # (rows with advantage 0: `rows_to_train`)
+        self.skips_flat_backward = skips_flat_backward(spec, self.balancing, self.skips_flat_rows)  # (forward only)
         self._tick_started = time.perf_counter()  # when this tick began (`set_step`): a step's wall time
         self._cpu_started: float | None = None  # this process's CPU time when its last step ended (or its first began)
         self._prepared = self._reported = False
@@ -418,7 +421,9 @@ class TrainerExecutor(Executor):
         keep = rows_to_train(advantages, self.skips_flat_rows)  # (the step's tokens count the skipped rows too)
         skipped = 1.0 - len(keep) / max(len(rollouts), 1)
         rollouts, advantages = [rollouts[i] for i in keep], advantages[keep]
-        steps = math.ceil(len(rollouts) / mb)
+        plan = forward_only_plan(advantages, mb, self.skips_flat_backward)  # (rows with advantage 0: forward only)
+        steps = len(plan)
+        last_backward = max((k for k, (grad, _, _) in enumerate(plan) if grad), default=-1)
         masked = [spec.mask_truncated_completions and r.finish_reason == "length" for r in rollouts]
         shape = StepShape(tokens=tokens, trainer_ranks=data_world_size() * groups,  # (groups: replica groups)
                           micro_batches=steps, max_completion_length=spec.max_completion_length)
@@ -429,14 +434,13 @@ class TrainerExecutor(Executor):
         step_weights = [] if scales_steps(spec.algorithm) else None  # log(pi_old/mu) per sequence (`step_scale`)
         for k in range(steps):
             chunk = rollouts[k * mb:(k + 1) * mb]
-            batch = self.layout.build(chunk)
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(k == last_backward)  # reduce-scatter once per optimizer step
+            routers = [] if self.balancing else None
+            batch, raw, entropy = self._forward(chunk, plan[k], k * mb, routers)
             if any(masked[k * mb:(k + 1) * mb]):  # TRL's mask_truncated_completions: no loss on them
                 keep = torch.tensor([not m for m in masked[k * mb:(k + 1) * mb]], device=spec.device)
                 batch["mask"] = batch["mask"] * keep[:, None]
-            if hasattr(model, "set_requires_gradient_sync"):
-                model.set_requires_gradient_sync(k == steps - 1)  # reduce-scatter once per optimizer step
-            routers = [] if self.balancing else None
-            raw, entropy = completion_logprobs(model, batch, spec.sampling, entropy=True, router_logits=routers)
             logprobs, outside = within_support(raw, batch["mask"], spec.sampling)
             chunk_advantages = advantages[k * mb:(k + 1) * mb].to(spec.device)
             ref = None
@@ -457,7 +461,8 @@ class TrainerExecutor(Executor):
             if spec.top_entropy_quantile < 1.0 and "entropy_mask" in takes:
                 kwargs["entropy_mask"] = high_entropy_mask(entropy, batch["mask"], spec.top_entropy_quantile)
             loss, m = checked_loss(spec.algorithm, spec.algorithm.loss(logprobs, batch["behavior_logprobs"],
-                                                                       chunk_advantages, batch["mask"], **kwargs))
+                                                                       chunk_advantages, batch["mask"], **kwargs),
+                                   with_grad=bool(plan[k][0]))
             if routers is not None:  # TRL's MoE load-balancing loss over the micro-batch's tokens, weighted
                 aux = self.balancing(routers, batch["token_mask"])
                 loss = loss + spec.router_aux_loss_coef * aux
@@ -468,14 +473,50 @@ class TrainerExecutor(Executor):
             # Every rank agrees before the backward pass (whose collectives would wait on a rank that stopped).
             agree(nonfinite_problems(batch, raw.masked_fill(outside, 0.0), chunk_advantages, loss, chunk, k * mb),
                   step=self.version + 1, rank_name=self.topology.describe(self.topology.rank))
-            (loss / steps).backward()
+            if plan[k][0]:  # (a micro-batch of flat rows only ran forward: it adds nothing to the gradient)
+                (loss / steps).backward()
             loss_total += loss.item() / steps
             for key, value in m.items():
                 stats.setdefault(key, []).append(value)
         if step_weights is not None:  # the learning-rate factor of this step ("_step_scale") and its metrics
             stats.update(step_scale(spec.algorithm, step_weights))
         stats["trainer/flat_rows_skipped_frac"] = [skipped]
+        stats["trainer/flat_rows_forward_only_frac"] = [sum(len(rest) for _, rest, _ in plan) / max(len(keep), 1)]
         return loss_total, stats
+
+    def _forward(self, chunk: list[Rollout], plan: tuple[list[int], list[int], bool], offset: int,
+                 routers: list | None) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """One micro-batch's inputs and loss side, log pi and entropy (`completion_logprobs`). Under a plan with
+        forward-only rows (`forward_only_plan`; indices from `offset`), those run in a pass of their own without
+        gradient, and both passes' `[b, t]` outputs are put back in the micro-batch's row order, so the loss and its
+        metrics see the whole micro-batch as in one pass (to rounding: the passes pack their rows apart)."""
+        spec, model = self.spec, self.spec.model
+        grad, rest, spare = [i - offset for i in plan[0]], [i - offset for i in plan[1]], plan[2]
+        if not rest and not spare:
+            batch = self.layout.build(chunk)
+            raw, entropy = completion_logprobs(model, batch, spec.sampling, entropy=True, router_logits=routers)
+            return batch, raw, entropy
+        parts, computed = [], 0.0
+        for rows, with_grad in ((rest or grad[:1], False), (grad, True)):  # (the pass without gradient first)
+            if not rows:
+                continue
+            built = self.layout.build([chunk[i] for i in rows])
+            with contextlib.nullcontext() if with_grad else torch.no_grad():
+                out = completion_logprobs(model, built, spec.sampling, entropy=True,
+                                          router_logits=routers if with_grad else None)
+            if with_grad or not spare:  # (a spare pass ran for the other ranks only: its result is dropped)
+                parts.insert(0 if with_grad else len(parts), out)
+                computed += float(built["token_mask"].sum())
+        batch = {key: (value.to(spec.device) if torch.is_tensor(value) else value)
+                 for key, value in loss_side(chunk, spec.pad_token_id).items()}
+        order = grad + rest  # the passes' rows, in turn (gradient first)
+        where = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=spec.device)
+        T = batch["mask"].shape[1]
+        raw, entropy = (torch.cat([F.pad(part[j], (0, T - part[j].shape[1])) for part in parts]).index_select(0, where)
+                        for j in (0, 1))
+        separate = sum(len(r.prompt_ids) + len(r.completion_ids) for r in chunk)
+        batch["tokens_saved_frac"] = 1.0 - computed / max(separate, 1)
+        return batch, raw, entropy
 
     def evaluation_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
         """The eval_* metrics of one evaluation (`hfllamarl.runtime.training.rank_metrics.evaluation_metrics`)."""
@@ -504,15 +545,16 @@ class TrainerExecutor(Executor):
         self.spec.save_checkpoint(self.version)
 
 
-def checked_loss(algorithm, out) -> tuple[torch.Tensor, dict[str, float]]:
-    """What `Algorithm.loss` returned, checked against the contract: a scalar tensor with gradient and a dict of
-    numbers by metric name. A plugin that breaks it is named, before anything is logged or stepped."""
+def checked_loss(algorithm, out, with_grad: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    """What `Algorithm.loss` returned, checked against the contract: a scalar tensor with gradient (`with_grad`: its
+    inputs had one; a micro-batch of flat rows run forward only has none) and a dict of numbers by metric name. A
+    plugin that breaks it is named, before anything is logged or stepped."""
     name = type(algorithm).__name__
     contract = "Algorithm.loss must return (a scalar loss tensor with gradient, {metric name: number})"
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(f"the algorithm {name} returned {type(out).__name__} from loss(); {contract}.")
     loss, metrics = out
-    if not (torch.is_tensor(loss) and loss.numel() == 1 and loss.requires_grad):
+    if not (torch.is_tensor(loss) and loss.numel() == 1 and (loss.requires_grad or not with_grad)):
         what = f"a tensor of shape {tuple(loss.shape)}" + ("" if loss.requires_grad else " without gradient") \
             if torch.is_tensor(loss) else type(loss).__name__
         raise TypeError(f"the algorithm {name} returned {what} as its loss; {contract}.")
