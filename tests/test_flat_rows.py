@@ -116,7 +116,8 @@ def test_data_parallel_ranks_run_as_many_rows():
 def test_sharded_ranks_with_different_flat_rows_run_the_same_passes(tiny_model):
     """Two FSDP2 trainer ranks (gloo) whose flat micro-batches differ (each has one where the other has signal): with
     the flat rows run forward only, both run the same collective passes (a flat row with gradient, a spare pass
-    without), and the step's loss and gathered gradients equal those of every row run both ways."""
+    without; a last micro-batch flat on both runs no backward, so the gradients are reduced in the one before), and
+    the step's loss and gathered gradients equal those of every row run both ways."""
     import json
 
     from conftest import SCRIPTS, run_script, tail
@@ -124,7 +125,7 @@ def test_sharded_ranks_with_different_flat_rows_run_the_same_passes(tiny_model):
     proc = run_script([str(SCRIPTS / "flat_rows_ranks.py"), tiny_model], nproc=2, timeout=300)
     assert proc.returncode == 0, tail(proc)
     out = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1][len("RESULT "):])
-    assert out["forward_only_frac"] == [0.5] and out["same_names"] and out["grads"] > 10
+    assert out["forward_only_frac"] == [4 / 6] and out["same_names"] and out["grads"] > 10
     assert out["loss"][1] == pytest.approx(out["loss"][0], abs=1e-6)
     assert out["entropy"][1] == pytest.approx(out["entropy"][0], rel=1e-5)
     assert out["max_grad"] > 1e-3 and out["max_diff"] <= 1e-6 * out["max_grad"] + 1e-9, out

@@ -7,7 +7,8 @@
         One step of two FSDP2-sharded trainer ranks, micro-batches of 2, with the flat rows run forward only
         (`forward_only_plan`) and with every row run both ways: rank 0's first micro-batch is flat and rank 1's is
         not (rank 0 runs a flat row with gradient, rank 1 a spare forward-only pass), and the other way round in the
-        second. Rank 0 reports the loss, the gathered gradients' largest difference and their size.
+        second; the third is flat on both (no backward: the gradients are reduced in the second's). Rank 0 reports
+        the loss, the gathered gradients' largest difference and their size.
 
 Prints `RESULT {json}` on rank 0.
 """
@@ -46,8 +47,8 @@ def sharded_step(rank: int, path: str) -> dict:
     rollouts = [Rollout(prompt="", prompt_ids=torch.randint(3, 50, (4 + i,), generator=g).tolist(),
                         completion_ids=torch.randint(3, 50, (3 + i,), generator=g).tolist(),
                         behavior_logprobs=(-3.0 - torch.rand(3 + i, generator=g)).tolist(), versions=[0] * (3 + i),
-                        finish_reason="stop", completion_text="") for i in range(4)]
-    advantages = torch.tensor([0.0, 0.0, 0.0, 0.5] if rank == 0 else [1.0, -1.0, 0.0, 0.0])
+                        finish_reason="stop", completion_text="") for i in range(6)]
+    advantages = torch.tensor([0.0, 0.0, 0.0, 0.5, 0.0, 0.0] if rank == 0 else [1.0, -1.0, 0.0, 0.0, 0.0, 0.0])
     out = {}
     for forward_only in (False, True):
         spec = TrainerSpec(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), scheduler=None,

@@ -478,6 +478,8 @@ class TrainerExecutor(Executor):
             loss_total += loss.item() / steps
             for key, value in m.items():
                 stats.setdefault(key, []).append(value)
+        if last_backward < steps - 1 and hasattr(model, "reshard"):  # a pass without gradient ran last: FSDP2 left
+            model.reshard()  # the root's parameters gathered (registered without their gradients) until told
         if step_weights is not None:  # the learning-rate factor of this step ("_step_scale") and its metrics
             stats.update(step_scale(spec.algorithm, step_weights))
         stats["trainer/flat_rows_skipped_frac"] = [skipped]
