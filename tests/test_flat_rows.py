@@ -71,34 +71,54 @@ def model(tmp_path_factory):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def test_a_step_that_skips_flat_rows_has_the_whole_batchs_loss_and_gradient(model):
-    """Three groups of 4, two of them flat (advantage 0): with the skip the trainer runs 4 of 12 rows and logs the
-    skipped share; the loss and every gradient equal the step that runs all 12 (micro-batches of 3: 4 against 2)."""
-    g = torch.Generator().manual_seed(1)
+def _three_groups(model, seed: int, behaviour) -> list[Rollout]:
+    """Three groups of 4 rollouts (completions of 4, 6, 3 and 5 tokens); `behaviour(c, generator)`: mu's values."""
+    g = torch.Generator().manual_seed(seed)
     rs = []
     for p in range(3):
         prompt = torch.randint(3, model.config.vocab_size, (5 + p,), generator=g).tolist()
         for c in (4, 6, 3, 5):
             rs.append(Rollout(prompt="", prompt_ids=prompt,
                               completion_ids=torch.randint(3, 50, (c,), generator=g).tolist(),
-                              behavior_logprobs=[-3.0] * c, versions=[0] * c, finish_reason="stop",
+                              behavior_logprobs=behaviour(c, g), versions=[0] * c, finish_reason="stop",
                               completion_text=""))
-    advantages = torch.tensor([0.0] * 4 + [1.0, -0.5, 0.25, -0.75] + [0.0] * 4)
+    return rs
+
+
+_TWO_FLAT = torch.tensor([0.0] * 4 + [1.0, -0.5, 0.25, -0.75] + [0.0] * 4)  # the first and last groups flat
+
+
+def _same_step(model, steps: list):
+    """Each of `steps` (callables that run one `_accumulate_gradients` on `model`) from zeroed gradients; asserts
+    that the second's loss and every gradient equal the first's (and that the gradient is not all 0), and returns
+    both steps' metrics."""
     out = []
-    for skip in (False, True):
-        ex = cpu_trainer(model, num_generations=4, micro_batch_size=3, skip_flat_rows=True)
-        assert ex.skips_flat_rows  # (AIPO, no reference model)
-        ex.skips_flat_rows = skip
+    for step in steps:
         model.zero_grad()
-        loss, stats = ex._accumulate_gradients(rs, advantages)
+        loss, stats = step()
         out.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()}, stats))
     (loss0, grads0, stats0), (loss1, grads1, stats1) = out
-    assert stats0["trainer/flat_rows_skipped_frac"] == [0.0]
-    assert stats1["trainer/flat_rows_skipped_frac"] == [pytest.approx(8 / 12)]
     assert loss1 == pytest.approx(loss0, abs=1e-6)
     for n in grads0:
         assert torch.allclose(grads1[n], grads0[n], atol=1e-6, rtol=1e-5), n
     assert any(float(g.abs().max()) > 0 for g in grads0.values())
+    return stats0, stats1
+
+
+def test_a_step_that_skips_flat_rows_has_the_whole_batchs_loss_and_gradient(model):
+    """Three groups of 4, two of them flat (advantage 0): with the skip the trainer runs 4 of 12 rows and logs the
+    skipped share; the loss and every gradient equal the step that runs all 12 (micro-batches of 3: 4 against 2)."""
+    rs = _three_groups(model, 1, lambda c, g: [-3.0] * c)
+
+    def step(skip):
+        ex = cpu_trainer(model, num_generations=4, micro_batch_size=3, skip_flat_rows=True)
+        assert ex.skips_flat_rows  # (AIPO, no reference model)
+        ex.skips_flat_rows = skip
+        return ex._accumulate_gradients(rs, _TWO_FLAT)
+
+    stats0, stats1 = _same_step(model, [lambda: step(False), lambda: step(True)])
+    assert stats0["trainer/flat_rows_skipped_frac"] == [0.0]
+    assert stats1["trainer/flat_rows_skipped_frac"] == [pytest.approx(8 / 12)]
 
 
 def test_data_parallel_ranks_run_as_many_rows():
@@ -150,31 +170,17 @@ def test_flat_rows_run_forward_only_with_the_whole_batchs_loss_gradient_and_metr
     micro-batches must be the same ones."""
     from hfllamarl.plugins.algorithms.aipo import AIPO
 
-    g = torch.Generator().manual_seed(2)
-    rs = []
-    for p in range(3):
-        prompt = torch.randint(3, model.config.vocab_size, (5 + p,), generator=g).tolist()
-        for c in (4, 6, 3, 5):
-            rs.append(Rollout(prompt="", prompt_ids=prompt,
-                              completion_ids=torch.randint(3, 50, (c,), generator=g).tolist(),
-                              behavior_logprobs=(-3.0 - torch.rand(c, generator=g)).tolist(), versions=[0] * c,
-                              finish_reason="stop", completion_text=""))
-    advantages = torch.tensor([0.0] * 4 + [1.0, -0.5, 0.25, -0.75] + [0.0] * 4)
-    out = []
-    for forward_only in (False, True):
+    rs = _three_groups(model, 2, lambda c, g: (-3.0 - torch.rand(c, generator=g)).tolist())
+
+    def step(forward_only):
         ex = cpu_trainer(model, num_generations=4, micro_batch_size=3, skip_flat_backward=forward_only)
         ex.spec.algorithm = AIPO(rho=4.0, loss_type=loss_type)
         ex.skips_flat_backward = forward_only and ex.spec.algorithm.flat_rows_inert
-        model.zero_grad()
-        loss, stats = ex._accumulate_gradients(rs, advantages)
-        out.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()}, stats))
-    (loss0, grads0, stats0), (loss1, grads1, stats1) = out
+        return ex._accumulate_gradients(rs, _TWO_FLAT)
+
+    stats0, stats1 = _same_step(model, [lambda: step(False), lambda: step(True)])
     assert stats0["trainer/flat_rows_forward_only_frac"] == [0.0]
     assert stats1["trainer/flat_rows_forward_only_frac"] == [pytest.approx(8 / 12)]
-    assert loss1 == pytest.approx(loss0, abs=1e-6)
-    for n in grads0:
-        assert torch.allclose(grads1[n], grads0[n], atol=1e-6, rtol=1e-5), n
-    assert any(float(g.abs().max()) > 0 for g in grads0.values())
     keys = set(stats0) - {"trainer/flat_rows_forward_only_frac"}
     assert keys == set(stats1) - {"trainer/flat_rows_forward_only_frac"} and "entropy" in keys
     for key in keys:
