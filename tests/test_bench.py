@@ -86,6 +86,8 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     assert summary["ratio_process"] == round(trl["process_seconds"] / ours["process_seconds"], 3)
     profile = summary["profile_hfllamarl"]
     assert profile["forward + backward"] > 0 and profile["generation (generator core)"] > 0
+    for key in ("flat groups, share", "rows run forward only, share", "rows skipped, share"):
+        assert 0.0 <= profile[key] <= 1.0, (key, profile)
     assert summary["profile_trl"]["generation"] > 0 and summary["profile_trl"]["forward + backward"] > 0
     # Each side's log history: the same steps, rewards from the same reward function.
     for name, steps in (("trl", 2), ("hfllamarl", 2), ("hfllamarl-lookahead", 3)):

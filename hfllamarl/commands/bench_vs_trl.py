@@ -286,7 +286,11 @@ def _profile_rows(side: str, r: dict) -> dict[str, float]:
             "forward + backward": mean("time/forward_backward"), "optimizer": mean("time/optimizer"),
             "weight sync (transfer)": mean("weight_sync_seconds"),
             "trainer waiting on channels": mean("time/channels"), "step (wall)": step,
-            "start-up before step 1": r["first_step_after"] or 0.0}
+            "start-up before step 1": r["first_step_after"] or 0.0,
+            # rows with advantage 0: run forward only (the default) or skipped (skip_flat_rows), share of the rows
+            "flat groups, share": mean("frac_reward_zero_std"),
+            "rows run forward only, share": mean("trainer/flat_rows_forward_only_frac"),
+            "rows skipped, share": mean("trainer/flat_rows_skipped_frac")}
     rows.update(_work_rows([x for x in h if x.get("generation/cpu_seconds", 0.0) > 0]))
     s = r.get("startup") or {}  # milestones, seconds after train() (`hfllamarl.runtime.world.startup`)
     for key, label in (("generator_started", "generator process began"), ("generator_imported", "generator imports done"),
