@@ -66,3 +66,32 @@ def test_a_stopped_peer_is_killed_and_named_as_stopped():
         peer.kill()
     assert code == -9 and "stopped (SIGSTOP or a tracer)" in err, (code, err)
     assert GRACE_S - 0.5 < seconds < GRACE_S + 3, seconds
+
+
+def test_a_ranks_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """torchrun reads a rank's error file as soon as the rank is gone (`ProcessFailure`, json.load): the file is
+    written whole (torchrun's own reader takes it, the message first), never over an existing one, and a writer ended
+    half-way leaves none, where an empty file would end torchrun in a JSONDecodeError."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from hfllamarl.runtime.world import exit_watch
+
+    path = str(tmp_path / "error.json")
+    exit_watch.write_error_file(path, "rank 0 (trainer 0) stopped answering", "Traceback ...\nthe whole story")
+    failure = ProcessFailure(local_rank=1, pid=123, exitcode=1, error_file=path)
+    assert failure.message["message"] == "rank 0 (trainer 0) stopped answering" and failure.timestamp > 0
+    assert failure.message["extraInfo"]["py_callstack"].endswith("the whole story")
+    exit_watch.write_error_file(path, "a second message", "")
+    assert json.load(open(path))["message"]["message"] == "rank 0 (trainer 0) stopped answering"
+
+    other = str(tmp_path / "other.json")
+
+    def dies(obj, fh):  # the writer ended after creating its file and before filling it
+        fh.flush()
+        raise OSError("ended")
+
+    monkeypatch.setattr(exit_watch.json, "dump", dies)
+    exit_watch.write_error_file(other, "lost", "lost")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.json"]

@@ -100,6 +100,28 @@ def _error_file(pid: int) -> str | None:
     return None
 
 
+def write_error_file(path: str | None, message: str, callstack: str) -> None:
+    """Write a rank's torchrun error file (what torchrun prints as its root cause), unless it has one: whole or not
+    at all. torchrun reads the file as soon as the rank is gone, and one left empty (its writer ended by torchrun's
+    SIGTERM between creating and filling it) ends torchrun itself in a JSONDecodeError, the rank's own error lost;
+    so the text goes to a temporary file first, linked into place (a link never replaces an existing file)."""
+    if not path or os.path.exists(path):
+        return
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w") as fh:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": callstack, "timestamp": str(int(time.time()))}}}, fh)
+        os.link(temporary, path)
+    except OSError:
+        pass
+    finally:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+
+
 def _claim(job_id: str, where: dict) -> bool:
     """Whether this watcher is the first to claim the frozen process `where` (one report, one kill)."""
     name = f"hfllamarl-exit-{job_id}-{where['pid']}-{where.get('start', '')}"
@@ -123,14 +145,7 @@ def _end(name: str, where: dict, why: str) -> None:
                f"the launcher returns. The run's work is complete (that rank had passed the end-of-job rendezvous, "
                f"after the last step, checkpoint and save); the launcher reports it as failed because it did not end "
                f"by itself.")
-    path = _error_file(pid)
-    if path and not os.path.exists(path):
-        try:
-            with open(path, "w") as fh:
-                json.dump({"message": {"message": message, "extraInfo": {
-                    "py_callstack": message, "timestamp": str(int(time.time()))}}}, fh)
-        except OSError:
-            pass
+    write_error_file(_error_file(pid), message, message)
     if dumps:
         try:
             os.kill(pid, DUMP_SIGNAL)

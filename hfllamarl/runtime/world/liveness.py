@@ -581,14 +581,7 @@ class Liveness:
 
 def _write_torchelastic_error(message: str) -> None:
     """Give torchrun the message it prints as this rank's error (its "root cause" section)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    try:
-        if os.path.exists(path):
-            return
-        with open(path, "w") as fh:
-            json.dump({"message": {"message": message.splitlines()[-1] if message else "failed",
-                                   "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}, fh)
-    except OSError:
-        pass
+    from hfllamarl.runtime.world.exit_watch import write_error_file
+
+    write_error_file(os.environ.get("TORCHELASTIC_ERROR_FILE"), message.splitlines()[-1] if message else "failed",
+                     message)
