@@ -70,7 +70,7 @@ def skips_flat_backward(spec, balancing, skips_rows: bool) -> bool:
     default), not skipped whole already (`skips_flat_rows`), and no gradient reaches the weights through such a row:
     the algorithm says so (`flat_rows_inert`: every per-token term is proportional to the row's advantage, the
     weights detached), no KL to a reference model and no MoE balancing loss (both read every row's forward)."""
-    return (bool(getattr(spec, "skip_flat_backward", False)) and not skips_rows and balancing is None
+    return (spec.skip_flat_backward and not skips_rows and balancing is None
             and spec.ref_model is None and bool(getattr(spec.algorithm, "flat_rows_inert", False)))
 
 
@@ -100,11 +100,9 @@ def forward_only_plan(advantages, micro_batch_size: int, on: bool) -> list[tuple
         flags[0, 0] = 1  # (every rank then runs one flat row of its first micro-batch with gradient)
     plan = []
     for k, (a, b) in enumerate(bounds):
-        grad = [i for i in range(a, b) if not flat[i]] if flags[k, 1] else list(range(a, b))
-        rest = [i for i in range(a, b) if i not in grad]
-        if not flags[k, 0]:
-            grad, rest = [], list(range(a, b))
-        elif not grad:
+        grad = [i for i in range(a, b) if not flat[i]]
+        rest = [i for i in range(a, b) if flat[i]]
+        if flags[k, 0] and not grad:  # another rank (or the wholly flat step) runs a backward here
             grad, rest = rest[:1], rest[1:]
         plan.append((grad, rest, bool(flags[k, 1]) and not rest))
     return plan

@@ -507,11 +507,11 @@ class TrainerExecutor(Executor):
                 out = completion_logprobs(model, built, spec.sampling, entropy=True,
                                           router_logits=routers if with_grad else None)
             if with_grad or not spare:  # (a spare pass ran for the other ranks only: its result is dropped)
-                parts.insert(0 if with_grad else len(parts), out)
+                parts.append(out)
                 computed += float(built["token_mask"].sum())
         batch = {key: (value.to(spec.device) if torch.is_tensor(value) else value)
                  for key, value in loss_side(chunk, spec.pad_token_id).items()}
-        order = grad + rest  # the passes' rows, in turn (gradient first)
+        order = rest + grad  # the kept passes' rows, in turn (a spare pass has no rows of `rest`)
         where = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=spec.device)
         T = batch["mask"].shape[1]
         raw, entropy = (torch.cat([F.pad(part[j], (0, T - part[j].shape[1])) for part in parts]).index_select(0, where)
