@@ -166,18 +166,32 @@ def test_a_job_whose_import_time_environment_differs_is_spawned_not_forked(tmp_p
     assert "CODE 0" in res.stdout and "HOME " in res.stdout, res  # the same environment still forks
 
 
-def test_a_variable_the_servers_own_imports_set_does_not_stop_a_fork(tmp_path, server):
+@pytest.mark.parametrize("starter_imported_vllm", [False, True])
+def test_a_variable_the_servers_own_imports_set_does_not_stop_a_fork(tmp_path, server, monkeypatch,
+                                                                      starter_imported_vllm):
     """vLLM sets PYTORCH_NVML_BASED_CUDA_CHECK when it is imported (the server's warm imports do): a job whose
     environment has it (its process imported vLLM too) and one whose environment lacks it (a shell's) are both
-    forked, since a spawned child's imports would set it the same way."""
-    client = server
+    forked, since a spawned child's imports would set it the same way; also when the process that started the
+    server had imported vLLM itself, so that the server's environment held the variable before its imports."""
+    client, own = server, None
+    if starter_imported_vllm:
+        from hfllamarl.runtime.world.preload import start_server
+
+        monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        own, client = start_server()
     (tmp_path / "probe.py").write_text("print('RAN', flush=True)\n")
     code = ("import os, sys\nfrom hfllamarl.runtime.world.preload import Client\n"
             f"base = {{k: v for k, v in os.environ.items() if k != 'PYTORCH_NVML_BASED_CUDA_CHECK'}}\n"
             f"base['PYTHONPATH'] = {str(tmp_path)!r}\n"
             "for env in (base, {**base, 'PYTORCH_NVML_BASED_CUDA_CHECK': '1'}):\n"
             f"    print('CODE', Client({client.path!r}).run('probe', [], env).wait(60), flush=True)\n")
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    try:
+        res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120)
+    finally:
+        if own is not None:
+            own.terminate()
+            own.wait(timeout=10)
     assert res.stdout.count("CODE 0") == 2 and res.stdout.count("RAN") == 2, res
 
 

@@ -66,6 +66,24 @@ def _read_at_import(before: dict) -> tuple[dict, set]:
     return {k: v for k, v in before.items() if k not in changed}, changed
 
 
+#: Variables the warm imports set whatever the environment held (vLLM's `env_override` sets
+#: PYTORCH_NVML_BASED_CUDA_CHECK=1). Taken out of the environment while the server imports, so that they count as
+#: set by the imports even when whoever started the server had imported vLLM already (its environment then holds
+#: them, a shell's does not); put back if the imports leave them unset, and then compared as any other.
+SET_BY_IMPORTS = ("PYTORCH_NVML_BASED_CUDA_CHECK",)
+
+
+def _warm_reading_environment(modules) -> tuple[dict, set]:
+    """`warm(modules)`; returns `_read_at_import`'s answer for those imports."""
+    held = {k: os.environ.pop(k) for k in SET_BY_IMPORTS if k in os.environ}
+    before = import_time_environment(os.environ)
+    warm(modules)
+    for k, v in held.items():
+        if k not in os.environ:
+            os.environ[k] = before[k] = v
+    return _read_at_import(before)
+
+
 def _terminate(signum, frame) -> None:
     raise SystemExit(0)
 
@@ -79,8 +97,7 @@ def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
     signal.signal(signal.SIGTERM, _terminate)  # a kill: the `finally` below removes the socket, then exit
     os.environ.pop(ENV_ROOM, None)  # (its span stays: the children's environment is shown there)
     owner_fd = os.pidfd_open(owner)
-    before = import_time_environment(os.environ)
-    warm(modules)
+    import_env, set_at_import = _warm_reading_environment(modules)
     import threading
 
     # Python threads: none but this one may run (a lock one holds would stay held in every child). The imports of
@@ -108,7 +125,7 @@ def serve(path: str, owner: int, modules=DEFAULT_WARM) -> int:
     children: dict[int, socket.socket] = {}
     state = {"lsock": lsock, "sel": sel, "pipe": (rfd, wfd), "owner_fd": owner_fd, "threads": threads,
              "native_threads": native, "code": code}
-    state["import_env"], state["set_at_import"] = _read_at_import(before)
+    state["import_env"], state["set_at_import"] = import_env, set_at_import
     try:
         while True:
             for key, _ in sel.select(timeout=1.0):
