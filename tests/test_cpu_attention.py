@@ -182,3 +182,28 @@ def test_sampling_with_a_cache_in_the_plain_form_writes_what_transformers_eager_
            for m in (ours, theirs)]
     assert 1 in rows and 9 in rows, rows  # decoding steps and the prefill both took it
     assert out[0].tolist() == out[1].tolist()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_first_measurement_inside_a_checkpointed_forward_leaves_the_recomputation_alike(qwen2, monkeypatch,
+                                                                                             reentrant):
+    """With `gradient_checkpointing` (TRL's GRPOConfig turns it on by default) a shape's first call is measured inside
+    a checkpointed layer's forward; its recomputation in the backward pass finds the choice made and measures
+    nothing. The measurement's tensors must not count among the layer's saved ones (torch refuses a recomputation
+    that saves other tensors: "A different number of tensors was saved"). Gradients against transformers' eager
+    attention without checkpointing."""
+    monkeypatch.setattr(attention, "_choice", {})
+    ours, theirs = _bf16(qwen2, "sdpa"), _bf16(qwen2, "eager")
+    assert use_fast_cpu_attention(ours, torch.device("cpu"), named=False)
+    ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ours.train()
+    theirs.train()
+    ids = torch.randint(3, ours.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for model in (ours, theirs):
+        model(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
+        grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+    assert attention._choice, "no shape was measured: the check would be vacuous"
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grad, grads[1][name], rtol=2e-2, atol=2e-3, msg=name)

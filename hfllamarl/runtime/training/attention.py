@@ -145,13 +145,17 @@ def _plain_is_faster(dtype: torch.dtype, heads: int, head_size: int, bucket: int
                     run().float().sum().backward()
 
         seconds = {}
-        for name, run in (("sdpa", fused), ("plain", plain)):
-            times = []
-            for _ in range(3):
-                start = time.perf_counter()
-                once(run)
-                times.append(time.perf_counter() - start)
-            seconds[name] = min(times[1:])
+        # The first call of a shape usually comes inside the model's forward: under gradient checkpointing that
+        # forward's saved tensors are packed by the checkpoint's hooks, and its recomputation (which finds the
+        # choice made) must save the same ones. The measurement's own tensors are kept out of them.
+        with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            for name, run in (("sdpa", fused), ("plain", plain)):
+                times = []
+                for _ in range(3):
+                    start = time.perf_counter()
+                    once(run)
+                    times.append(time.perf_counter() - start)
+                seconds[name] = min(times[1:])
         _choice[key] = seconds["plain"] < 0.9 * seconds["sdpa"]
         logger.info("trainer attention on this CPU, %s, %d heads of %d, %s up to %d tokens: %s (%s %.2f ms plain, "
                     "%.2f ms SDPA)", str(dtype).replace("torch.", ""), heads, head_size,
@@ -160,3 +164,7 @@ def _plain_is_faster(dtype: torch.dtype, heads: int, head_size: int, bucket: int
                     "20 decoding steps" if decoding else "forward and backward", 1e3 * seconds["plain"],
                     1e3 * seconds["sdpa"])
     return _choice[key]
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
