@@ -42,7 +42,7 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     """The commands run end to end, side by side (each is mostly process start-up): `bench learning` with one
     variant for a few steps writes its plot and reports the final reward; `bench vs-trl` on a tiny model runs TRL's
     GRPOTrainer and ours for the same steps (prompts with a 60-token instruction before them, where the trainer shares
-    each group's prompt) and reports both times, their ratio and the profile; `bench multi-turn`
+    each group's prompt; gradient checkpointing on, as TRL's default has it) and reports both times, their ratio and the profile; `bench multi-turn`
     runs the synchronous and the asynchronous tool-calling job and reports their throughput ratio (the training runs
     themselves are tested in test_train_e2e.py and test_agentic.py)."""
     precision = "bf16" if cpu_has_bf16() else "fp32"  # the default: bf16 on both sides where the CPU has it
@@ -54,7 +54,9 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
                              "--staleness", "4", "--steps", "3", "--seeds", "0", "--output-dir",
                              str(tmp_path / "learning")], env)
     vs_trl = popen_script(["-m", "hfllamarl.cli", "bench", "vs-trl", "--steps", "2", "--hidden-size", "64", "--layers",
-                           "1", "--max-completion-length", "8", "--prompt-tokens", "60", "--profile", "--output-dir",
+                           "1", "--max-completion-length", "8", "--prompt-tokens", "60", "--profile",
+                           "--gradient-checkpointing",  # (TRL's default: a bf16 step under it once failed here)
+                           "--output-dir",
                            str(tmp_path / "vs"),
                            "--variant", 'lookahead={"sampler_lookahead": "adamw", "verify_weight_sync": true, '
                                         '"max_steps": 3, "bootstrap_generation": false}'],
