@@ -74,10 +74,17 @@ def test_a_forked_generator_trains_as_a_spawned_one(tiny_model, tmp_path, server
     assert _line(forked, "PRESTARTED") == []  # nothing imported vLLM a second time
     a, b = step_logs(spawned.stdout), step_logs(forked.stdout)
     assert [h["step"] for h in a] == [h["step"] for h in b] == [1, 2]
+    compared, before = 0, (0.0, 0.0)
     for x, y in zip(a, b):
-        assert x["reward"] == y["reward"], (x, y)
         assert abs(x["is_ratio/max"] - 1.0) < 1e-4 and abs(y["is_ratio/max"] - 1.0) < 1e-4
+        counts = (x.get("reward_unscored", 0.0), y.get("reward_unscored", 0.0))  # (the job's count so far)
+        unscored, before = (counts[0] - before[0], counts[1] - before[1]), counts
+        if unscored[0] != unscored[1]:
+            continue  # (a grader past its time budget on a loaded machine leaves a row unscored in one job only)
+        assert x["reward"] == y["reward"], (x, y)
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-7), (x, y)
+        compared += 1
+    assert compared, "every step had rows unscored in one job only: nothing was compared"
     assert server.hello()["pid"] > 0  # the server outlives the jobs it forked for
     # The start-up profile (`world.startup`): milestones in order, the first step where the script's own clock saw it
     # end; the spawned generator imported vLLM itself (seconds of work), the forked one had it imported already.

@@ -105,7 +105,9 @@ def build_engine(model_path: str, tokenizer_path: str, *, dtype: str, seed: int,
         if enforce_eager:
             _eager_token_ranks()
         if "kernel_config" not in kwargs:
-            kwargs["kernel_config"] = {"ir_op_priority": _cpu_norm_kernels()}
+            priority = _cpu_norm_kernels()
+            if priority:  # (a vLLM without these ops has no such setting either)
+                kwargs["kernel_config"] = {"ir_op_priority": priority}
     else:  # pragma: no cover - needs a GPU
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     # vLLM collects garbage five times while it starts (around the model load, then to freeze its heap); each full
