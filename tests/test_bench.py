@@ -42,8 +42,8 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     """The commands run end to end, side by side (each is mostly process start-up): `bench learning` with one
     variant for a few steps writes its plot and reports the final reward; `bench vs-trl` on a tiny model runs TRL's
     GRPOTrainer and ours for the same steps (prompts with a 60-token instruction before them, where the trainer shares
-    each group's prompt; gradient checkpointing on, as TRL's default has it) and reports both times, their ratio and the profile; `bench multi-turn`
-    runs the synchronous and the asynchronous tool-calling job and reports their throughput ratio (the training runs
+    each group's prompt; gradient checkpointing on, as TRL's default has it) and reports both times, their ratio and
+    the profile; `bench multi-turn` runs the synchronous and the asynchronous tool-calling job and reports their throughput ratio (the training runs
     themselves are tested in test_train_e2e.py and test_agentic.py)."""
     precision = "bf16" if cpu_has_bf16() else "fp32"  # the default: bf16 on both sides where the CPU has it
     env = dict(os.environ, **SIDE_BY_SIDE_ENV)

@@ -198,12 +198,12 @@ def _cpu_norm_kernels() -> dict[str, list[str]]:
 
 def _register_cpu_norms(ops) -> None:
     # (the annotations are read by torch's schema inference, from this module's globals: torch.Tensor)
-    def plain(x, weight, variance_size):
-        return variance_size is None and x.is_contiguous() and (weight is None or weight.dtype == x.dtype)
+    def plain(x, weight, variance_size):  # what the kernels take: a whole contiguous row and a weight of its dtype
+        return variance_size is None and weight is not None and weight.dtype == x.dtype and x.is_contiguous()
 
     @ops.rms_norm.register_impl(CPU_NORM_PROVIDER, supported=True,
                                 supports_args=lambda x, weight, epsilon, variance_size=None: plain(
-                                    x, weight, variance_size) and weight is not None)
+                                    x, weight, variance_size))
     def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
                  variance_size: int | None = None) -> torch.Tensor:
         out = torch.empty_like(x)
@@ -212,7 +212,7 @@ def _register_cpu_norms(ops) -> None:
 
     @ops.fused_add_rms_norm.register_impl(CPU_NORM_PROVIDER, supported=True, inplace=True,
                                           supports_args=lambda x, x_residual, weight, epsilon, variance_size=None: (
-                                              plain(x, weight, variance_size) and weight is not None
+                                              plain(x, weight, variance_size)
                                               and x_residual.is_contiguous() and x_residual.dtype == x.dtype))
     def fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
                            variance_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
