@@ -190,20 +190,21 @@ def test_the_first_measurement_inside_a_checkpointed_forward_leaves_the_recomput
     """With `gradient_checkpointing` (TRL's GRPOConfig turns it on by default) a shape's first call is measured inside
     a checkpointed layer's forward; its recomputation in the backward pass finds the choice made and measures
     nothing. The measurement's tensors must not count among the layer's saved ones (torch refuses a recomputation
-    that saves other tensors: "A different number of tensors was saved"). Gradients against transformers' eager
-    attention without checkpointing."""
+    that saves other tensors: "A different number of tensors was saved"). Gradients against the same model without
+    checkpointing, on the kernels the measurement chose (which one wins is this machine's timing, and the two round
+    differently in bf16; each is checked against transformers' eager attention above)."""
     monkeypatch.setattr(attention, "_choice", {})
-    ours, theirs = _bf16(qwen2, "sdpa"), _bf16(qwen2, "eager")
-    assert use_fast_cpu_attention(ours, torch.device("cpu"), named=False)
-    ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    ours.train()
-    theirs.train()
-    ids = torch.randint(3, ours.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
+    checkpointed, plain = _bf16(qwen2, "sdpa"), _bf16(qwen2, "sdpa")
+    for model in (checkpointed, plain):
+        assert use_fast_cpu_attention(model, torch.device("cpu"), named=False)
+        model.train()
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = torch.randint(3, checkpointed.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
     grads = []
-    for model in (ours, theirs):
+    for model in (checkpointed, plain):  # (the first measures each shape, inside its checkpointed layers)
         model(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
         grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
     assert attention._choice, "no shape was measured: the check would be vacuous"
     assert grads[0].keys() == grads[1].keys()
     for name, grad in grads[0].items():
-        torch.testing.assert_close(grad, grads[1][name], rtol=2e-2, atol=2e-3, msg=name)
+        torch.testing.assert_close(grad, grads[1][name], rtol=1e-5, atol=1e-6, msg=name)
