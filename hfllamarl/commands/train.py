@@ -7,6 +7,7 @@ The command is a script like any other under a launcher:
     hfllamarl train --config examples/recipes/demo_cpu.yaml                     # python: generators are children
     torchrun --nproc_per_node 2 -m hfllamarl.cli train --config ...             # or: torchrun --no-python hfllamarl train ...
     accelerate launch --multi_gpu --num_processes 2 -m hfllamarl.cli train --config ...
+    hfllamarl train --config ... --trainer_replica_groups 2 --max_restarts 3   # every replica group, restarted alone
     hfllamarl train --config ... --check                                        # validate only; nothing starts
 """
 
@@ -29,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     from .recipe import RecipeError
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    from .replica_launch import groups_to_start, tie_to_supervisor
+
+    tie_to_supervisor()
+    if groups_to_start(argv):
+        return start_groups(argv)
     try:
         job = prepare_job(argv)
     except RecipeError as exc:
@@ -46,6 +52,41 @@ def main(argv: list[str] | None = None) -> int:
         os.execve(cmd[0], cmd, {**os.environ, ENV_OWN_LAUNCH: "1"})
     train(job)
     return 0
+
+
+def start_groups(argv: list[str]) -> int:
+    """`trainer_replica_groups` > 1 and no group named: check the recipe once (as group 0), then start every group
+    and a lighthouse, and restart a group that fails (`replica_launch`). Returns the exit code."""
+    from .recipe import RecipeError
+    from .replica_launch import Supervisor, check_argv, groups_to_start, raw_fields, restarts_asked
+
+    groups = groups_to_start(argv)
+    try:
+        restarts = restarts_asked(argv)
+        job = prepare_job(check_argv(argv))
+        config, script = job["recipe"].config, job["recipe"].script
+        gpus = 0
+        if job["launch"]:
+            import torch
+
+            if torch.cuda.is_available():
+                gpus = max(script.num_processes, 1)
+                if torch.cuda.device_count() < gpus * groups:
+                    raise RecipeError(f"trainer_replica_groups={groups} x num_processes={gpus} needs {gpus * groups} "
+                                      f"GPUs on this machine, which has {torch.cuda.device_count()}; launch each group "
+                                      "on its own machines instead (docs: Elastic trainer replicas).")
+    except RecipeError as exc:
+        print(f"hfllamarl train: error: {exc}", file=sys.stderr)
+        return 2
+    lighthouse = raw_fields(argv).get("torchft_lighthouse") or os.environ.get("TORCHFT_LIGHTHOUSE") or None
+    if script.check:
+        print(summary(job))
+        print(f"  groups:  {groups} trainer replica groups started here, each as above, restarted up to {restarts} "
+              f"time(s) each; lighthouse {lighthouse or 'started here'}")
+        return 0
+    grace = min(float(config.collective_timeout_s), 300.0)
+    return Supervisor(argv, groups, restarts, config.output_dir, several=bool(job["launch"]), grace_s=grace,
+                      lighthouse=lighthouse, gpus_per_group=gpus).run()
 
 
 def prepare_job(argv: list[str]) -> dict:

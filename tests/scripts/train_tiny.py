@@ -77,11 +77,12 @@ class PrintEvaluations(TrainerCallback):
 
 
 class KillAt(TrainerCallback):
-    """SIGKILL this process at the end of a given step (the generator child then dies with it); the time of the kill
-    goes to OUTPUT_DIR/killed_at."""
+    """SIGKILL (or another signal: SIGSTOP freezes it) this process at the end of a given step, once its line of
+    that step is written (a SIGKILLed trainer's generator child then dies with it); the time goes to
+    OUTPUT_DIR/killed_at."""
 
-    def __init__(self, step):
-        self.step = step
+    def __init__(self, step, sig: str = "SIGKILL"):
+        self.step, self.sig = step, sig
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
@@ -90,7 +91,7 @@ class KillAt(TrainerCallback):
 
             with open(os.path.join(args.output_dir, "killed_at"), "w") as fh:
                 fh.write(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), getattr(signal, self.sig))
 
 
 class SlowSteps(TrainerCallback):
@@ -327,6 +328,8 @@ def main():
     p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True)")
     p.add_argument("--signal-rank-at", default=None, help="STEP:RANK:SIGNAL: trainer rank 0 signals that rank then")
     p.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL this process (and so the job) at this step")
+    p.add_argument("--freeze-at-step", type=int, default=0, help="SIGSTOP this process at the end of this step "
+                   "(the first attempt under a launcher)")
     p.add_argument("--stop-at-step", type=int, default=0, help="a callback ends training at this step")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters on q_proj and v_proj")
     p.add_argument("--save-model", default=None, help="after train(): trainer.save_model(this directory)")
@@ -406,6 +409,8 @@ def main():
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # (a launcher's restart: no drill)
         if a.kill_at_step and first_attempt:
             trainer.add_callback(KillAt(a.kill_at_step))
+        if a.freeze_at_step and first_attempt:
+            trainer.add_callback(KillAt(a.freeze_at_step, "SIGSTOP"))
         if a.signal_rank_at and first_attempt:
             trainer.add_callback(SignalRankAt(a.signal_rank_at, a.output_dir))
         if a.stop_at_step:

@@ -577,10 +577,18 @@ def _refuse_single_process_accelerate_launch() -> None:
         )
 
 
+#: the restart count of a replica group that `hfllamarl train` started itself (`commands.replica_launch`)
+ENV_RESTART_COUNT = "HFLLAMARL_RESTART_COUNT"
+
+
 def launcher_attempt() -> int:
     """Which attempt of the job this process is: 0, or the launcher's restart count (torchrun --max-restarts,
-    accelerate launch --max_restarts: TORCHELASTIC_RESTART_COUNT)."""
-    try:
-        return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), 0)
-    except ValueError:
-        return 0
+    accelerate launch --max_restarts: TORCHELASTIC_RESTART_COUNT; a replica group `hfllamarl train` restarted:
+    HFLLAMARL_RESTART_COUNT)."""
+    counts = []
+    for name in ("TORCHELASTIC_RESTART_COUNT", ENV_RESTART_COUNT):
+        try:
+            counts.append(int(os.environ.get(name, "0") or 0))
+        except ValueError:
+            pass
+    return max(counts + [0])

@@ -1,0 +1,295 @@
+"""`hfllamarl train` with `trainer_replica_groups: G` and no group named: one command starts the G replica groups of
+the run, a torchft lighthouse for them, and restarts a group that fails while the others train on.
+
+Each trainer replica group is a whole job of its own (its trainer ranks and its generators: docs/design/elastic.md),
+because a launcher stops every rank of its launch when one fails. Started by hand, that is G launches and a
+lighthouse; this module makes it one: `hfllamarl train --config recipe.yaml --trainer_replica_groups 2
+--max_restarts 3` (without a launcher, without `trainer_replica_group`) checks the recipe once, starts the
+lighthouse in this process (unless `torchft_lighthouse` names one), then each group as `hfllamarl train` with the
+same recipe and `--trainer_replica_group g` (under `accelerate launch` when the recipe asks for several processes a
+group), and watches them:
+
+- a group that ends with an error is started again (up to `max_restarts` times each), and trains on: group 0 from
+  its newest checkpoint or a live group's policy, the others from a live group's policy (`after_restart`, as under
+  `torchrun --max-restarts`); the other groups are not stopped meanwhile;
+- once a group has finished the run, a group that fails is not restarted, and one still running after the grace
+  (`collective_timeout_s`) is stopped;
+- Ctrl-C / SIGTERM stops every group.
+
+Group 0 writes to `output_dir` (its checkpoints and the final model, as a single job); group g to
+`output_dir/replica-group-g`. Each group's lines are printed with `[g<g>] ` in front. On one machine the groups get
+equal shares of this process's cores (and of the GPUs, where there are any).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ENV_GROUP_LAUNCH = "HFLLAMARL_REPLICA_GROUP_LAUNCH"  # the command's pid, in the group jobs it starts
+POLL_S = 0.5
+
+
+def tie_to_supervisor() -> None:
+    """In a group this module started: end (SIGTERM) when the command that started it ends, even by SIGKILL, rather
+    than train on without its lighthouse (Linux; what it execs, `accelerate launch`, keeps it)."""
+    supervisor = os.environ.get(ENV_GROUP_LAUNCH, "")
+    if not supervisor.isdigit() or "WORLD_SIZE" in os.environ or not sys.platform.startswith("linux"):
+        return  # (the ranks of a group's launch: their launcher is the process tied to the command)
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(supervisor):  # (it ended before the line above)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def groups_to_start(argv: list[str]) -> int:
+    """How many replica groups `hfllamarl train argv` should start itself (0: none, train as one job). It does when
+    started without a launcher, not by this module, with `trainer_replica_groups` > 1 and no `trainer_replica_group`
+    in the recipe or the flags (a group named is one job of a run launched group by group)."""
+    if "WORLD_SIZE" in os.environ or os.environ.get(ENV_GROUP_LAUNCH):
+        return 0
+    raw = raw_fields(argv)
+    try:
+        groups = int(raw.get("trainer_replica_groups", 1))
+    except (TypeError, ValueError):
+        return 0  # (the recipe's own check says what is wrong with it)
+    return groups if groups > 1 and "trainer_replica_group" not in raw else 0
+
+
+def raw_fields(argv: list[str]) -> dict:
+    """The recipe file's keys and the flags' values as written (flags win), before any check."""
+    import yaml
+
+    out, i = {}, 0
+    args = list(argv)
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            key, sep, value = arg[2:].partition("=")
+            if not sep and i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value, i = args[i + 1], i + 1
+            if key == "config":
+                try:
+                    with open(value) as fh:
+                        data = yaml.safe_load(fh)
+                except (OSError, yaml.YAMLError):
+                    data = None  # (the recipe's own check says why)
+                out = {**(data if isinstance(data, dict) else {}), **out}
+            else:
+                out[key.replace("-", "_")] = value
+        i += 1
+    return out
+
+
+def group_argv(argv: list[str], group: int, lighthouse: str, output_dir: str, several: bool) -> list[str]:
+    """The arguments of group `group`'s own `hfllamarl train`: the recipe's, its group, the lighthouse, its output
+    directory; restarts are this module's, and a launch of several processes a group gets a port of its own."""
+    from hfllamarl.runtime.world.ports import free_port
+
+    out = list(argv) + ["--trainer_replica_group", str(group), "--torchft_lighthouse", lighthouse,
+                        "--output_dir", output_dir if group == 0 else os.path.join(output_dir, f"replica-group-{group}"),
+                        "--max_restarts", "0"]
+    out += ["--main_process_port", str(free_port() if several else 0)]
+    return out + (["--disable_tqdm", "true"] if group else [])  # (one progress bar: group 0's)
+
+
+def check_argv(argv: list[str]) -> list[str]:
+    """The arguments the recipe is checked with before any group starts (as group 0, with a lighthouse address
+    that stands for the one to come)."""
+    return list(argv) + ["--trainer_replica_group", "0", "--torchft_lighthouse", "http://127.0.0.1:1",
+                         "--max_restarts", "0", "--main_process_port", "0"]
+
+
+def restarts_asked(argv: list[str]) -> int:
+    """The recipe's `max_restarts` (checked: a whole number >= 0)."""
+    from .recipe import RecipeError
+
+    value = raw_fields(argv).get("max_restarts", 0)
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0:
+        raise RecipeError(f"max_restarts={value!r}: give a number of restarts >= 0.")
+    return n
+
+
+def shares(items: list, groups: int) -> list[list]:
+    """`items` (cores or GPUs) cut into `groups` equal consecutive shares, or [] when there are fewer than groups."""
+    if len(items) < groups:
+        return []
+    size = len(items) // groups
+    return [items[g * size:(g + 1) * size] for g in range(groups)]
+
+
+class Supervisor:
+    """Starts the groups, restarts a failed one, stops them all at the end (see the module's text).
+
+    Args:
+        argv: the `hfllamarl train` arguments (the recipe).
+        groups: how many groups; max_restarts: restarts of each; output_dir: the run's (group 0's).
+        several: a group is several processes (`accelerate launch`, which `hfllamarl train` starts itself).
+        grace_s: how long a group may run on once another has finished the run.
+        lighthouse: an address to join; None: start one here.
+    """
+
+    def __init__(self, argv: list[str], groups: int, max_restarts: int, output_dir: str, several: bool,
+                 grace_s: float, lighthouse: str | None = None, gpus_per_group: int = 0):
+        self.argv, self.groups, self.max_restarts = list(argv), groups, max_restarts
+        self.output_dir, self.several, self.grace_s = output_dir, several, grace_s
+        self._lighthouse_addr, self._lighthouse = lighthouse, None
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.restarts = {g: 0 for g in range(groups)}
+        self.started = {g: 0.0 for g in range(groups)}
+        self.ended: dict[int, int] = {}  # group -> exit code, once it will not be started again
+        self._cpus = shares(sorted(os.sched_getaffinity(0)), groups) if hasattr(os, "sched_getaffinity") else []
+        self._gpus = shares(list(range(gpus_per_group * groups)), groups) if gpus_per_group else []
+        self._stopping = False
+
+    def lighthouse(self) -> str:
+        if self._lighthouse_addr is None:
+            from hfllamarl.runtime.training.replica_quorum import start_lighthouse
+
+            os.environ.setdefault("RUST_LOG", "warn")  # (torchft logs every quorum at info: a few lines a step)
+
+            self._lighthouse = start_lighthouse(min_replicas=1, heartbeat_timeout_s=2.0, join_timeout_s=1.0)
+            self._lighthouse_addr = self._lighthouse.address()
+            say(f"started a torchft lighthouse at {self._lighthouse_addr} for {self.groups} trainer replica groups")
+        return self._lighthouse_addr
+
+    def start(self, group: int) -> None:
+        attempt = self.restarts[group]
+        from hfllamarl.runtime.world.topology import ENV_RESTART_COUNT
+
+        env = {**os.environ, ENV_GROUP_LAUNCH: str(os.getpid()), ENV_RESTART_COUNT: str(attempt), "PYTHONUNBUFFERED": "1"}
+        if self._gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in self._gpus[group])
+        cmd = [sys.executable, "-m", "hfllamarl.cli", "train",
+               *group_argv(self.argv, group, self.lighthouse(), self.output_dir, self.several)]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, bufsize=1, errors="replace")
+        if self._cpus:
+            try:
+                os.sched_setaffinity(proc.pid, self._cpus[group])  # (before its imports: what it starts inherits it)
+            except OSError:
+                pass
+        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            threading.Thread(target=_copy, args=(stream, out, f"[g{group}] "), daemon=True).start()
+        self.procs[group], self.started[group] = proc, time.monotonic()
+
+    def run(self) -> int:
+        """Start every group and watch them until the run ends; returns the exit code."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        finished_at = None
+        try:
+            for g in range(self.groups):
+                self.start(g)
+            say(f"started {self.groups} trainer replica groups (group 0 in {self.output_dir}, group g in "
+                f"{os.path.join(self.output_dir, 'replica-group-<g>')}); a group that fails is restarted up to "
+                f"{self.max_restarts} time(s) while the others train on")
+            while len(self.ended) < self.groups:
+                if self._stopping:
+                    self.stop_all("stopped by a signal")
+                    return 130
+                for g, proc in list(self.procs.items()):
+                    if g in self.ended or proc.poll() is None:
+                        continue
+                    code, ran = proc.returncode, time.monotonic() - self.started[g]
+                    if code == 0:
+                        self.ended[g] = 0
+                        finished_at = finished_at or time.monotonic()
+                        say(f"replica group {g} finished the run ({ran:.0f} s)")
+                    elif finished_at is None and self.restarts[g] < self.max_restarts:
+                        self.restarts[g] += 1
+                        _signal_group(proc, signal.SIGKILL)  # (what is left of it: a generator child, other ranks)
+                        live = sorted(h for h in self.procs if h != g and h not in self.ended)
+                        say(f"replica group {g} ended ({describe(code)}) after {ran:.1f} s; starting it again (restart "
+                            f"{self.restarts[g]} of {self.max_restarts}); groups {live} train on meanwhile")
+                        self.start(g)
+                    else:
+                        self.ended[g] = code
+                        why = ("another group has finished the run" if finished_at is not None
+                               else f"its {self.max_restarts} restart(s) are spent")
+                        say(f"replica group {g} ended ({describe(code)}) after {ran:.1f} s; not started again: {why}")
+                if finished_at is not None and time.monotonic() - finished_at > self.grace_s:
+                    self.stop_all(f"a group finished the run {self.grace_s:.0f} s ago")
+                    break
+                time.sleep(POLL_S)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.stop_all(None)
+            if self._lighthouse is not None:
+                self._lighthouse.shutdown()
+        return self.outcome()
+
+    def outcome(self) -> int:
+        """0 when group 0 finished the run (its model is the run's, in output_dir); else 1, saying what happened."""
+        codes = {g: self.ended.get(g, self.procs[g].returncode) for g in range(self.groups)}
+        done = [g for g, c in codes.items() if c == 0]
+        if codes[0] == 0:
+            lost = [g for g in range(self.groups) if codes[g] != 0]
+            say(f"run finished; model saved to {self.output_dir}"
+                + (f" (group(s) {lost} did not reach the end: see their lines above)" if lost else ""))
+            return 0
+        where = (f"; group {done[0]} finished the run: its model is in "
+                 f"{os.path.join(self.output_dir, f'replica-group-{done[0]}')}" if done else "")
+        say(f"error: replica group 0 ended ({describe(codes[0])}), its restarts spent; its own error is in its [g0] "
+            f"lines above{where}. Start the run again with the same command: group 0 resumes from its newest "
+            "checkpoint in the output directory (resume_from_checkpoint: true).")
+        return 1
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stopping = True
+
+    def stop_all(self, why: str | None, grace_s: float = 20.0) -> None:
+        """Stop the groups still running: SIGTERM to each group's processes, SIGKILL after `grace_s`."""
+        live = {g: p for g, p in self.procs.items() if p.poll() is None}
+        if not live:
+            return
+        if why:
+            say(f"stopping replica group(s) {sorted(live)}: {why}")
+        for p in live.values():
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for g, p in live.items():
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _signal_group(p, signal.SIGKILL)
+                p.wait(timeout=10)
+            self.ended.setdefault(g, p.returncode)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # (the group's accelerate launcher, its ranks and their generator children)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _copy(stream, out, prefix: str) -> None:
+    for line in stream:
+        out.write(prefix + line)
+        out.flush()
+
+
+def describe(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def say(text: str) -> None:
+    print(f"hfllamarl train: {text}", file=sys.stderr, flush=True)

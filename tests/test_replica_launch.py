@@ -1,0 +1,158 @@
+"""`hfllamarl train` with `trainer_replica_groups: 2` and no group named: one command starts both replica groups and
+a lighthouse, and restarts a group that fails while the other trains on (`hfllamarl.commands.replica_launch`)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hfllamarl.commands import replica_launch as rl
+from hfllamarl.runtime.data.prompts import batch_rows
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "examples" / "recipes" / "tiny_cpu.yaml"
+
+
+def test_which_commands_start_the_groups_themselves(tmp_path, monkeypatch):
+    """Groups > 1 and no group named, without a launcher: start them (hand cases, the recipe file and the flags)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv(rl.ENV_GROUP_LAUNCH, raising=False)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer_replica_groups: 3\nmax_steps: 2\n")
+    assert rl.groups_to_start(["--config", str(recipe)]) == 3
+    assert rl.groups_to_start(["--config", str(recipe), "--trainer_replica_groups", "1"]) == 0  # (flags win)
+    assert rl.groups_to_start(["--config", str(recipe), "--trainer_replica_group=1"]) == 0  # one group of a run
+    assert rl.groups_to_start(["--trainer-replica-groups", "2", "--check"]) == 2
+    assert rl.groups_to_start(["--max_steps", "2"]) == 0
+    assert rl.groups_to_start(["--trainer_replica_groups", "two"]) == 0  # (the recipe's own check refuses it)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under a launcher: this process is one rank of one group
+    assert rl.groups_to_start(["--config", str(recipe)]) == 0
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv(rl.ENV_GROUP_LAUNCH, "1")  # a group this module started
+    assert rl.groups_to_start(["--config", str(recipe)]) == 0
+
+
+def test_each_group_gets_its_group_its_output_and_its_share_of_the_machine():
+    argv = ["--config", "r.yaml", "--max_restarts", "3"]
+    zero = rl.group_argv(argv, 0, "http://h:9", "out", several=False)
+    one = rl.group_argv(argv, 1, "http://h:9", "out", several=True)
+    assert zero[:3] == argv[:3] and zero[zero.index("--trainer_replica_group") + 1] == "0"
+    assert zero[zero.index("--output_dir") + 1] == "out" and one[one.index("--output_dir") + 1] == "out/replica-group-1"
+    # (later flags win: the group itself does not restart, this module does; a one-process group takes no port)
+    assert zero[len(zero) - 1 - zero[::-1].index("--max_restarts") + 1] == "0"
+    assert zero[-2:] == ["--main_process_port", "0"] and int(one[one.index("--main_process_port") + 1]) > 0
+    assert "--disable_tqdm" in one and "--disable_tqdm" not in zero  # (one progress bar: group 0's)
+    assert rl.shares([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3]] and rl.shares([0], 2) == []
+    assert rl.restarts_asked(argv) == 3
+    with pytest.raises(Exception, match="max_restarts='-1'"):
+        rl.restarts_asked(["--max_restarts", "-1"])
+
+
+def _data(tmp_path, rows=40):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+1=?", "answer": f"#### {a + 1}"}) + "\n" for a in range(rows)))
+    return data
+
+
+def test_check_names_the_groups_and_starts_nothing(tmp_path, tiny_model):
+    exe = os.path.join(os.path.dirname(sys.executable), "hfllamarl")
+    proc = subprocess.run([exe, "train", "--config", str(RECIPE), "--model_name_or_path", tiny_model,
+                           "--dataset_name", str(_data(tmp_path)), "--output_dir", str(tmp_path / "out"),
+                           "--num_processes", "0", "--trainer_replica_groups", "2", "--max_restarts", "2", "--check"],
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recipe OK" in proc.stdout and "2 trainer replica groups started here, each as above, restarted up to 2 " \
+        "time(s) each; lighthouse started here" in proc.stdout, proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+SLOW_REWARD = '''
+import os, time
+
+def digits(prompts, completions, **kwargs):
+    """A share of digits; slow (0.5 s a batch) while the drill's flag file exists, so that the survivor outlasts the
+    other group's restart on a loaded machine."""
+    if os.path.exists(os.environ["DRILL_SLOW_FLAG"]):
+        time.sleep(0.5)
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+'''
+
+
+def _log(path):
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+@pytest.mark.slow
+def test_one_command_restarts_a_killed_group_while_the_other_trains_on(tmp_path, tiny_model):
+    """Two groups of one trainer and one generator each, started by one `hfllamarl train` with `max_restarts: 1`;
+    group 1's trainer is SIGKILLed once it has trained 5 steps. Group 0 trains on alone (with group 1's share), the
+    command starts group 1 again, it copies the policy from group 0 and rejoins; the command ends with 0, every
+    global step trained each prompt of its batch once, and both groups hold the same weights, bit for bit."""
+    import psutil
+    from safetensors.torch import load_file
+
+    (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
+    flag = tmp_path / "slow"
+    out, steps = tmp_path / "out", 60
+    log = open(tmp_path / "run.log", "w")
+    exe = os.path.join(os.path.dirname(sys.executable), "hfllamarl")
+    proc = subprocess.Popen(
+        [exe, "train", "--config", str(RECIPE), "--model_name_or_path", tiny_model, "--dataset_name",
+         str(_data(tmp_path)), "--output_dir", str(out), "--num_processes", "0", "--reward_funcs", "slow_reward:digits",
+         "--trainer_replica_groups", "2", "--max_restarts", "1", "--max_steps", str(steps), "--save_strategy", "no",
+         "--logging_steps", "10", "--collective_timeout_s", "60"],
+        cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, DRILL_SLOW_FLAG=str(flag), RUST_LOG="warn"))
+    log1 = out / "replica-group-1" / "trained_prompts-group1-rank0.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not (log1.exists() and len(_log(log1)) >= 5):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.1)
+        flag.write_text("")  # (from now on every step takes 0.5 s more, until group 1 is back)
+        trainer = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "--trainer_replica_group" in p.cmdline()
+                   and p.cmdline()[p.cmdline().index("--trainer_replica_group") + 1] == "1"]
+        assert len(trainer) == 1, trainer
+        trainer[0].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        while len([e for e in _log(log1) if e["step"] == 1]) < 2 or _log(log1)[-1]["step"] < 2:
+            assert proc.poll() is None and time.monotonic() < deadline + 200, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.2)
+        back_at = time.time()
+        flag.unlink()
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            for p in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+                p.kill()
+        log.close()
+    text = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 0, text[-4000:]
+    assert "replica group 1 ended (killed by SIGKILL)" in text and "starting it again (restart 1 of 1)" in text, text[-4000:]
+    assert f"run finished; model saved to {out}" in text
+    assert "[g0] " in text and "[g1] " in text
+    log0 = _log(out / "trained_prompts-group0-rank0.jsonl")
+    assert [e["global_step"] for e in log0] == list(range(1, steps + 1))  # the survivor trained every step, once
+    assert "left: [1]" in text and "rejoined: 1" in text, text[-4000:]
+    runs1 = [[]]
+    for e in _log(log1):
+        if runs1[-1] and e["step"] <= runs1[-1][-1]["step"]:
+            runs1.append([])
+        runs1[-1].append(e)
+    assert len(runs1) == 2 and runs1[1][-1]["global_step"] == steps and any(e["rows"] for e in runs1[1])
+    rows = {}  # each global step trained every prompt of its batch once (2 groups x 2 prompts a step)
+    for e in log0 + runs1[0] + runs1[1]:
+        rows.setdefault(e["global_step"], []).extend(e["rows"])
+    for step in range(1, steps + 1):
+        assert sorted(rows[step]) == sorted(batch_rows(40, 4, step - 1, 42)), (step, rows[step])
+    a, b = load_file(out / "model.safetensors"), load_file(out / "replica-group-1" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    print(f"drill (one command): group 1 SIGKILLed; back (its second run's first step) {back_at - killed_at:.1f} s "
+          "later")
