@@ -65,6 +65,18 @@ def test_a_valid_replica_group_config():
     assert (c.trainer_replica_groups, c.trainer_replica_group) == (2, 1)
 
 
+def test_only_group_0_checkpoints_on_its_trainer_and_its_generator_ranks():
+    """A recipe with save_steps run as every group (the natural way): group 1 writes no checkpoint, and its
+    generator's spec says so too (it once checkpointed alone and waited for its trainer in the barrier until
+    collective_timeout_s, stalling group 0 meanwhile: torchft forms no quorum from 1 of 2 live groups)."""
+    from hfllamarl.trainers.trainer_ranks import save_every
+
+    kw = dict(trainer_replica_groups=2, torchft_lighthouse="http://h:1", save_strategy="steps", save_steps=10)
+    assert save_every(make(trainer_replica_group=0, **kw), 60) == 10
+    assert save_every(make(trainer_replica_group=1, **kw), 60) == 0
+    assert save_every(make(save_strategy="steps", save_steps=10), 60) == 10
+
+
 def test_a_missing_share_is_dealt_to_its_own_group_when_it_takes_part_else_to_the_participants_in_turn():
     """`ReplicaGroup.makes_up` on hand cases: every participant deals the missing shares the same way."""
     import torch

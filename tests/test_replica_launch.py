@@ -105,7 +105,7 @@ def test_one_command_restarts_a_killed_group_while_the_other_trains_on(tmp_path,
     proc = subprocess.Popen(
         [exe, "train", "--config", str(RECIPE), "--model_name_or_path", tiny_model, "--dataset_name",
          str(_data(tmp_path)), "--output_dir", str(out), "--num_processes", "0", "--reward_funcs", "slow_reward:digits",
-         "--trainer_replica_groups", "2", "--max_restarts", "1", "--max_steps", str(steps), "--save_strategy", "no",
+         "--trainer_replica_groups", "2", "--max_restarts", "1", "--max_steps", str(steps), "--save_steps", "10",
          "--logging_steps", "10", "--collective_timeout_s", "60"],
         cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, DRILL_SLOW_FLAG=str(flag), RUST_LOG="warn"))
@@ -152,6 +152,8 @@ def test_one_command_restarts_a_killed_group_while_the_other_trains_on(tmp_path,
         rows.setdefault(e["global_step"], []).extend(e["rows"])
     for step in range(1, steps + 1):
         assert sorted(rows[step]) == sorted(batch_rows(40, 4, step - 1, 42)), (step, rows[step])
+    # group 0 writes the checkpoints, group 1 none (its generator too: it would wait for its trainer in the barrier)
+    assert (out / "checkpoint-60").is_dir() and not list((out / "replica-group-1").glob("*checkpoint-*"))
     a, b = load_file(out / "model.safetensors"), load_file(out / "replica-group-1" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     print(f"drill (one command): group 1 SIGKILLed; back (its second run's first step) {back_at - killed_at:.1f} s "

@@ -57,7 +57,11 @@ def build_optimizer(model, args):
 
 def save_every(args, num_batches: int, batches_per_epoch: int | None = None) -> int:
     """Trainer steps between checkpoints (0: none), as TrainingArguments' save_strategy/save_steps mean it
-    ("epoch": at the end of every pass over the dataset, `batches_per_epoch` steps)."""
+    ("epoch": at the end of every pass over the dataset, `batches_per_epoch` steps). Trainer replica groups hold
+    one policy and group 0 writes the checkpoints: none in the other groups, on their trainer and generator ranks
+    alike (a generator that checkpointed alone would wait in the checkpoint's barrier for its trainer)."""
+    if getattr(args, "trainer_replica_groups", 1) > 1 and getattr(args, "trainer_replica_group", 0) != 0:
+        return 0
     strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
     if strategy == "epoch":
         return max(1, batches_per_epoch or num_batches)
@@ -209,8 +213,6 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
 
     every = save_every(args, trainer.num_steps, trainer.batches_per_epoch)
     group = replica_group(trainer, model, optimizer, scheduler, device)
-    if group is not None and group.group != 0:
-        every = 0  # (the groups hold one policy: group 0 writes the checkpoints)
     prompts_log = os.path.join(args.output_dir,
                                checkpoint.prompts_log_name(topo.rank, group.group if group is not None else None))
     holder = {}
