@@ -89,11 +89,13 @@ def _log(path):
 
 
 @pytest.mark.slow
-def test_one_command_restarts_a_killed_group_while_the_other_trains_on(tmp_path, tiny_model):
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_one_command_restarts_a_lost_group_while_the_other_trains_on(tmp_path, tiny_model, sig):
     """Two groups of one trainer and one generator each, started by one `hfllamarl train` with `max_restarts: 1`;
-    group 1's trainer is SIGKILLed once it has trained 5 steps. Group 0 trains on alone (with group 1's share), the
-    command starts group 1 again, it copies the policy from group 0 and rejoins; the command ends with 0, every
-    global step trained each prompt of its batch once, and both groups hold the same weights, bit for bit."""
+    group 1's trainer is SIGKILLed (or frozen: SIGSTOP) once it has trained 5 steps. Group 0 trains on alone (with
+    group 1's share), the command starts group 1 again (a frozen one after 5 s stopped), it copies the policy from
+    group 0 and rejoins; the command ends with 0, every global step trained each prompt of its batch once, and both
+    groups hold the same weights, bit for bit."""
     import psutil
     from safetensors.torch import load_file
 
@@ -120,7 +122,7 @@ def test_one_command_restarts_a_killed_group_while_the_other_trains_on(tmp_path,
                    if "--trainer_replica_group" in p.cmdline()
                    and p.cmdline()[p.cmdline().index("--trainer_replica_group") + 1] == "1"]
         assert len(trainer) == 1, trainer
-        trainer[0].send_signal(signal.SIGKILL)
+        trainer[0].send_signal(getattr(signal, sig))
         killed_at = time.time()
         while len([e for e in _log(log1) if e["step"] == 1]) < 2 or _log(log1)[-1]["step"] < 2:
             assert proc.poll() is None and time.monotonic() < deadline + 200, (tmp_path / "run.log").read_text()[-3000:]
@@ -135,6 +137,8 @@ def test_one_command_restarts_a_killed_group_while_the_other_trains_on(tmp_path,
         log.close()
     text = (tmp_path / "run.log").read_text()
     assert proc.returncode == 0, text[-4000:]
+    if sig == "SIGSTOP":
+        assert "replica group 1: its process" in text and "has been stopped for 5 s (SIGSTOP); ending it" in text
     assert "replica group 1 ended (killed by SIGKILL)" in text and "starting it again (restart 1 of 1)" in text, text[-4000:]
     assert f"run finished; model saved to {out}" in text
     assert "[g0] " in text and "[g1] " in text
@@ -156,5 +160,5 @@ def test_one_command_restarts_a_killed_group_while_the_other_trains_on(tmp_path,
     assert (out / "checkpoint-60").is_dir() and not list((out / "replica-group-1").glob("*checkpoint-*"))
     a, b = load_file(out / "model.safetensors"), load_file(out / "replica-group-1" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-    print(f"drill (one command): group 1 SIGKILLed; back (its second run's first step) {back_at - killed_at:.1f} s "
-          "later")
+    print(f"drill (one command, {sig}): group 1's trainer signalled; back (its second run's first step) "
+          f"{back_at - killed_at:.1f} s later")

@@ -9,9 +9,10 @@ lighthouse in this process (unless `torchft_lighthouse` names one), then each gr
 same recipe and `--trainer_replica_group g` (under `accelerate launch` when the recipe asks for several processes a
 group), and watches them:
 
-- a group that ends with an error is started again (up to `max_restarts` times each), and trains on: group 0 from
-  its newest checkpoint or a live group's policy, the others from a live group's policy (`after_restart`, as under
-  `torchrun --max-restarts`); the other groups are not stopped meanwhile;
+- a group that ends with an error, or whose first process is stopped (SIGSTOP) for `FROZEN_S`, is started again
+  (up to `max_restarts` times each), and trains on: group 0 from its newest checkpoint or a live group's policy, the
+  others from a live group's policy (`after_restart`, as under `torchrun --max-restarts`); the other groups are not
+  stopped meanwhile;
 - once a group has finished the run, a group that fails is not restarted, and one still running after the grace
   (`collective_timeout_s`) is stopped;
 - Ctrl-C / SIGTERM stops every group.
@@ -32,6 +33,7 @@ import time
 
 ENV_GROUP_LAUNCH = "HFLLAMARL_REPLICA_GROUP_LAUNCH"  # the command's pid, in the group jobs it starts
 POLL_S = 0.5
+FROZEN_S = 5.0  # a group's first process stopped (SIGSTOP) this long is ended, so that it is restarted
 
 
 def tie_to_supervisor() -> None:
@@ -150,7 +152,9 @@ class Supervisor:
         self.ended: dict[int, int] = {}  # group -> exit code, once it will not be started again
         self._cpus = shares(sorted(os.sched_getaffinity(0)), groups) if hasattr(os, "sched_getaffinity") else []
         self._gpus = shares(list(range(gpus_per_group * groups)), groups) if gpus_per_group else []
-        self._stopping = False
+        self._stopping = 0  # the signal that asked to stop
+        self._copiers: dict[int, list[threading.Thread]] = {}
+        self._stopped_since: dict[int, float] = {}  # group -> when its first process was first seen stopped
 
     def lighthouse(self) -> str:
         if self._lighthouse_addr is None:
@@ -179,8 +183,10 @@ class Supervisor:
                 os.sched_setaffinity(proc.pid, self._cpus[group])  # (before its imports: what it starts inherits it)
             except OSError:
                 pass
-        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            threading.Thread(target=_copy, args=(stream, out, f"[g{group}] "), daemon=True).start()
+        self._copiers[group] = [threading.Thread(target=_copy, args=(stream, out, f"[g{group}] "), daemon=True)
+                                for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+        for thread in self._copiers[group]:
+            thread.start()
         self.procs[group], self.started[group] = proc, time.monotonic()
 
     def run(self) -> int:
@@ -195,9 +201,12 @@ class Supervisor:
                 f"{self.max_restarts} time(s) while the others train on")
             while len(self.ended) < self.groups:
                 if self._stopping:
-                    self.stop_all("stopped by a signal")
-                    return 130
+                    self.stop_all(f"stopped by {signal.Signals(self._stopping).name}")
+                    self._drain()
+                    return 128 + self._stopping
                 for g, proc in list(self.procs.items()):
+                    if g not in self.ended and proc.poll() is None:
+                        self._end_if_frozen(g, proc)
                     if g in self.ended or proc.poll() is None:
                         continue
                     code, ran = proc.returncode, time.monotonic() - self.started[g]
@@ -208,6 +217,7 @@ class Supervisor:
                     elif finished_at is None and self.restarts[g] < self.max_restarts:
                         self.restarts[g] += 1
                         _signal_group(proc, signal.SIGKILL)  # (what is left of it: a generator child, other ranks)
+                        self._drain([g])
                         live = sorted(h for h in self.procs if h != g and h not in self.ended)
                         say(f"replica group {g} ended ({describe(code)}) after {ran:.1f} s; starting it again (restart "
                             f"{self.restarts[g]} of {self.max_restarts}); groups {live} train on meanwhile")
@@ -227,7 +237,29 @@ class Supervisor:
             self.stop_all(None)
             if self._lighthouse is not None:
                 self._lighthouse.shutdown()
+        self._drain()
         return self.outcome()
+
+    def _end_if_frozen(self, g: int, proc: subprocess.Popen) -> None:
+        """A group whose first process is stopped (SIGSTOP; its trainer, or the launcher of its ranks) will not
+        resume by itself: the other groups left it out within the lighthouse's heartbeat timeout, and after
+        `FROZEN_S` it is ended here, so that it is started again (a rank frozen under the group's own launcher is
+        that launcher's to end: its peers stop within their collective timeout)."""
+        if _state(proc.pid) not in ("T", "t"):
+            self._stopped_since.pop(g, None)
+            return
+        since = self._stopped_since.setdefault(g, time.monotonic())
+        if time.monotonic() - since >= FROZEN_S:
+            self._stopped_since.pop(g, None)
+            say(f"replica group {g}: its process {proc.pid} has been stopped for {FROZEN_S:.0f} s (SIGSTOP); ending it")
+            _signal_group(proc, signal.SIGKILL)
+            _reap(proc)
+
+    def _drain(self, groups=None, timeout_s: float = 5.0) -> None:
+        """Let the groups' last lines through before this process says more (their error is read above its own)."""
+        for g in self.procs if groups is None else groups:
+            for thread in self._copiers.get(g, []):
+                thread.join(timeout=timeout_s)
 
     def outcome(self) -> int:
         """0 when group 0 finished the run (its model is the run's, in output_dir); else 1, saying what happened."""
@@ -246,7 +278,7 @@ class Supervisor:
         return 1
 
     def _on_signal(self, signum, frame) -> None:
-        self._stopping = True
+        self._stopping = signum
 
     def stop_all(self, why: str | None, grace_s: float = 20.0) -> None:
         """Stop the groups still running: SIGTERM to each group's processes, SIGKILL after `grace_s`."""
@@ -263,8 +295,25 @@ class Supervisor:
                 p.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 _signal_group(p, signal.SIGKILL)
-                p.wait(timeout=10)
+                _reap(p)
             self.ended.setdefault(g, p.returncode)
+
+
+def _reap(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Wait for a process sent SIGKILL (one stuck in the kernel may take a while: then it is left, and said)."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        say(f"process {proc.pid} has not ended {timeout_s:.0f} s after SIGKILL; going on without it")
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (R, S, D, T stopped, t traced, Z...); "" where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -275,9 +324,16 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def _copy(stream, out, prefix: str) -> None:
+    """A group's output, line by line, with its prefix; read to the end whatever happens to `out` (a group whose pipe
+    filled up would stop)."""
     for line in stream:
-        out.write(prefix + line)
-        out.flush()
+        if out is None:
+            continue
+        try:
+            out.write(prefix + line)
+            out.flush()
+        except (OSError, ValueError):
+            out = None
 
 
 def describe(code: int | None) -> str:
