@@ -26,7 +26,9 @@ def check_replica_groups(config, algorithm) -> None:
     if lighthouse_address(config.torchft_lighthouse) is None:
         raise ValueError("AsyncAIPOConfig: trainer_replica_groups > 1 needs the torchft lighthouse every group joins: "
                          "start one (`torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000`) and set "
-                         "torchft_lighthouse (or TORCHFT_LIGHTHOUSE) to its address.")
+                         "torchft_lighthouse (or TORCHFT_LIGHTHOUSE) to its address; or, on one machine, run the "
+                         "recipe with `hfllamarl train --trainer_replica_groups N` (no trainer_replica_group, no "
+                         "launcher): it starts the lighthouse and every group.")
     loss_type = getattr(getattr(algorithm, "objective", None), "loss_type", None)
     refusals = [
         (loss_type not in TOKEN_LOSSES,

@@ -66,16 +66,18 @@ def start_groups(argv: list[str]) -> int:
         job = prepare_job(check_argv(argv))
         config, script = job["recipe"].config, job["recipe"].script
         gpus = 0
-        if job["launch"]:
-            import torch
+        import torch
 
-            if torch.cuda.is_available():
-                gpus = max(script.num_processes, 1)
-                if torch.cuda.device_count() < gpus * groups:
-                    raise RecipeError(f"trainer_replica_groups={groups} x num_processes={gpus} needs {gpus * groups} "
-                                      f"GPUs on this machine, which has {torch.cuda.device_count()}; launch each group "
-                                      "on its own machines instead (docs: Elastic trainer replicas).")
-    except RecipeError as exc:
+        if torch.cuda.is_available() and not config.use_cpu:  # (a group's processes: its launch's, or 1 + generators)
+            gpus = script.num_processes if job["launch"] else 1 + config.num_generator_processes
+            if torch.cuda.device_count() < gpus * groups:
+                raise RecipeError(f"trainer_replica_groups={groups} groups of {gpus} processes need {gpus * groups} GPUs "
+                                  f"on this machine, which has {torch.cuda.device_count()}; launch each group on its "
+                                  "own machines instead (docs: Elastic trainer replicas).")
+        from hfllamarl.runtime.training.replica_quorum import import_torchft
+
+        import_torchft()  # (before anything starts: the groups need it, and so does the lighthouse)
+    except (RecipeError, ImportError) as exc:
         print(f"hfllamarl train: error: {exc}", file=sys.stderr)
         return 2
     lighthouse = raw_fields(argv).get("torchft_lighthouse") or os.environ.get("TORCHFT_LIGHTHOUSE") or None
