@@ -162,7 +162,10 @@ class Supervisor:
 
             os.environ.setdefault("RUST_LOG", "warn")  # (torchft logs every quorum at info: a few lines a step)
 
-            self._lighthouse = start_lighthouse(min_replicas=1, heartbeat_timeout_s=2.0, join_timeout_s=1.0)
+            # (a group that stops heartbeating, killed or frozen, is left out after 2 s; one alive but late to a
+            # step's quorum, e.g. group 0 writing a checkpoint, is waited for up to 10 s before it is left out and
+            # must copy the policy again)
+            self._lighthouse = start_lighthouse(min_replicas=1, heartbeat_timeout_s=2.0, join_timeout_s=10.0)
             self._lighthouse_addr = self._lighthouse.address()
             say(f"started a torchft lighthouse at {self._lighthouse_addr} for {self.groups} trainer replica groups")
         return self._lighthouse_addr
