@@ -53,6 +53,15 @@ def test_each_group_gets_its_group_its_output_and_its_share_of_the_machine():
         rl.restarts_asked(["--max_restarts", "-1"])
 
 
+def test_each_group_gets_its_share_of_the_gpus_this_process_may_use(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert rl.shares(rl.visible_gpus(4), 2) == [["0", "1"], ["2", "3"]]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # (a restricted list stays restricted: 4-7, not 0-3)
+    assert rl.shares(rl.visible_gpus(4), 2) == [["4", "5"], ["6", "7"]]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b")
+    assert rl.shares(rl.visible_gpus(2), 2) == [["GPU-a"], ["GPU-b"]]
+
+
 def _data(tmp_path, rows=40):
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps({"question": f"{a}+1=?", "answer": f"#### {a + 1}"}) + "\n" for a in range(rows)))

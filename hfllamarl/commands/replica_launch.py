@@ -130,6 +130,14 @@ def shares(items: list, groups: int) -> list[list]:
     return [items[g * size:(g + 1) * size] for g in range(groups)]
 
 
+def visible_gpus(count: int) -> list[str]:
+    """The first `count` GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (a group's share is named the
+    same way, so that a restricted list stays restricted)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(count)]
+    return names[:count]
+
+
 class Supervisor:
     """Starts the groups, restarts a failed one, stops them all at the end (see the module's text).
 
@@ -151,7 +159,7 @@ class Supervisor:
         self.started = {g: 0.0 for g in range(groups)}
         self.ended: dict[int, int] = {}  # group -> exit code, once it will not be started again
         self._cpus = shares(sorted(os.sched_getaffinity(0)), groups) if hasattr(os, "sched_getaffinity") else []
-        self._gpus = shares(list(range(gpus_per_group * groups)), groups) if gpus_per_group else []
+        self._gpus = shares(visible_gpus(gpus_per_group * groups), groups) if gpus_per_group else []
         self._stopping = 0  # the signal that asked to stop
         self._copiers: dict[int, list[threading.Thread]] = {}
         self._stopped_since: dict[int, float] = {}  # group -> when its first process was first seen stopped
@@ -161,7 +169,6 @@ class Supervisor:
             from hfllamarl.runtime.training.replica_quorum import start_lighthouse
 
             os.environ.setdefault("RUST_LOG", "warn")  # (torchft logs every quorum at info: a few lines a step)
-
             # (a group that stops heartbeating, killed or frozen, is left out after 2 s; one alive but late to a
             # step's quorum, e.g. group 0 writing a checkpoint, is waited for up to 10 s before it is left out and
             # must copy the policy again)
@@ -176,7 +183,7 @@ class Supervisor:
 
         env = {**os.environ, ENV_GROUP_LAUNCH: str(os.getpid()), ENV_RESTART_COUNT: str(attempt), "PYTHONUNBUFFERED": "1"}
         if self._gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in self._gpus[group])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus[group])
         cmd = [sys.executable, "-m", "hfllamarl.cli", "train",
                *group_argv(self.argv, group, self.lighthouse(), self.output_dir, self.several)]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
