@@ -3,6 +3,7 @@ a lighthouse, and restarts a group that fails while the other trains on (`hfllam
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,6 +63,23 @@ def test_each_group_gets_its_share_of_the_gpus_this_process_may_use(monkeypatch)
     assert rl.shares(rl.visible_gpus(2), 2) == [["GPU-a"], ["GPU-b"]]
 
 
+def test_when_a_groups_standby_starts(monkeypatch):
+    """Its delay after the group's start (seconds, default 20) or none ("off"), and a clear error for a bad value."""
+    monkeypatch.delenv(rl.ENV_STANDBY_AFTER, raising=False)
+    assert rl.standby_after_s() == 20.0
+    for value, expected in (("3", 3.0), (" 0.5 ", 0.5), ("-1", 0.0), ("off", None), ("OFF", None), ("none", None)):
+        monkeypatch.setenv(rl.ENV_STANDBY_AFTER, value)
+        assert rl.standby_after_s() == expected, value
+    monkeypatch.setenv(rl.ENV_STANDBY_AFTER, "soon")
+    with pytest.raises(SystemExit, match="HFLLAMARL_STANDBY_AFTER_S='soon': give seconds"):
+        rl.standby_after_s()
+    # (no standby for a group of several processes, nor without restarts)
+    monkeypatch.setenv(rl.ENV_STANDBY_AFTER, "3")
+    assert rl.Supervisor([], 2, 0, "out", several=False, grace_s=1.0, lighthouse="x").standby_after is None
+    assert rl.Supervisor([], 2, 1, "out", several=True, grace_s=1.0, lighthouse="x").standby_after is None
+    assert rl.Supervisor([], 2, 1, "out", several=False, grace_s=1.0, lighthouse="x").standby_after == 3.0
+
+
 def _data(tmp_path, rows=40):
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps({"question": f"{a}+1=?", "answer": f"#### {a + 1}"}) + "\n" for a in range(rows)))
@@ -107,12 +125,20 @@ def _runs(log):
     return runs
 
 
-def _trainer_of(proc, group):
-    """The process of replica group `group` the command started (its trainer: the group's first process)."""
+def _standbys(text):
+    """The pids of the standbys the command's output shows waiting (ready, not taken over)."""
+    ready = set(re.findall(r"standby of replica group \d+ ready \(process (\d+)", text))
+    return {int(pid) for pid in ready - set(re.findall(r"restarted from its standby \(process (\d+)", text))}
+
+
+def _trainer_of(proc, group, log):
+    """The process of replica group `group` the command started (its trainer: the group's first process), not its
+    standby."""
     import psutil
 
+    waiting = _standbys(log.read_text())
     found = [p for p in psutil.Process(proc.pid).children(recursive=True)
-             if "--trainer_replica_group" in p.cmdline()
+             if "--trainer_replica_group" in p.cmdline() and p.pid not in waiting
              and p.cmdline()[p.cmdline().index("--trainer_replica_group") + 1] == str(group)]
     assert len(found) == 1, found
     return found[0]
@@ -121,12 +147,13 @@ def _trainer_of(proc, group):
 @pytest.mark.slow
 def test_one_command_restarts_a_frozen_group_then_a_killed_one_while_the_other_trains_on(tmp_path, tiny_model):
     """Two groups of one trainer and one generator each, started by one `hfllamarl train` with `max_restarts: 1`
-    and a checkpoint every 10 steps. Group 1's trainer is frozen (SIGSTOP) once it has trained 5 steps: the command
-    ends it after 5 s stopped and starts it again, and it copies the policy from group 0 and rejoins. Then group 0's
-    trainer (the one that writes checkpoints) is SIGKILLed: started again, it resumes from its newest checkpoint and
-    copies the policy of group 1, which is ahead. The command ends with 0; every global step trained each prompt of
-    its batch once over both groups, no group trained a step twice, only group 0 wrote checkpoints, and both groups
-    hold the same weights, bit for bit."""
+    and a checkpoint every 10 steps, each group's standby started 3 s after it. Group 1's trainer is frozen
+    (SIGSTOP) once it has trained 5 steps and both standbys are ready: the command ends it after 5 s stopped and
+    hands the group to its standby, which copies the policy from group 0 and rejoins. Then group 0's trainer (the
+    one that writes checkpoints) is SIGKILLed: its standby takes over, resumes from the newest checkpoint and copies
+    the policy of group 1, which is ahead. The command ends with 0 (no standby left running); every global step
+    trained each prompt of its batch once over both groups, no group trained a step twice, only group 0 wrote
+    checkpoints, and both groups hold the same weights, bit for bit."""
     import psutil
     from safetensors.torch import load_file
 
@@ -141,7 +168,7 @@ def test_one_command_restarts_a_frozen_group_then_a_killed_one_while_the_other_t
          "--trainer_replica_groups", "2", "--max_restarts", "1", "--max_steps", str(steps), "--save_steps", "10",
          "--logging_steps", "10", "--collective_timeout_s", "60"],
         cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, DRILL_SLOW_FLAG=str(flag), RUST_LOG="warn"))
+        env=dict(os.environ, DRILL_SLOW_FLAG=str(flag), RUST_LOG="warn", HFLLAMARL_STANDBY_AFTER_S="3"))
     logs = {0: out / "trained_prompts-group0-rank0.jsonl", 1: out / "replica-group-1" / "trained_prompts-group1-rank0.jsonl"}
     deadline = time.monotonic() + 600
 
@@ -156,15 +183,16 @@ def test_one_command_restarts_a_frozen_group_then_a_killed_one_while_the_other_t
 
     try:
         wait_for("group 1 trains", lambda: len(runs(1)[0]) >= 5)
+        wait_for("both standbys ready", lambda: len(_standbys((tmp_path / "run.log").read_text())) == 2)
         flag.write_text("")  # (every step takes 0.5 s more while a group is away: the other outlasts its restart)
-        _trainer_of(proc, 1).send_signal(signal.SIGSTOP)
+        _trainer_of(proc, 1, tmp_path / "run.log").send_signal(signal.SIGSTOP)
         stopped_at = time.time()
         wait_for("group 1 back", lambda: len(runs(1)) == 2 and len(runs(1)[1]) >= 2)
         back1 = time.time()
         flag.unlink()
         wait_for("a checkpoint of group 0", lambda: any(out.glob("checkpoint-*")))
         flag.write_text("")
-        _trainer_of(proc, 0).send_signal(signal.SIGKILL)
+        _trainer_of(proc, 0, tmp_path / "run.log").send_signal(signal.SIGKILL)
         killed_at = time.time()
         wait_for("group 0 back", lambda: len(runs(0)) == 2 and len(runs(0)[1]) >= 2)
         back0 = time.time()
@@ -183,6 +211,10 @@ def test_one_command_restarts_a_frozen_group_then_a_killed_one_while_the_other_t
     assert text.count("starting it again (restart 1 of 1)") == 2 and "restart 1 of the launcher: resuming from" in text
     assert "left: [1]" in text and "rejoined: 1" in text and "left: [0]" in text and "rejoined: 0" in text
     assert f"run finished; model saved to {out}" in text and "[g0] " in text and "[g1] " in text
+    for g in (1, 0):  # (each restart was its standby's: no new process imported and prepared the recipe)
+        assert re.search(rf"\[g{g}\] hfllamarl train: replica group {g} restarted from its standby", text), text[-4000:]
+    left = [pid for pid in _standbys(text) if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not left, f"standbys left running: {left}"
     rows = {}
     for g in (0, 1):
         (first, second) = runs(g)

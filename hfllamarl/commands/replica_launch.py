@@ -15,7 +15,12 @@ group), and watches them:
   stopped meanwhile;
 - once a group has finished the run, a group that fails is not restarted, and one still running after the grace
   (`collective_timeout_s`) is stopped;
-- Ctrl-C / SIGTERM stops every group.
+- Ctrl-C / SIGTERM stops every group;
+- a group that may still be restarted has a standby: a second `hfllamarl train` of the group, started
+  `STANDBY_AFTER_S` after the group (so as not to slow its start-up), that has imported the trainer's modules,
+  prepared the recipe's data and started its generator children (their vLLM import), then waits on its standard
+  input. A restart hands the group to it (`await_go`), which then builds the trainer and trains: the restart skips
+  the imports and preparation (`HFLLAMARL_STANDBY_AFTER_S`: the delay, or `off`).
 
 Group 0 writes to `output_dir` (its checkpoints and the final model, as a single job); group g to
 `output_dir/replica-group-g`. Each group's lines are printed with `[g<g>] ` in front. On one machine the groups get
@@ -34,6 +39,43 @@ import time
 ENV_GROUP_LAUNCH = "HFLLAMARL_REPLICA_GROUP_LAUNCH"  # the command's pid, in the group jobs it starts
 POLL_S = 0.5
 FROZEN_S = 5.0  # a group's first process stopped (SIGSTOP) this long is ended, so that it is restarted
+ENV_STANDBY = "HFLLAMARL_REPLICA_STANDBY"  # "1" in a group's standby process (it waits for "go" before it trains)
+ENV_STANDBY_AFTER = "HFLLAMARL_STANDBY_AFTER_S"  # seconds after a group's start its standby starts; "off": none
+STANDBY_AFTER_S = 20.0
+STARTED = time.monotonic()  # (when this module was imported: a standby's start, near enough)
+
+
+def standby_after_s() -> float | None:
+    """When a group's standby is started, in seconds after the group (None: no standbys), from ENV_STANDBY_AFTER."""
+    value = os.environ.get(ENV_STANDBY_AFTER, "").strip().lower()
+    if value in ("off", "no", "false", "none"):
+        return None
+    try:
+        return max(float(value), 0.0) if value else STANDBY_AFTER_S
+    except ValueError:
+        raise SystemExit(f"hfllamarl train: error: {ENV_STANDBY_AFTER}={value!r}: give seconds (e.g. 20) or off") \
+            from None
+
+
+def await_go(job: dict) -> bool:
+    """In a group's standby (ENV_STANDBY): with the recipe prepared, start the group's generator children (they
+    import vLLM now), say so, and wait for the command's "go" on standard input. True: train as the group; False:
+    the command ended this standby (end of input), its children are stopped."""
+    config = job["recipe"].config
+    start = time.monotonic()
+    prestarted = config.topology.prestart_children(config.output_dir)
+    print(f"hfllamarl train: standby of replica group {config.trainer_replica_group} ready (process {os.getpid()}, "
+          f"prepared in {time.monotonic() - STARTED:.1f} s; its generator children "
+          f"{'started' if prestarted is not None else 'start when it trains'}): it takes over when the group is "
+          "restarted", file=sys.stderr, flush=True)
+    line = sys.stdin.readline()
+    if line.strip() != "go":
+        config.topology.release_prestarted()
+        return False
+    waited = time.monotonic() - start
+    print(f"hfllamarl train: replica group {config.trainer_replica_group} restarted from its standby (process "
+          f"{os.getpid()}, ready for {waited:.0f} s)", file=sys.stderr, flush=True)
+    return True
 
 
 def tie_to_supervisor() -> None:
@@ -161,8 +203,14 @@ class Supervisor:
         self._cpus = shares(sorted(os.sched_getaffinity(0)), groups) if hasattr(os, "sched_getaffinity") else []
         self._gpus = shares(visible_gpus(gpus_per_group * groups), groups) if gpus_per_group else []
         self._stopping = 0  # the signal that asked to stop
-        self._copiers: dict[int, list[threading.Thread]] = {}
+        self._copiers: dict[int, list[threading.Thread]] = {}  # pid -> the threads copying its output
+        self._prefix: dict[int, list[str]] = {}  # pid -> its lines' prefix (a standby's changes when it is used)
         self._stopped_since: dict[int, float] = {}  # group -> when its first process was first seen stopped
+        # group -> its standby process (`await_go`), started `standby_after` s after the group; none for a group of
+        # several processes (accelerate launch) or without restarts
+        self.standbys: dict[int, subprocess.Popen] = {}
+        self.standby_after = standby_after_s() if max_restarts > 0 and not several else None
+        self._standby_failed: set[int] = set()  # groups whose standby ended by itself: no other is started
 
     def lighthouse(self) -> str:
         if self._lighthouse_addr is None:
@@ -178,26 +226,77 @@ class Supervisor:
         return self._lighthouse_addr
 
     def start(self, group: int) -> None:
-        attempt = self.restarts[group]
+        """Start group `group` (its standby takes over when it has one that is alive)."""
+        proc = self._take_standby(group)
+        if proc is None:
+            proc = self._spawn(group, self.restarts[group])
+        self.procs[group], self.started[group] = proc, time.monotonic()
+
+    def _spawn(self, group: int, attempt: int, standby: bool = False) -> subprocess.Popen:
+        """A new `hfllamarl train` of group `group` (its restart count `attempt`), with its share of the machine; a
+        standby (`await_go`) reads its "go" from a pipe."""
         from hfllamarl.runtime.world.topology import ENV_RESTART_COUNT
 
         env = {**os.environ, ENV_GROUP_LAUNCH: str(os.getpid()), ENV_RESTART_COUNT: str(attempt), "PYTHONUNBUFFERED": "1"}
+        env.pop(ENV_STANDBY, None)
+        if standby:
+            env[ENV_STANDBY] = "1"
         if self._gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus[group])
         cmd = [sys.executable, "-m", "hfllamarl.cli", "train",
                *group_argv(self.argv, group, self.lighthouse(), self.output_dir, self.several)]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.PIPE if standby else None,
                                 start_new_session=True, bufsize=1, errors="replace")
         if self._cpus:
             try:
                 os.sched_setaffinity(proc.pid, self._cpus[group])  # (before its imports: what it starts inherits it)
             except OSError:
                 pass
-        self._copiers[group] = [threading.Thread(target=_copy, args=(stream, out, f"[g{group}] "), daemon=True)
-                                for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
-        for thread in self._copiers[group]:
+        prefix = self._prefix[proc.pid] = [f"[g{group} standby] " if standby else f"[g{group}] "]
+        self._copiers[proc.pid] = [threading.Thread(target=_copy, args=(stream, out, prefix), daemon=True)
+                                   for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+        for thread in self._copiers[proc.pid]:
             thread.start()
-        self.procs[group], self.started[group] = proc, time.monotonic()
+        return proc
+
+    def _take_standby(self, group: int) -> subprocess.Popen | None:
+        """Group `group`'s standby, told to train as the group (None: it has none, or it is gone or stopped)."""
+        proc = self.standbys.pop(group, None)
+        if proc is None:
+            return None
+        if proc.poll() is None and _state(proc.pid) not in ("T", "t", "Z"):
+            try:
+                proc.stdin.write("go\n")
+                proc.stdin.close()
+                self._prefix[proc.pid][0] = f"[g{group}] "
+                return proc
+            except (OSError, ValueError):
+                pass
+        say(f"replica group {group}: its standby ({describe(proc.poll())}) cannot take over; starting a new process")
+        _signal_group(proc, signal.SIGKILL)
+        _reap(proc)
+        return None
+
+    def _keep_standbys(self, finished: bool) -> None:
+        """Start the standby of each running group that may still be restarted, `standby_after` s after its start;
+        drop one that ended by itself (said, and not started again for that group); none once a group finished."""
+        if self.standby_after is None:
+            return
+        for g, proc in list(self.standbys.items()):
+            if proc.poll() is not None:
+                del self.standbys[g]
+                self._standby_failed.add(g)
+                say(f"replica group {g}: its standby ended by itself ({describe(proc.returncode)}; its lines above "
+                    "say why); the group's restarts start new processes")
+        if finished:
+            return
+        now = time.monotonic()
+        for g, proc in self.procs.items():
+            if (g in self.ended or g in self.standbys or g in self._standby_failed or proc.poll() is not None
+                    or self.restarts[g] >= self.max_restarts or now - self.started[g] < self.standby_after):
+                continue
+            self.standbys[g] = self._spawn(g, self.restarts[g] + 1, standby=True)
 
     def run(self) -> int:
         """Start every group and watch them until the run ends; returns the exit code."""
@@ -237,6 +336,9 @@ class Supervisor:
                         why = ("another group has finished the run" if finished_at is not None
                                else f"its {self.max_restarts} restart(s) are spent")
                         say(f"replica group {g} ended ({describe(code)}) after {ran:.1f} s; not started again: {why}")
+                self._keep_standbys(finished_at is not None)
+                if finished_at is not None and self.standbys:
+                    self._stop_standbys()
                 if finished_at is not None and time.monotonic() - finished_at > self.grace_s:
                     self.stop_all(f"a group finished the run {self.grace_s:.0f} s ago")
                     break
@@ -245,6 +347,7 @@ class Supervisor:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.stop_all(None)
+            self._stop_standbys()
             if self._lighthouse is not None:
                 self._lighthouse.shutdown()
         self._drain()
@@ -268,8 +371,24 @@ class Supervisor:
     def _drain(self, groups=None, timeout_s: float = 5.0) -> None:
         """Let the groups' last lines through before this process says more (their error is read above its own)."""
         for g in self.procs if groups is None else groups:
-            for thread in self._copiers.get(g, []):
+            for thread in self._copiers.get(self.procs[g].pid, []):
                 thread.join(timeout=timeout_s)
+
+    def _stop_standbys(self) -> None:
+        """End the standbys (end of input: each stops its generator children and exits; SIGKILL after 10 s)."""
+        standbys, self.standbys = list(self.standbys.values()), {}
+        for proc in standbys:
+            try:
+                proc.stdin.close()
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 10.0
+        for proc in standbys:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                _reap(proc)
 
     def outcome(self) -> int:
         """0 when group 0 finished the run (its model is the run's, in output_dir); else 1, saying what happened."""
@@ -333,14 +452,14 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _copy(stream, out, prefix: str) -> None:
-    """A group's output, line by line, with its prefix; read to the end whatever happens to `out` (a group whose pipe
-    filled up would stop)."""
+def _copy(stream, out, prefix: list[str]) -> None:
+    """A group's output, line by line, with its prefix (`prefix[0]`, read at each line); read to the end whatever
+    happens to `out` (a group whose pipe filled up would stop)."""
     for line in stream:
         if out is None:
             continue
         try:
-            out.write(prefix + line)
+            out.write(prefix[0] + line)
             out.flush()
         except (OSError, ValueError):
             out = None

@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hfllamarl train: starting {job['recipe'].script.num_processes} processes: "
               f"accelerate launch {' '.join(job['launch'])} -m hfllamarl.cli train ...", file=sys.stderr, flush=True)
         os.execve(cmd[0], cmd, {**os.environ, ENV_OWN_LAUNCH: "1"})
+    from .replica_launch import ENV_STANDBY, await_go
+
+    if os.environ.get(ENV_STANDBY) == "1" and not await_go(job):  # (a replica group's standby: `replica_launch`)
+        return 0
     train(job)
     return 0
 
