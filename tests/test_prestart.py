@@ -141,3 +141,39 @@ def test_a_trainer_built_for_another_output_directory_replaces_the_children_of_t
         assert second is not first and gone(proc.pid, 1.0) and len(second.children) == 1
     finally:
         topo.release_prestarted()
+
+
+WATCHED_CHILD = """
+import os, time
+from hfllamarl.runtime.world.spawn import become_child
+become_child({"cpus": "", "parent": os.getppid(), "rank": 1})
+print("watching", flush=True)
+time.sleep(120)
+"""
+
+PARENT_OF_WATCHED = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stderr=subprocess.PIPE)  # (its stderr: our pipe)
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_child_whose_parent_and_stderr_reader_are_gone_ends_at_once():
+    """A generator child's stderr is a pipe to the trainer (to the command that started the trainer, for replica
+    groups): when both are killed, the child's parting words fail (EPIPE). It ends anyway, within its 0.5 s watch,
+    rather than when its liveness gives up on the trainer (63 s after `hfllamarl train` was SIGKILLed, seen)."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_OF_WATCHED, WATCHED_CHILD], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "watching"
+        parent.kill()  # (the pipe's only reader goes with it)
+        parent.wait(timeout=10)
+        assert gone(child, within=5.0), "the child outlived its parent"
+    finally:
+        parent.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass

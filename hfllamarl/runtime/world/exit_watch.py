@@ -152,7 +152,10 @@ def _end(name: str, where: dict, why: str) -> None:
             time.sleep(DUMP_WAIT_S)
         except OSError:
             pass
-    print(message, file=sys.stderr, flush=True)
+    try:  # (whatever state stderr is in, a pipe whose reader is gone too: the kill must follow)
+        print(message, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
     try:
         os.kill(pid, signal.SIGKILL)
     except OSError:

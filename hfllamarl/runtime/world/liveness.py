@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 import traceback
 
-from hfllamarl.runtime.world.processes import proc_stat, process_gone, process_identity, same_pid_space, stopped
+from hfllamarl.runtime.world.processes import (last_words, proc_stat, process_gone, process_identity, same_pid_space,
+                                               stopped)
 
 
 class PeerLostError(RuntimeError):
@@ -547,10 +547,8 @@ class Liveness:
         # failure of the job, and a non-zero exit would make torchrun stop every rank.
         code = 0 if topo.survivable and topo.replica_of(self.culprit if self.culprit is not None else 0) == \
             topo.replica else 1
-        sys.stderr.write(f"\n[hfllamarl] {message}" + ("\n[hfllamarl] this replica is lost; the job goes on "
-                                                       "without it (generator_failure='continue')" if not code else "")
-                         + "\n")
-        sys.stderr.flush()
+        last_words(f"\n[hfllamarl] {message}" + ("\n[hfllamarl] this replica is lost; the job goes on without it "
+                                                "(generator_failure='continue')" if not code else "") + "\n")
         if topo.mode == "launcher":  # (a generator child leaves its frozen parent, the user's process, alone)
             if self._frozen and "TORCHELASTIC_RUN_ID" in os.environ:
                 # torchrun names as the root cause the failure with the earliest timestamp, in whole seconds, the

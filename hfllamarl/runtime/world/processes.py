@@ -7,6 +7,19 @@ from __future__ import annotations
 import os
 
 
+def last_words(text: str) -> None:
+    """Write `text` to stderr before this process ends itself, whatever state stderr is in: a pipe whose reader is
+    gone too (the process that started the job was killed) raises, and an exit that waits on its message would not
+    happen (the thread that was to end the process dies with the error instead)."""
+    import sys
+
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def process_identity(pid: int | None = None) -> dict:
     """Where a process runs, precise enough for a peer to tell whether it shares that process's pid space: the host
     name, and on Linux the kernel's boot id, the pid namespace and the process's start time (a reused pid has

@@ -218,9 +218,10 @@ def become_child(settings: dict) -> None:
     parent = settings["parent"]
 
     def gone():
-        sys.stderr.write(f"\n[hfllamarl] rank {settings['rank']} (generator {settings['rank'] - 1}) stops "
-                         f"because rank 0 (trainer 0), its parent process (pid {parent}), is gone.\n")
-        sys.stderr.flush()
+        from hfllamarl.runtime.world.processes import last_words
+
+        last_words(f"\n[hfllamarl] rank {settings['rank']} (generator {settings['rank'] - 1}) stops because rank 0 "
+                   f"(trainer 0), its parent process (pid {parent}), is gone.\n")
         os._exit(3)
 
     watch_parent(parent, gone, "hfllamarl-parent-watch")
