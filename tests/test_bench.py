@@ -130,3 +130,18 @@ def test_a_variant_names_only_fields_the_config_has():
         _variants(['sync={"max_stalenes": 0}'])
     with pytest.raises(SystemExit, match="give NAME="):
         _variants(['=[1]'])
+
+
+def test_the_vs_trl_bench_compares_each_seed_with_trls_own(capsys):
+    """Over seeds, each side's mean and final reward minus TRL's and TRL's time over its, mean and 95 % interval
+    (Student's t, 1 degree of freedom: 12.706), against hand values."""
+    from hfllamarl.commands.bench_vs_trl import paired_against_trl
+
+    by_seed = {0: {"trl": {"rewards": [0.0, 1.0], "seconds": 10.0}, "ours": {"rewards": [1.0, 1.0], "seconds": 5.0}},
+               1: {"trl": {"rewards": [0.0, 0.0], "seconds": 20.0}, "ours": {"rewards": [0.0, 1.0], "seconds": 5.0}}}
+    out = paired_against_trl(by_seed, [0, 1], ["ours"], final=lambda r: r["rewards"][-1])
+    assert out["mean_reward_diff_ours"] == {"mean": 0.5, "ci95": 0.0, "per_seed": [0.5, 0.5]}
+    assert out["final_reward_diff_ours"] == {"mean": 0.5, "ci95": round(12.706 * 0.5 ** 0.5 / 2 ** 0.5, 4),
+                                             "per_seed": [0.0, 1.0]}
+    assert out["speed_ratio_ours"] == {"mean": 3.0, "ci95": 12.706, "per_seed": [2.0, 4.0]}
+    assert "ours against TRL, seed by seed (2 seeds" in capsys.readouterr().out

@@ -458,6 +458,8 @@ def run(args) -> int:
         print(f"ratio (TRL train() time / hfllamarl train() time): {out['ratio']:.2f}x")
         print(f"  with the trainer's construction (init s + train() s): {out['ratio_init_and_train']:.2f}x; "
               f"whole processes (imports, data set, init, train(), exit): {out['ratio_process']:.2f}x")
+    if len(seeds) > 1 and "trl" in summary:
+        out.update(paired_against_trl(by_seed, seeds, [side for side in results if side != "trl"], final))
     if args.profile:
         for side, r in results.items():
             rows = _profile_rows(side, r)
@@ -474,6 +476,28 @@ def run(args) -> int:
               f"({100 * ours / bare['tokens_per_s']:.0f} %)")
     print(json.dumps(out))
     return 0
+
+
+def paired_against_trl(by_seed: dict, seeds: list[int], sides: list[str], final) -> dict:
+    """Each side against TRL seed by seed (the same model and data order), printed and returned: the mean reward over
+    the run and the final reward as differences (side - TRL), the speed as TRL's train() seconds over the side's,
+    each the mean over the seeds with its 95 % confidence interval (Student's t)."""
+    from hfllamarl.study.stats import mean_ci
+
+    out = {}
+    for side in sides:
+        mean = lambda r: sum(r["rewards"]) / max(len(r["rewards"]), 1)  # noqa: E731
+        rows = {"mean_reward_diff": [mean(by_seed[s][side]) - mean(by_seed[s]["trl"]) for s in seeds],
+                "final_reward_diff": [final(by_seed[s][side]) - final(by_seed[s]["trl"]) for s in seeds],
+                "speed_ratio": [by_seed[s]["trl"]["seconds"] / by_seed[s][side]["seconds"] for s in seeds]}
+        cells = {key: mean_ci(values) for key, values in rows.items()}
+        for key, (m, half) in cells.items():
+            out[f"{key}_{side}"] = {"mean": round(m, 4), "ci95": round(half, 4),
+                                    "per_seed": [round(v, 4) for v in rows[key]]}
+        (md, mh), (fd, fh), (sr, sh) = cells.values()
+        print(f"{side} against TRL, seed by seed ({len(seeds)} seeds, mean and 95 % interval): mean reward "
+              f"{md:+.4f} +- {mh:.4f}, final reward {fd:+.4f} +- {fh:.4f}, TRL's time / {side}'s {sr:.2f}x +- {sh:.2f}")
+    return out
 
 
 if __name__ == "__main__":
