@@ -265,7 +265,8 @@ class Supervisor:
         proc = self.standbys.pop(group, None)
         if proc is None:
             return None
-        if proc.poll() is None and _state(proc.pid) not in ("T", "t", "Z"):
+        state = _state(proc.pid)
+        if proc.poll() is None and state not in ("T", "t", "Z"):
             try:
                 proc.stdin.write("go\n")
                 proc.stdin.close()
@@ -273,7 +274,8 @@ class Supervisor:
                 return proc
             except (OSError, ValueError):
                 pass
-        say(f"replica group {group}: its standby ({describe(proc.poll())}) cannot take over; starting a new process")
+        how = "stopped (SIGSTOP)" if proc.poll() is None and state in ("T", "t") else describe(proc.poll())
+        say(f"replica group {group}: its standby ({how}) cannot take over; starting a new process")
         _signal_group(proc, signal.SIGKILL)
         _reap(proc)
         return None
