@@ -268,9 +268,9 @@ class Supervisor:
         state = _state(proc.pid)
         if proc.poll() is None and state not in ("T", "t", "Z"):
             try:
+                self._prefix[proc.pid][0] = f"[g{group}] "  # (before it can print a line as the group)
                 proc.stdin.write("go\n")
                 proc.stdin.close()
-                self._prefix[proc.pid][0] = f"[g{group}] "
                 return proc
             except (OSError, ValueError):
                 pass
