@@ -159,7 +159,6 @@ def test_one_command_restarts_a_frozen_group_then_a_killed_one_while_the_other_t
 
     (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
     flag = tmp_path / "slow"
-    flag.write_text("")  # (slow until the standbys are ready: the run must not end before the freeze)
     out, steps = tmp_path / "out", 100
     log = open(tmp_path / "run.log", "w")
     exe = os.path.join(os.path.dirname(sys.executable), "hfllamarl")
@@ -185,7 +184,7 @@ def test_one_command_restarts_a_frozen_group_then_a_killed_one_while_the_other_t
     try:
         wait_for("group 1 trains", lambda: len(runs(1)[0]) >= 5)
         wait_for("both standbys ready", lambda: len(_standbys((tmp_path / "run.log").read_text())) == 2)
-        # (every step takes 0.5 s more while a group is away too: the other outlasts its restart)
+        flag.write_text("")  # (every step takes 0.5 s more while a group is away: the other outlasts its restart)
         _trainer_of(proc, 1, tmp_path / "run.log").send_signal(signal.SIGSTOP)
         stopped_at = time.time()
         wait_for("group 1 back", lambda: len(runs(1)) == 2 and len(runs(1)[1]) >= 2)
