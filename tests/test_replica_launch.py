@@ -223,8 +223,15 @@ def test_one_command_restarts_a_frozen_group_then_a_killed_one_while_the_other_t
         assert second[-1]["global_step"] == steps and any(e["rows"] for e in second)
         for e in first + second:
             rows.setdefault(e["global_step"], []).extend(e["rows"])
+    # The step after group 0's last logged one before its kill may lack group 0's share in the logs: a kill between
+    # that step's commit (both groups' gradients) and group 0's log line (CI 55: global step 52 logged by group 1 only).
+    unlogged = runs(0)[0][-1]["global_step"] + 1
     for step in range(1, steps + 1):  # each global step trained every prompt of its batch once (2 groups x 2 prompts)
-        assert sorted(rows[step]) == sorted(batch_rows(40, 4, step - 1, 42)), (step, rows[step])
+        expected = sorted(batch_rows(40, 4, step - 1, 42))
+        if step == unlogged and len(rows[step]) == 2:
+            assert len(set(rows[step])) == 2 and set(rows[step]) < set(expected), (step, rows[step])
+            continue
+        assert sorted(rows[step]) == expected, (step, rows[step])
     # group 0 writes the checkpoints, group 1 none (its generator too: it would wait for its trainer in the barrier)
     assert list(out.glob("checkpoint-*")) and not list((out / "replica-group-1").glob("*checkpoint-*"))
     a, b = load_file(out / "model.safetensors"), load_file(out / "replica-group-1" / "model.safetensors")
