@@ -255,6 +255,24 @@ def beside(fn, *args, **kwargs) -> Future:
         pool.shutdown(wait=False)  # (the submitted job still runs to its end)
 
 
+def prompts_log(path) -> list[dict]:
+    """A trainer rank's prompts log (`trained_prompts-...jsonl`): one dict per step."""
+    import json
+
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def prompts_log_runs(log: list[dict]) -> list[list[dict]]:
+    """A group's prompts log cut where its own step count starts again (a new process of the group)."""
+    runs = [[]]
+    for e in log:
+        if runs[-1] and e["step"] <= runs[-1][-1]["step"]:
+            runs.append([])
+        runs[-1].append(e)
+    return runs
+
+
 def tail(proc: subprocess.CompletedProcess, n: int = 4000) -> str:
     return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-n:]}\n--- stderr ---\n{proc.stderr[-n:]}"
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import prompts_log, prompts_log_runs
 
 from hfllamarl.runtime.data.prompts import batch_rows, group_batch_rows
 
@@ -246,11 +247,6 @@ def _group(model, out, group, lighthouse, *extra, launcher=(), config=None, slee
     return proc
 
 
-def _log(path):
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
 def _replay(model_dir, outs, steps):
     """The same rows trained without replica groups: one process, one model, plain torch. Global step s trains the
     union of the groups' dumped rows of step s (`train_tiny.py --dump-trained`: tokens, behaviour log-probs,
@@ -259,7 +255,7 @@ def _replay(model_dir, outs, steps):
     and the replayed state dicts."""
     import torch
 
-    lines = [e for out in outs for path in out.glob("trained-batches-group*-rank0.jsonl") for e in _log(path)]
+    lines = [e for out in outs for path in out.glob("trained-batches-group*-rank0.jsonl") for e in prompts_log(path)]
     last = {}  # a step committed again (the groups went back to a checkpoint): the last quorum's commit counts
     for e in lines:
         last[e["global_step"]] = max(last.get(e["global_step"], -1), e["quorum"])
@@ -340,18 +336,9 @@ def _ended(proc0, proc1, out0, out1):
     err0, err1 = Path(proc0.log_path).read_text(), Path(proc1.log_path).read_text()
     assert proc0.returncode == 0, err0[-3000:]
     assert proc1.returncode == 0, err1[-3000:]
-    log0, log1 = _log(out0 / "trained_prompts-group0-rank0.jsonl"), _log(out1 / "trained_prompts-group1-rank0.jsonl")
+    log0 = prompts_log(out0 / "trained_prompts-group0-rank0.jsonl")
+    log1 = prompts_log(out1 / "trained_prompts-group1-rank0.jsonl")
     return err0, err1, log0, log1
-
-
-def _runs(log):
-    """A group's prompts log cut where its own step count starts again (a new process of the group)."""
-    runs = [[]]
-    for e in log:
-        if runs[-1] and e["step"] <= runs[-1][-1]["step"]:
-            runs.append([])
-        runs[-1].append(e)
-    return runs
 
 
 @pytest.mark.slow
@@ -380,7 +367,7 @@ def test_a_killed_group_is_left_out_and_rejoins_from_its_peer(tmp_path, tiny_mod
     steps0 = [e["global_step"] for e in log0]  # the survivor started the run and trained every step, each once
     assert steps0 == list(range(1, 81))
     assert all(len(e["rows"]) in (4, 8) for e in log0)  # (8: group 1's share too, while it is missing)
-    before, after = _runs(log1)
+    before, after = prompts_log_runs(log1)
     killed = before[-1]["global_step"]  # (its 8th step: the 8th global one, unless it started second and healed)
     rejoined = after[0]["global_step"]
     assert killed + 1 < rejoined and [e["global_step"] for e in after] == list(range(rejoined, 81))
@@ -456,7 +443,7 @@ def test_a_frozen_group_is_left_out_and_its_launcher_restarts_it(tmp_path, tiny_
     err0, err1, log0, log1 = _ended(procs[0], procs[-1], out0, out1)
     steps0 = [e["global_step"] for e in log0]  # group 0 started the run and trained every step
     assert steps0 == list(range(1, 101))
-    runs = _runs(log1)
+    runs = prompts_log_runs(log1)
     assert len(runs) == 2, "group 1 did not come back"
     frozen_at, after = runs[0][-1]["global_step"], runs[1]
     assert steps0[0] <= frozen_at  # (on a loaded machine group 0 may start late: it joined before the freeze)
@@ -505,8 +492,8 @@ def test_every_group_lost_at_once_resumes_from_group_0s_checkpoint(tmp_path, tin
     finally:
         _stop(procs, lighthouse)
     err0, err1, log0, log1 = _ended(procs[0], procs[-1], out0, out1)
-    first0, again0 = _runs(log0)
-    first1, again1 = _runs(log1)
+    first0, again0 = prompts_log_runs(log0)
+    first1, again1 = prompts_log_runs(log1)
     assert [e["step"] for e in first0][-1] == 24 and again0[0]["step"] == 21, "group 0 did not resume at step 21"
     resumed_at = again0[0]["global_step"] - 1  # (the checkpoint's global step: no live group had a newer policy)
     assert resumed_at == [e["global_step"] for e in first0 if e["step"] == 20][0]

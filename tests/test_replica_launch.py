@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import prompts_log, prompts_log_runs
 
 from hfllamarl.commands import replica_launch as rl
 from hfllamarl.runtime.data.prompts import batch_rows
@@ -110,21 +111,6 @@ def digits(prompts, completions, **kwargs):
 '''
 
 
-def _log(path):
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def _runs(log):
-    """A group's prompts log cut where its own step count starts again (a new process of the group)."""
-    runs = [[]]
-    for e in log:
-        if runs[-1] and e["step"] <= runs[-1][-1]["step"]:
-            runs.append([])
-        runs[-1].append(e)
-    return runs
-
-
 def _standbys(text):
     """The pids of the standbys the command's output shows waiting (ready, not taken over)."""
     ready = set(re.findall(r"standby of replica group \d+ ready \(process (\d+)", text))
@@ -193,7 +179,7 @@ def _drill(tmp_path, tiny_model):
             time.sleep(0.1)
 
     def runs(g):
-        return _runs(_log(logs[g])) if logs[g].exists() else [[]]
+        return prompts_log_runs(prompts_log(logs[g])) if logs[g].exists() else [[]]
 
     try:
         wait_for("group 1 trains", lambda: len(runs(1)[0]) >= 5)
