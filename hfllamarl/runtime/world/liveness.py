@@ -26,6 +26,7 @@ import traceback
 
 from hfllamarl.runtime.world.processes import (last_words, proc_stat, process_gone, process_identity, same_pid_space,
                                                stopped)
+from hfllamarl.runtime.world.store_calls import STORE_CALL_S, SingleFlight, timed
 
 
 class PeerLostError(RuntimeError):
@@ -54,28 +55,6 @@ def describe_exception(exc: BaseException, frames: int = 12) -> str:
     return f"{head}\n" + "".join(stack).rstrip() + f"\n{head}"
 
 
-def timed(fn, timeout_s: float):
-    """`fn()`, or TimeoutError after `timeout_s`: a store whose host is frozen accepts connections and never
-    answers, and no store call may block the watchdog or a failing rank on it (the helper thread is left)."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed to the caller
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="hfllamarl-store-call", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError(f"the job's store did not answer within {timeout_s:.0f} s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
-STORE_CALL_S = 4.0  # the longest one look at the store may take
 # A rank still starting (its 'start-up' mark not set) loads native libraries and imports torch, transformers and
 # vLLM: on a crowded machine one such step can hold its interpreter's lock long enough to starve its heartbeat
 # thread for more than the heartbeat timeout. Its silence counts after this many timeouts instead (a rank frozen
@@ -103,6 +82,7 @@ class Liveness:
         self._stopped_since: dict[int, float] = {}  # a starting child seen stopped (`_stopped_starting`): since when
         self.verdict_cause: str | None = None  # what the watchdog found (a single-process parent raises it)
         self._lock = threading.Lock()  # one store call at a time on the shared client
+        self._look = SingleFlight(self._read_store, "hfllamarl-store-look")  # one look at the others at a time
         self._where: dict[int, dict] = {}  # rank -> its `process_identity`, read while the store answers
         self._here: dict = {}  # this process's, set by `start`
         self._started: set[int] = set()  # ranks seen past their start-up (their heartbeats count at once)
@@ -290,7 +270,7 @@ class Liveness:
         deadline = time.monotonic() + linger_s
         while time.monotonic() < deadline:
             try:
-                failed, beats, done = timed(self._read_store, STORE_CALL_S)
+                failed, beats, done = self._look(STORE_CALL_S)
             except Exception:
                 return
             pending = [r for r in self._others() if r not in done and r not in failed]
@@ -412,7 +392,7 @@ class Liveness:
 
     def lost_ranks(self) -> list[int]:
         try:
-            _, beats, done = timed(self._read_store, STORE_CALL_S)
+            _, beats, done = self._look(STORE_CALL_S)
         except Exception:
             return []
         return self._stale(beats, done)
@@ -427,11 +407,12 @@ class Liveness:
         # Looked at before the store: a rank that ended after writing its failure or done mark shows them there.
         ended = self._ended_peers()
         try:
-            failed, beats, done = timed(self._read_store, STORE_CALL_S)
+            failed, beats, done = self._look(STORE_CALL_S)
             self._store_silent_since = None
         except Exception:  # (the store host may have finished and gone: only its silence over stale_s counts)
             now = time.monotonic()
-            self._store_silent_since = self._store_silent_since or asked
+            # (silent since this rank first asked in vain, or since a look that overran its caller came back)
+            self._store_silent_since = max(self._store_silent_since or asked, self._look.answered_at or 0.0)
             if now - self._store_silent_since < self.stale_s:
                 return None
             host = topo.store_host_rank

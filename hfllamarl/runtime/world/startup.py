@@ -53,7 +53,7 @@ def _key(topology, rank: int) -> str:
 
 def publish(topology) -> None:
     """A generator rank: write its marks to the job's store (best effort: a profile, never a failure)."""
-    from hfllamarl.runtime.world.liveness import STORE_CALL_S, timed
+    from hfllamarl.runtime.world.store_calls import STORE_CALL_S, timed
 
     payload = json.dumps(marks())
     try:
@@ -65,7 +65,7 @@ def publish(topology) -> None:
 
 def collect(topology, ranks) -> dict[int, dict[str, float]]:
     """The marks `ranks` published (a rank that published none is left out). Only JSON numbers are kept."""
-    from hfllamarl.runtime.world.liveness import STORE_CALL_S, timed
+    from hfllamarl.runtime.world.store_calls import STORE_CALL_S, timed
 
     def read(client):
         found = {}
@@ -125,7 +125,8 @@ def describe(p: dict[str, float]) -> str:
 def generators_reached(topology, kind: str) -> bool:
     """Whether every generator rank has set its `kind` key ("joining": about to join the bridges; or a rendezvous
     reached, `liveness._reached`), without waiting; raises the verdict when a rank failed meanwhile."""
-    from hfllamarl.runtime.world.liveness import STORE_CALL_S, PeerLostError, timed
+    from hfllamarl.runtime.world.liveness import PeerLostError
+    from hfllamarl.runtime.world.store_calls import STORE_CALL_S, timed
 
     liveness = topology.liveness
     keys = [liveness._key(kind, r) for r in topology.generator_ranks]
@@ -140,14 +141,14 @@ def generators_reached(topology, kind: str) -> bool:
 def hand_over(topology, tick: int) -> None:
     """The trainer: the generators start at `tick` (the batches before it were bootstrapped). Written before the
     start-up rendezvous, so every generator reads it past that rendezvous."""
-    from hfllamarl.runtime.world.liveness import STORE_CALL_S, timed
+    from hfllamarl.runtime.world.store_calls import STORE_CALL_S, timed
 
     timed(lambda: topology.liveness._locked(lambda c: c.set(_handover_key(topology), str(int(tick)))), STORE_CALL_S)
 
 
 def handover_tick(topology) -> int:
     """A generator, past the start-up rendezvous: the tick it starts at (0: the trainer bootstrapped nothing)."""
-    from hfllamarl.runtime.world.liveness import STORE_CALL_S, timed
+    from hfllamarl.runtime.world.store_calls import STORE_CALL_S, timed
 
     key = _handover_key(topology)
     value = timed(lambda: topology.liveness._locked(lambda c: c.get(key) if c.check([key]) else b"0"), STORE_CALL_S)
@@ -159,7 +160,7 @@ def bootstrapping(topology, seconds: float | None) -> None:
     is done bootstrapping). A generator waiting at the start-up rendezvous waits for that batch even past its
     start-up budget (`busy_bootstrapping`): the trainer joins the rendezvous between batches, and its liveness is
     the watchdog's to judge meanwhile."""
-    from hfllamarl.runtime.world.liveness import STORE_CALL_S, timed
+    from hfllamarl.runtime.world.store_calls import STORE_CALL_S, timed
 
     value = "0" if seconds is None else repr(time.time() + seconds)
     timed(lambda: topology.liveness._locked(lambda c: c.set(_bootstrap_key(topology), value)), STORE_CALL_S)
@@ -167,7 +168,7 @@ def bootstrapping(topology, seconds: float | None) -> None:
 
 def busy_bootstrapping(topology) -> bool:
     """Whether the trainer is inside a bootstrap batch it announced, within that batch's bound."""
-    from hfllamarl.runtime.world.liveness import STORE_CALL_S, timed
+    from hfllamarl.runtime.world.store_calls import STORE_CALL_S, timed
 
     key = _bootstrap_key(topology)
     try:
