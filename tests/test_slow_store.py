@@ -102,3 +102,27 @@ def test_a_store_that_answers_late_is_not_taken_for_a_frozen_one_and_a_silent_st
     seconds, verdict = silent
     assert verdict and "which hosts the job's store, stopped answering for 10 s" in verdict, verdict
     assert 10.0 <= seconds < 17.0, seconds
+
+
+def test_a_call_whose_caller_gave_up_does_not_run_later_behind_a_call_that_hung():
+    """The shared store client held by a call that has not come back (10 s here): a later call times out for its
+    caller after 4 s, and its helper thread stops waiting for the client then too, rather than queueing behind the
+    hung call and running once it returns (calls so queued kept the client busy long after anyone wanted them)."""
+    import pytest
+
+    from hfllamarl.runtime.world.store_calls import timed
+    from hfllamarl.runtime.world.topology import Topology
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    topo = Topology(mode="launcher", rank=1, world_size=2, num_generators=1, timeout_s=1, use_cpu=True,
+                    store_addr=("127.0.0.1", store.port))
+    live, ran = topo.liveness, []
+    threading.Thread(target=live._locked, args=(lambda c: time.sleep(10.0),), daemon=True).start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        timed(lambda: live._locked(lambda c: ran.append(time.monotonic())), 4.0)
+    assert 3.9 <= time.monotonic() - started < 5.0
+    time.sleep(7.5)  # the hung call has come back (at 10.5 s): the abandoned one must not have run after it
+    assert ran == []
+    assert timed(lambda: live._locked(lambda c: c.check(["nothing"])), 4.0) is False  # the client serves again

@@ -340,8 +340,15 @@ class Liveness:
         return [r for r in range(self.topology.world_size) if r != self.topology.rank]
 
     def _locked(self, fn):
-        with self._lock:
+        """`fn(client)` on this rank's shared store client, one call at a time. The wait for the client is bounded
+        like the call itself: a helper thread whose caller gave up (`timed`) does not queue on behind a call that
+        has not come back."""
+        if not self._lock.acquire(timeout=STORE_CALL_S):
+            raise TimeoutError(f"the job's store did not answer an earlier call within {STORE_CALL_S:.0f} s")
+        try:
             return fn(self._quick_client())
+        finally:
+            self._lock.release()
 
     def _read_store(self) -> tuple[dict[int, dict], dict[int, float], set[int]]:
         """The other ranks' failure records, last heartbeats and done marks (call it through `timed`)."""
