@@ -264,10 +264,12 @@ def prompts_log(path) -> list[dict]:
 
 
 def prompts_log_runs(log: list[dict]) -> list[list[dict]]:
-    """A group's prompts log cut where its own step count starts again (a new process of the group)."""
+    """A group's prompts log cut where a new process of the group took over: its launcher's restart count changed,
+    or its own step count started again (a restart that resumed from a checkpoint written just before the kill
+    goes on with the next step)."""
     runs = [[]]
     for e in log:
-        if runs[-1] and e["step"] <= runs[-1][-1]["step"]:
+        if runs[-1] and (e["step"] <= runs[-1][-1]["step"] or e.get("attempt") != runs[-1][-1].get("attempt")):
             runs.append([])
         runs[-1].append(e)
     return runs

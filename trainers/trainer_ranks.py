@@ -14,6 +14,7 @@ from hfllamarl.runtime.weights import checkpoint
 from hfllamarl.runtime.weights.fsdp import broadcast_from_rank0, loaded_on_rank0_only, shard_model
 from hfllamarl.runtime.weights.loading import build_empty, init_lora, load_shards, materialize
 from hfllamarl.runtime.weights.lora import is_peft
+from hfllamarl.runtime.world.topology import launcher_attempt
 from hfllamarl.runtime.training.attention import use_fast_cpu_attention
 from hfllamarl.runtime.training.reporting import Reporter
 from hfllamarl.runtime.training.trainer import TrainerExecutor, TrainerSpec
@@ -215,12 +216,13 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
     group = replica_group(trainer, model, optimizer, scheduler, device)
     prompts_log = os.path.join(args.output_dir,
                                checkpoint.prompts_log_name(topo.rank, group.group if group is not None else None))
-    holder = {}
+    holder, attempt = {}, launcher_attempt()
 
     def on_step(step: int, metrics: dict) -> bool:
         # Which dataset rows each step trained on, and when it ended (the last line for a step wins after a resume).
         with open(prompts_log, "a") as fh:
-            line = {"step": step, "rows": holder["executor"].trained_rows[-1], "time": round(time.time(), 3)}
+            line = {"step": step, "rows": holder["executor"].trained_rows[-1], "time": round(time.time(), 3),
+                    "attempt": attempt}  # (the launcher's restart count: a restart is seen even where steps go on)
             if group is not None:  # (replica groups: the global step too)
                 line["global_step"] = group.global_step
             fh.write(json.dumps(line) + "\n")
