@@ -87,6 +87,24 @@ def _data(tmp_path, rows=40):
     return data
 
 
+def test_a_groups_progress_bar_stays_one_line_and_the_commands_own_lines_start_after_it(monkeypatch):
+    """What tqdm writes (each redraw after a carriage return, a line clear of spaces, the newline that ends it) comes
+    out as one bar redrawn in place with the group's prefix, not as a prefixed line per redraw and empty prefixed
+    lines; a line of the command's own written while the bar is open starts on a line of its own."""
+    import io
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    bar = "\r  0%|          | 0/2 [00:00<?, ?it/s]\r 50%|#####     | 1/2 [00:00<00:00, 9.1it/s]"
+    rl._copy(io.BytesIO(bar.encode()), err, ["[g0] "])
+    rl.say("replica group 1 ended")
+    rl._copy(io.BytesIO(("\r100%|##########| 2/2\r" + " " * 12 + "\r\nok \u2713\n").encode()), err, ["[g0] "])
+    assert err.getvalue() == (
+        "\r[g0]   0%|          | 0/2 [00:00<?, ?it/s]\r[g0]  50%|#####     | 1/2 [00:00<00:00, 9.1it/s]"
+        "\nhfllamarl train: replica group 1 ended\n"
+        "\r[g0] 100%|##########| 2/2\r" + " " * 12 + "\r\n[g0] ok \u2713\n")
+
+
 def test_check_names_the_groups_and_starts_nothing(tmp_path, tiny_model):
     exe = os.path.join(os.path.dirname(sys.executable), "hfllamarl")
     proc = subprocess.run([exe, "train", "--config", str(RECIPE), "--model_name_or_path", tiny_model,

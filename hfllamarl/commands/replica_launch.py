@@ -255,7 +255,7 @@ class Supervisor:
                 pass
         prefix = self._prefix[proc.pid] = [f"[g{group} standby] " if standby else f"[g{group}] "]
         self._copiers[proc.pid] = [threading.Thread(target=_copy, args=(stream, out, prefix), daemon=True)
-                                   for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+                                   for stream, out in ((proc.stdout.buffer, sys.stdout), (proc.stderr.buffer, sys.stderr))]
         for thread in self._copiers[proc.pid]:
             thread.start()
         return proc
@@ -452,15 +452,23 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+_open_lines: dict[int, bool] = {}  # id(output) -> whether its last write left a line open (a progress bar's "\r")
+
+
 def _copy(stream, out, prefix: list[str]) -> None:
-    """A group's output, line by line, with its prefix (`prefix[0]`, read at each line); read to the end whatever
-    happens to `out` (a group whose pipe filled up would stop)."""
-    for line in stream:
+    """A group's output (`stream`, bytes), line by line, with its prefix (`prefix[0]`, read at each line); read to
+    the end whatever happens to `out` (a group whose pipe filled up would stop). A progress bar stays one line: a
+    piece ending in "\r" is written with its "\r" (the next redraws the line in place, prefix included), and a
+    blank piece (the bar clearing its line, or ending it) as it is, not as an empty prefixed line."""
+    import io
+
+    for piece in io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline=""):  # (split at \r too)
         if out is None:
             continue
         try:
-            out.write(prefix[0] + line)
+            out.write(piece if not piece.strip() else prefix[0] + piece)
             out.flush()
+            _open_lines[id(out)] = not piece.endswith("\n")
         except (OSError, ValueError):
             out = None
 
@@ -477,4 +485,6 @@ def describe(code: int | None) -> str:
 
 
 def say(text: str) -> None:
-    print(f"hfllamarl train: {text}", file=sys.stderr, flush=True)
+    """The command's own line, on a line of its own (after a group's progress bar, not over it)."""
+    start = "\n" if _open_lines.get(id(sys.stderr)) else ""
+    print(f"{start}hfllamarl train: {text}", file=sys.stderr, flush=True)

@@ -65,6 +65,9 @@ def start_groups(argv: list[str]) -> int:
     from .replica_launch import Supervisor, check_argv, groups_to_start, raw_fields, restarts_asked
 
     groups = groups_to_start(argv)
+    # torchft logs every quorum at info, a few lines a step, in the lighthouse (here) and in every group; its logger
+    # reads this once, when torchft is imported (below)
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         restarts = restarts_asked(argv)
         job = prepare_job(check_argv(argv))
