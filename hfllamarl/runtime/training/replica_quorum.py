@@ -53,7 +53,16 @@ def import_torchft():
     except ImportError as e:
         raise ImportError(f"Fault-tolerant trainer replicas need torchft: pip install torchft=={TORCHFT_VERSION} "
                           f"({e})") from e
+    import logging
+
+    logging.getLogger("torchft.manager").addFilter(_not_about_nccl_on_a_cpu)  # (idempotent: the same function)
     return torchft
+
+
+def _not_about_nccl_on_a_cpu(record) -> bool:
+    """torchft's manager warns at each new quorum of a build of torch without NCCL's flight recorder ("Unable to
+    reset NCCL flight recorder recording"): a CPU build, whose groups use gloo, has none to reset. Dropped there."""
+    return torch.cuda.is_available() or "NCCL flight recorder" not in record.getMessage()
 
 
 @dataclass(frozen=True)
