@@ -351,7 +351,7 @@ class Liveness:
             self._lock.release()
 
     def _read_store(self) -> tuple[dict[int, dict], dict[int, float], set[int]]:
-        """The other ranks' failure records, last heartbeats and done marks (call it through `timed`)."""
+        """The other ranks' failure records, last heartbeats and done marks (call it through `self._look`)."""
         return self._locked(self._read)
 
     def _read(self, client) -> tuple[dict[int, dict], dict[int, float], set[int]]:
