@@ -300,6 +300,18 @@ def orphans(output_dir: str) -> list[dict]:
             if any(c == output_dir or (c or "").startswith(output_dir + os.sep) for c in (p.info["cmdline"] or []))]
 
 
+def kill_processes(processes) -> None:
+    """SIGKILL each of `processes` (psutil), one that ended since it was listed included (its peer was killed
+    first, or it was ending anyway)."""
+    import psutil
+
+    for p in processes:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def job_processes(proc, out: str) -> list:
     """A job's processes: `proc` (a Popen), its descendants, and every process whose command line names `out` (a
     generator rank forked by the session's preload server is the server's child, not the job's; its command line is

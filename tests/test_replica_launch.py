@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import prompts_log, prompts_log_runs
+from conftest import kill_processes, prompts_log, prompts_log_runs
 
 from hfllamarl.commands import replica_launch as rl
 from hfllamarl.runtime.data.prompts import batch_rows
@@ -218,8 +218,7 @@ def _drill(tmp_path, tiny_model):
         proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
-            for p in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
-                p.kill()
+            kill_processes(psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)])
         log.close()
     text = (tmp_path / "run.log").read_text()
     assert proc.returncode == 0, text[-4000:]

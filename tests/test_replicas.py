@@ -8,11 +8,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import pytest
 
-from conftest import (SCRIPTS, assert_on_policy, free_port, job_processes, orphans, run_script, step_logs, tail,
-                      trained_rows)
+from conftest import (SCRIPTS, assert_on_policy, free_port, job_processes, kill_processes, orphans, run_script,
+                      step_logs, tail, trained_rows)
 from hfllamarl.runtime.loop.schedule import Schedule, position_owner, replica_share, trainer_positions
 from hfllamarl.runtime.world.topology import Topology
 
@@ -242,11 +241,7 @@ def test_two_trainers_two_replicas_power_cut_and_resume(tiny_model, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, tail_of(proc)
             time.sleep(0.2)
     finally:
-        for p in job_processes(proc, out):
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:  # (it ended between the listing and its kill: its peer was killed first)
-                pass
+        kill_processes(job_processes(proc, out))
         proc.communicate(timeout=60)
     time.sleep(1)
     assert not orphans(out) and "checkpoint-2" in os.listdir(out)

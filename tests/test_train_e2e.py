@@ -9,12 +9,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
-from conftest import (SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, beside, job_processes, orphans, run_script,
-                      step_logs, tail, trained_rows)
+from conftest import (SCRIPTS, SIDE_BY_SIDE_ENV, assert_on_policy, beside, job_processes, kill_processes, orphans,
+                      run_script, step_logs, tail, trained_rows)
 
 pytestmark = pytest.mark.slow
 
@@ -183,11 +182,7 @@ def test_two_trainers_power_cut_and_resume(tiny_model, tmp_path):
             time.sleep(0.2)
         assert os.path.exists(os.path.join(out, "victim.pid")), "trainer rank 0 never froze the generator"
     finally:
-        for p in job_processes(proc, out):
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:  # (it ended between the listing and its kill: its peer was killed first)
-                pass
+        kill_processes(job_processes(proc, out))
         proc.communicate(timeout=60)
     time.sleep(1)
     assert not orphans(out)

@@ -29,6 +29,7 @@ equal shares of this process's cores (and of the GPUs, where there are any).
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -216,7 +217,6 @@ class Supervisor:
         if self._lighthouse_addr is None:
             from hfllamarl.runtime.training.replica_quorum import start_lighthouse
 
-            os.environ.setdefault("RUST_LOG", "warn")  # (torchft logs every quorum at info: a few lines a step)
             # (a group that stops heartbeating, killed or frozen, is left out after 2 s; one alive but late to a
             # step's quorum, e.g. group 0 writing a checkpoint, is waited for up to 10 s before it is left out and
             # must copy the policy again)
@@ -460,8 +460,6 @@ def _copy(stream, out, prefix: list[str]) -> None:
     the end whatever happens to `out` (a group whose pipe filled up would stop). A progress bar stays one line: a
     piece ending in "\r" is written with its "\r" (the next redraws the line in place, prefix included), and a
     blank piece (the bar clearing its line, or ending it) as it is, not as an empty prefixed line."""
-    import io
-
     for piece in io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline=""):  # (split at \r too)
         if out is None:
             continue
