@@ -23,7 +23,7 @@ import torch
 from transformers.trainer_utils import TrainOutput
 
 from hfllamarl.runtime.weights import checkpoint
-from hfllamarl.runtime.loop.controller import run_job
+from hfllamarl.runtime.loop.controller import run_job, run_without_generators
 from hfllamarl.runtime.generation.generator import GeneratorExecutor, GeneratorSpec
 from hfllamarl.runtime.training import bootstrap
 from hfllamarl.runtime.training.moe import aux_loss_coef
@@ -201,6 +201,8 @@ class AsyncAIPOTrainer:
         prompts = args.prompts_per_generation  # a generation batch: the step's prompts (+ dynamic sampling's extra)
         # batches_per_epoch: optimizer steps per pass over the data (batches x num_iterations), as TRL counts epochs
         num_steps, self.batches_per_epoch = run_length(len(train_dataset), prompts, args)
+        if args.trainer_replica_shared_generators and args.trainer_replica_group == 0:  # (every group's share)
+            prompts *= args.trainer_replica_groups
         self.schedule = Schedule.of_steps(num_steps, args.max_staleness, args.generation_ticks, prompts,
                                           args.num_iterations,
                                           eval_every=eval_every(args, num_steps, self.batches_per_epoch)
@@ -271,7 +273,8 @@ class AsyncAIPOTrainer:
         if topo.rank == 0:  # before any rank can start a checkpoint of this run
             for name in checkpoint.remove_partial(self.args.output_dir):
                 logger.warning("removed %s, a checkpoint a stopped run left half-written", name)
-        if topo.mode == "single":
+        alone = self.args.trainer_only  # (a replica group sharing group 0's generators: none of its own)
+        if topo.mode == "single" and not alone:
             topo.new_job()
             why_not = bootstrap.blocker(self.args, spec, topo, resuming=resume is not None)
             spec.bootstrapped = why_not is None
@@ -281,6 +284,12 @@ class AsyncAIPOTrainer:
         finished, executor = False, None
         try:
             topo.init_local_world()
+            if alone:  # no generator, no channel: each step trains the share group 0 hands it (`replica_exchange`)
+                executor = build_trainer_executor(self, None)
+                run_without_generators(executor, self.schedule)
+                summary = self._reporter.train_end()
+                finished = True
+                return TrainOutput(self.state.global_step, summary["train_loss"], summary)
             if topo.mode == "single":
                 topo.liveness.start()
                 if spec.bootstrapped:  # train on its own samples while the generators start
@@ -316,7 +325,7 @@ class AsyncAIPOTrainer:
             group = getattr(getattr(executor, "spec", None), "replica_group", None)
             if group is not None:  # leave the quorum (the other groups go on without this one)
                 group.shutdown()
-            if topo.mode == "single":  # on an error, do not wait for children stuck in a channel
+            if topo.mode == "single" and not alone:  # on an error, do not wait for children stuck in a channel
                 topo.stop_children(grace_s=10.0 if finished else 2.0, finished=finished)
                 shutil.rmtree(getattr(self, "_workdir", ""), ignore_errors=True)
 
@@ -467,6 +476,7 @@ class AsyncAIPOTrainer:
             lora_adapter=({"config": adapter_config(self._peft_config), "rank": engine_rank(self._peft_config)}
                           if self.lora_sync == "adapter" else None),
             replica_group=a.trainer_replica_group, replica_groups=a.trainer_replica_groups,
+            shared_generators=bool(a.trainer_replica_shared_generators) and a.trainer_replica_groups > 1,
         )
 
     def _generator_dtype(self) -> str:

@@ -77,6 +77,15 @@ class AsyncAIPOConfig(GRPOConfig):
         metadata={"help": "With trainer_replica_groups > 1: this job's group, 0 .. trainer_replica_groups - 1 (the "
                   "same after a restart)."},
     )
+    trainer_replica_shared_generators: bool = field(
+        default=False,
+        metadata={"help": "With trainer_replica_groups > 1: the groups share group 0's generators instead of each "
+                  "running its own. Group 0's generators sample every group's share of each global batch, group 0's "
+                  "trainer scores them and hands each group its share in the step (over the groups' torchft group); "
+                  "the other groups start no generator and train what they are handed. A group that is away: group 0 "
+                  "trains its share; group 0 away: the others sample their shares on their trainers until it is "
+                  "back. Each group one trainer process (docs/design/elastic.md, 'A shared generator pool')."},
+    )
     torchft_lighthouse: str | None = field(
         default=None,
         metadata={"help": "With trainer_replica_groups > 1: the address of the torchft lighthouse every group joins "
@@ -302,7 +311,7 @@ class AsyncAIPOConfig(GRPOConfig):
         from hfllamarl.runtime.world.topology import init_topology
 
         self._topology = init_topology(
-            num_generator_processes=self.num_generator_processes,
+            num_generator_processes=0 if self.trainer_only else self.num_generator_processes,
             timeout_s=self.collective_timeout_s,
             use_cpu=self.use_cpu,
             tensor_parallel_size=self.generator_tensor_parallel_size,
@@ -441,6 +450,12 @@ class AsyncAIPOConfig(GRPOConfig):
     def check_trainer_processes(self) -> None:
         """Refuse a trainer layout of several processes where there is one (`python script.py`)."""
         trainer_layout.check_processes(self)
+
+    @property
+    def trainer_only(self) -> bool:
+        """A replica group other than 0 that shares group 0's generators: it starts none of its own."""
+        return bool(self.trainer_replica_shared_generators) and self.trainer_replica_groups > 1 \
+            and self.trainer_replica_group != 0
 
     @property
     def num_generator_replicas(self) -> int:

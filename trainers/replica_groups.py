@@ -16,6 +16,9 @@ def check_replica_groups(config, algorithm) -> None:
     if not _is_whole(groups) or groups < 1:
         raise ValueError(f"AsyncAIPOConfig: trainer_replica_groups={groups!r}; it must be a whole number >= 1.")
     if groups == 1:
+        if config.trainer_replica_shared_generators:
+            raise ValueError("AsyncAIPOConfig: trainer_replica_shared_generators is set, but trainer_replica_groups is "
+                             "1: the groups would share group 0's generators; set trainer_replica_groups, or remove it.")
         if group != 0:
             raise ValueError(f"AsyncAIPOConfig: trainer_replica_group={group!r} is set, but trainer_replica_groups "
                              "is 1: set trainer_replica_groups to the number of groups.")
@@ -41,7 +44,16 @@ def check_replica_groups(config, algorithm) -> None:
         (bool(config.drop_zero_variance_groups), "dynamic sampling is not combined with replica groups yet"),
         (config.generator_failure != "stop", "generator_failure='continue' is not combined with replica groups yet"),
         (bool(config.partial_rollout_tokens), "partial rollouts are not combined with replica groups yet"),
+        (bool(config.trainer_replica_shared_generators) and _trainer_processes(config) > 1,
+         f"trainer_replica_shared_generators hands each group its share as a whole, to a group of one trainer "
+         f"process; this group has {_trainer_processes(config)} (launch each group as one process, or let each "
+         "group run its own generators)"),
     ]
     why = [text for hit, text in refusals if hit]
     if why:
         raise ValueError(f"AsyncAIPOConfig: trainer_replica_groups={groups}: " + "; ".join(why) + ".")
+
+
+def _trainer_processes(config) -> int:
+    topology = getattr(config, "_topology", None)
+    return topology.num_trainers if topology is not None else 1

@@ -119,8 +119,8 @@ def dump_trained(output_dir: str) -> None:
 
     original = TrainerExecutor._replica_gradients
 
-    def replica_gradients(self, rollouts, advantages, old, sampled_offset):
-        out = original(self, rollouts, advantages, old, sampled_offset)
+    def replica_gradients(self, rollouts, advantages, old, sampled_offset, *more):
+        out = original(self, rollouts, advantages, old, sampled_offset, *more)
         group = self.spec.replica_group
         trained, advantages = self.replica_trained  # (its own share, unless sampled under an old offset; made-up ones)
         line = {"global_step": group.global_step, "group": group.group, "quorum": group._quorum.quorum_id,

@@ -84,8 +84,14 @@ class GeneratorSpec:
     # "start": a resumed run's adapter directory or None}; the engine keeps the base weights and loads adapters
     replica_group: int = 0  # trainer_replica_groups: which share of each batch this job's trainer trains
     replica_groups: int = 1
+    shared_generators: bool = False  # the groups share group 0's generators: they sample every group's share
     bootstrapped: bool = False  # the trainer may sample the first batches (`runtime.training.bootstrap`): the
     # tick to start at is read past the start-up rendezvous (its weights come with that tick's sync)
+
+    @property
+    def batch_prompts(self) -> int:
+        """Prompts this job's generators sample a batch: its share, or with shared generators every group's."""
+        return self.prompts_per_batch * (self.replica_groups if self.shared_generators else 1)
 
 
 class GeneratorExecutor(Executor):
@@ -321,7 +327,7 @@ class GeneratorExecutor(Executor):
         the rows, and their positions in the batch."""
         spec = self.spec
         indices = self._rows(batch_index)
-        positions = replica_share(spec.prompts_per_batch, self.live, batch_index).get(self.topology.replica, [])
+        positions = replica_share(spec.batch_prompts, self.live, batch_index).get(self.topology.replica, [])
         indices = [indices[p] for p in positions]
         return indices, [self.dataset[i] for i in indices], positions
 
@@ -329,6 +335,9 @@ class GeneratorExecutor(Executor):
         """The dataset rows of this job's batch `batch_index` (with trainer replica groups: its group's share of
         global batch `batch_index + data_offset`)."""
         spec = self.spec
+        if spec.shared_generators:  # (every group's share: the whole global batch, shares in group order)
+            return group_batch_rows(len(self.dataset), spec.batch_prompts, batch_index + self.data_offset, spec.seed,
+                                    spec.shuffle)
         return group_batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index + self.data_offset, spec.seed,
                                 spec.shuffle, spec.replica_group, spec.replica_groups)
 

@@ -100,3 +100,18 @@ def run_job(executor: Executor, backend, topology, schedule: Schedule, start_tic
         executor.close()
     # (no "done" yet: this rank's heartbeat and watchdog run on until the end-of-job rendezvous, `Liveness.finish`,
     # so that a rank frozen or dead after the last step is found like one mid-run)
+
+
+def run_without_generators(executor: Executor, schedule: Schedule) -> None:
+    """A trainer replica group that shares group 0's generators (`trainer_replica_shared_generators`): no
+    generator and no channel; each tick trains the share group 0 hands it in the step (or, while group 0 is away,
+    samples it itself: `replica_makeup`), until the run's global step count (`stop_requested`)."""
+    executor.prepare()
+    try:
+        for tick in range(schedule.total_ticks):
+            executor.set_step(tick)
+            executor.step()
+            if executor.stop_requested():
+                return
+    finally:
+        executor.close()

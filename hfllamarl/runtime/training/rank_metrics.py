@@ -80,8 +80,9 @@ def step_metrics(spec, groups: list[RolloutGroup], rollouts: list[Rollout], rewa
     if spec.tools:
         local.update(tool_counts(rollouts))
     summed = all_sum(local)
-    extremes = all_max([max(lengths), -min(lengths), max(ended, default=-1), -min(ended, default=1 << 30)])
-    count, scored_n = summed["count"], max(summed["scored"], 1.0)
+    extremes = all_max([max(lengths, default=0), -min(lengths, default=1 << 30), max(ended, default=-1),
+                        -min(ended, default=1 << 30)])
+    count, scored_n = max(summed["count"], 1.0), max(summed["scored"], 1.0)  # (a replica group may have none)
     mean = summed["reward_sum"] / scored_n
     metrics: dict[str, float] = {"reward": mean,
                                  "reward_std": math.sqrt(max(summed["reward_sq"] / scored_n - mean * mean, 0.0))}
@@ -107,7 +108,8 @@ def step_metrics(spec, groups: list[RolloutGroup], rollouts: list[Rollout], rewa
     if spec.tools:
         metrics.update(tool_metrics(summed, count))
     # TRL's names: min/max length, truncated share, lengths of the completions that ended (0 when none did)
-    metrics["completions/max_length"], metrics["completions/min_length"] = extremes[0], -extremes[1]
+    metrics["completions/max_length"] = extremes[0]
+    metrics["completions/min_length"] = -extremes[1] if summed["count"] else 0.0
     metrics["completions/clipped_ratio"] = metrics["completions/truncated_frac"]
     any_ended = summed["ended"] > 0
     metrics["completions/mean_terminated_length"] = summed["ended_len"] / summed["ended"] if any_ended else 0.0
@@ -116,10 +118,10 @@ def step_metrics(spec, groups: list[RolloutGroup], rollouts: list[Rollout], rewa
     # Each replica sampled its share of the batch at once: tokens add up, the slowest replica is the time.
     per_replica = reduce_metrics({f"{g.replica}/{what}/max": [value] for g in groups for what, value in
                                   (("tokens", g.batch_tokens), ("seconds", g.generation_seconds))})
-    gen_seconds = max(v for k, v in per_replica.items() if k.endswith("/seconds/max"))
+    gen_seconds = max((v for k, v in per_replica.items() if k.endswith("/seconds/max")), default=0.0)
     metrics["generation/seconds"] = gen_seconds
     # The generator side of the last weight sync: its load into the engine (vLLM's reload, or the adapter's).
-    metrics["weight_sync/load_seconds"] = max(g.weights_load_seconds for g in groups)
+    metrics["weight_sync/load_seconds"] = max((g.weights_load_seconds for g in groups), default=0.0)
     # The generator processes' CPU time (core-seconds, every thread) over their ticks that closed this batch.
     metrics["generation/cpu_seconds"] = sum({g.replica: g.cpu_seconds for g in groups}.values())
     tokens = sum(v for k, v in per_replica.items() if k.endswith("/tokens/max"))

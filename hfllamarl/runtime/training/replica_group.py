@@ -77,6 +77,7 @@ class ReplicaGroup:
         self.retries = 0  # attempts whose commit failed
         self.rows_lost = 0  # rows of this group's shares that were sampled under an old offset, not trained
         self.missing: list[int] = []  # shares of the step's batch no participant holds (`step_tokens`)
+        self.handed: dict[int, int] = {}  # shares handed from their holder to their own group: their bytes
         self.failed = False  # this attempt's count failed on a rank of the group: it does not commit, no work is done
         self.made_up = 0  # prompts of missing shares this group sampled and trained itself (`replica_makeup`)
         self.steps_missed = 0  # global steps this group was not part of (restarted or frozen)
@@ -160,27 +161,33 @@ class ReplicaGroup:
         at that global step (a peer ahead of it is copied from; one behind copies from this group)."""
         self.offset, self._resume_step = offset, version + offset
 
-    def step_tokens(self, local_tokens: float, holds: bool = True) -> float:
-        """The step's completion tokens over every participating group (this group's: `local_tokens`, summed over
-        its own ranks already); learns which groups take part and which of them hold their share of the step's
-        batch (`holds`: this group's), so that every participant knows the shares `missing` from it, and logs a
-        change."""
+    def step_tokens(self, tokens: dict[int, float], sizes: dict[int, int] | None = None) -> float:
+        """The step's completion tokens over every participating group (`tokens`: this group's, summed over its own
+        ranks, for each share of the step's batch it holds: its own; with shared generators, group 0 every share);
+        learns which groups take part and which shares of the global batch some participant holds, so that every
+        participant knows the shares `missing` from it and the ones `handed` from their holder to their own group
+        (`sizes`: the bytes of each share this group holds for another, `exchange`), and logs a change."""
         q, groups = self._quorum, self.groups
-        vector = torch.zeros(1 + 2 * groups, dtype=torch.float64)
-        vector[0] = float(local_tokens)
+        vector = torch.zeros(1 + 3 * groups, dtype=torch.float64)
+        vector[0] = float(sum(tokens.values()))
         vector[1 + self.group] = 1.0
-        vector[1 + groups + self.group] = float(bool(holds))
+        for h in tokens:
+            vector[1 + groups + h] = 1.0
+        for h, size in (sizes or {}).items():
+            vector[1 + 2 * groups + h] = float(size)
         with self._timed("quorum"):
             self.quorum.manager.allreduce(vector).wait()  # (AVG over the participants; a failure is recorded)
             # The group's ranks agree on whether the count failed: one that skipped its forward, or sampled a share
             # the others did not, would stall the collectives of the group's own sharded model.
             self.failed = all_max([float(self.quorum.manager.errored() is not None)])[0] > 0
         if self.failed:  # (this attempt does not commit: the vector is not the participants', and no work is done)
-            self.missing = []
-            return float(local_tokens)
+            self.missing, self.handed = [], {}
+            return float(sum(tokens.values()))
         vector *= q.participants
         members = {g for g in range(groups) if vector[1 + g] > 0.5}
         self.missing = [g for g in range(groups) if vector[1 + groups + g] < 0.5]
+        self.handed = {h: int(round(float(vector[1 + 2 * groups + h]))) for h in sorted(members)
+                       if vector[1 + groups + h] > 0.5 and vector[1 + 2 * groups + h] > 0.5}
         if members != self.members and self.members:
             now, step = time.monotonic(), q.step + 1
             for g in self.members - members:
@@ -200,6 +207,38 @@ class ReplicaGroup:
                                f"; rejoined: {', '.join(back)}" if back else "")
         self.members = members
         return float(vector[0])
+
+    def trains_held(self, share: int) -> bool:
+        """Whether this group trains a share it holds: its own, or another's whose group is away (with shared
+        generators group 0 holds every share and hands each present group its own: `exchange`)."""
+        return share == self.group or share not in self.members
+
+    def exchange(self, payloads: dict[int, bytes]) -> bytes | None:
+        """Shares `handed` from their holder to their own group this step (after `step_tokens`): one allreduce (a
+        sum) of a byte buffer over the participants, each share in its own slice, written by its holder
+        (`payloads`: this group's, as `replica_exchange.encode_share` wrote them). Returns the bytes of this group's
+        own share when it was handed to it, else None (also when the exchange failed: `failed`, no commit)."""
+        if not self.handed or self.failed:
+            return None
+        from torch.distributed import ReduceOp
+
+        offsets, total = {}, 0
+        for h, size in self.handed.items():
+            offsets[h], total = total, total + size
+        buffer = torch.zeros(total, dtype=torch.uint8)
+        for h, data in payloads.items():
+            if h in self.handed:
+                if len(data) != self.handed[h]:
+                    raise RuntimeError(f"trainer replica group {self.group}: share {h} is {len(data)} bytes, "
+                                       f"{self.handed[h]} announced")
+                buffer[offsets[h]:offsets[h] + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        with self._timed("quorum"):
+            self.quorum.manager.allreduce(buffer, reduce_op=ReduceOp.SUM).wait()
+            self.failed = all_max([float(self.quorum.manager.errored() is not None)])[0] > 0
+        if self.failed or self.group not in self.handed:
+            return None
+        start = offsets[self.group]
+        return buffer[start:start + self.handed[self.group]].numpy().tobytes()
 
     def makes_up(self) -> list[int]:
         """The missing shares this group samples and trains itself this step (`replica_makeup`): its own when it

@@ -36,6 +36,7 @@ from hfllamarl.runtime.training.finite import (NonFiniteError, agree, first_bad_
 from hfllamarl.runtime.training.rank_metrics import all_max as _all_max, all_sum as _all_sum, evaluation_metrics
 from hfllamarl.runtime.training.rank_metrics import gather_samples, logged_means as _logged_means, reduce_metrics
 from hfllamarl.runtime.training.rank_metrics import step_metrics
+from hfllamarl.runtime.training.replica_exchange import decode_share, encode_share
 from hfllamarl.runtime.data.rewards import RewardRunner
 from hfllamarl.runtime.training import shared_rewards
 from hfllamarl.runtime.training.dynamic_sampling import GroupFilter, join_scored, split_scored
@@ -92,6 +93,8 @@ class TrainerSpec:
     ref_sync: tuple[float, int] | None = None  # sync_ref_model: (ref_model_mixup_alpha, ref_model_sync_steps)
     replica_group: Any = None  # trainer_replica_groups > 1: this job's `replica_group.ReplicaGroup`
     replica_makeup: Any = None  # and its `replica_makeup.ShareMakeup` (the missing shares it samples itself)
+    shared_generators: bool = False  # the groups share group 0's generators (`replica_exchange`)
+    trainer_only: bool = False  # and this group is not group 0: it has none, and trains what group 0 hands it
     lookahead: bool = False  # sampler_lookahead='adamw': the generator samples with predicted weights (lookahead.py)
     skip_flat_rows: bool = False  # no forward or backward for rows with advantage 0 where exact (`rows_to_train`)
     skip_flat_backward: bool = False  # no backward for rows with advantage 0 where exact (`forward_only_plan`)
@@ -129,6 +132,7 @@ class TrainerExecutor(Executor):
         self.bootstrapping = False  # training on batches it sampled itself (`runtime.training.bootstrap`)
         self.first_tick = 0  # after a bootstrap: the generators' first tick (the batches the trainer sampled)
         self.bootstrapped = 0  # of those, the ones trained already (the last may wait for the loop's first tick)
+        self.replica_received = None  # replica groups: the share handed to this group this step (rows, advantages, rewards)
 
     @property
     def data_offset(self) -> int:
@@ -205,7 +209,9 @@ class TrainerExecutor(Executor):
         # (a bootstrapped batch waited for nothing: the time before this was its own sampling)
         self.channel_seconds = 0.0 if self.bootstrapping else time.perf_counter() - self._tick_started
         groups = self.inbox.pop(batch_index, None)
-        if not groups:
+        if not groups and self.spec.trainer_only:
+            groups = []  # (a replica group without generators: group 0 hands it its share in the step)
+        elif not groups:
             raise RuntimeError(f"trainer: batch {batch_index} never arrived from the generator")
         if self.dispatch is not None:  # in position order, exactly this rank's positions
             groups = self.dispatch.ordered(batch_index, groups)
@@ -252,11 +258,18 @@ class TrainerExecutor(Executor):
         self.trained_rows.append([r.row_index for r in train_rollouts[:: spec.num_generations]])
         batch_index = groups[0].batch_index if groups else 0
         sampled_offset = groups[0].data_offset if groups else self.data_offset  # (replica groups)
+        shares = None  # (shared generators: each rollout's share of the global batch, its group's to train)
+        if spec.replica_group is not None and spec.shared_generators:
+            per_share = spec.schedule.prompts_per_batch // spec.replica_group.groups
+            shares = [g.position // per_share for g in trained for _ in g.rollouts]
         old: list[torch.Tensor] = []  # pi_old per micro-batch: the first pass's log-probs, detached
         save_due, metrics = False, {}
         for p in range(max(1, spec.schedule.passes(batch_index))):  # each pass: one optimizer step, one version
-            passed = self._optimizer_pass(train_rollouts, advantages, old, sampled_offset)
+            passed = self._optimizer_pass(train_rollouts, advantages, old, sampled_offset, shares, trained_rewards)
             if p == 0:  # what the batch generated and scored is logged once, with its first step (TRL: at generation)
+                if not groups and self.replica_received is not None:  # (no generators: the share group 0 handed it)
+                    rollouts, _, rewards = self.replica_received
+                    staleness = [[self.version - 1 - v for v in r.sampled_versions()] for r in rollouts]
                 metrics = step_metrics(spec, groups, rollouts, rewards, per_func, staleness, passed.pop("loss"),
                                        passed.pop("stats"))
                 if sampling:
@@ -286,16 +299,19 @@ class TrainerExecutor(Executor):
         return metrics
 
     def _optimizer_pass(self, rollouts: list[Rollout], advantages: torch.Tensor | None, old: list,
-                        sampled_offset: int = 0) -> dict:
+                        sampled_offset: int = 0, shares: list[int] | None = None,
+                        rewards: list[float] | None = None) -> dict:
         """One optimizer step over the batch (none when it has nothing to train: the version still advances), then
         the scheduler and, when due, the reference model's sync. Returns the step's loss, per-micro-batch `stats`
         and timings. `old` holds pi_old per micro-batch (filled by the first pass); `sampled_offset`: the replica
-        group's data offset the batch was sampled under."""
+        group's data offset the batch was sampled under, `shares` and `rewards` each rollout's share of the global batch
+        and its reward (replica groups sharing group 0's generators)."""
         spec = self.spec
         backward_t0 = time.perf_counter()
         loss_total, stats, grad_norm, optimizer_seconds = 0.0, {}, 0.0, 0.0
         if spec.replica_group is not None:  # with the other replica groups: this group's rows, maybe none
-            rollouts, (loss_total, stats) = self._replica_gradients(rollouts, advantages, old, sampled_offset)
+            rollouts, (loss_total, stats) = self._replica_gradients(rollouts, advantages, old, sampled_offset,
+                                                                    shares, rewards)
         elif rollouts:  # every trainer rank alike (dynamic sampling agrees on the count)
             loss_total, stats = self._accumulate_gradients(rollouts, advantages, old)
         if rollouts:
@@ -325,33 +341,51 @@ class TrainerExecutor(Executor):
             out["learning_rate"] = lr
         return out
 
-    def _replica_gradients(self, rollouts: list[Rollout], advantages, old: list,
-                           sampled_offset: int) -> tuple[list[Rollout], tuple]:
+    def _replica_gradients(self, rollouts: list[Rollout], advantages, old: list, sampled_offset: int,
+                           shares: list[int] | None = None,
+                           rewards: list[float] | None = None) -> tuple[list[Rollout], tuple]:
         """Trainer replica groups: this step's quorum, the gradients of this group's rows averaged over the groups
         that take part, until a commit succeeds (`replica_group`); shares no group holds are sampled and trained too
-        (`replica_makeup`). Returns what stands for the step's rows (empty: no group trained any, no optimizer step)
-        and the loss and stats of this group's own."""
-        group = self.spec.replica_group
+        (`replica_makeup`), and with shared generators group 0 hands each present group its share
+        (`replica_exchange`). `shares`: each rollout's share of the global batch (None: this group's own); `rewards`: each one's
+        reward (handed over with its share). Returns
+        what stands for the step's rows (empty: no group trained any, no optimizer step) and the loss and stats of
+        this group's own."""
+        group, spec = self.spec.replica_group, self.spec
         while True:
             q = group.begin(self.version)
-            rows = rollouts if sampled_offset == group.offset else []  # (sampled under an older offset: lost)
-            local = _all_sum({"tokens": self._loss_tokens(rows), "rows": len(rows)})
-            total = group.step_tokens(local["tokens"], holds=local["rows"] > 0)
-            made, made_advantages, made_tokens = self.spec.replica_makeup.rows(self, q.step)  # (shares no group held)
-            trained, total = rows + made, total + made_tokens
-            trained_advantages = torch.cat([a for a in (advantages if rows else None, made_advantages)
-                                            if a is not None] or [torch.zeros(0)])
+            current = rollouts if sampled_offset == group.offset else []  # (sampled under an older offset: lost)
+            held = _by_share(current, advantages, rewards, shares, group.group)
+            local = {}
+            for h in range(group.groups):
+                local[f"tokens{h}"] = self._loss_tokens(held[h][0]) if h in held else 0
+                local[f"rows{h}"] = len(held[h][0]) if h in held else 0
+            local = _all_sum(local)  # (over the group's ranks: each may hold a part of a share)
+            tokens = {h: local[f"tokens{h}"] for h in range(group.groups) if local[f"rows{h}"] > 0}
+            payloads = {h: encode_share(*held[h], offset=group.offset) for h in tokens if h != group.group and h in held}
+            total = group.step_tokens(tokens, {h: len(p) for h, p in payloads.items()})
+            handed = group.exchange(payloads)  # (this group's own share, from the group that holds it)
+            own = [held[h] for h in sorted(held) if group.trains_held(h)] if not group.failed else []
+            received = decode_share(handed, group.offset) if handed is not None else None
+            if received is not None:
+                own.append(received)
+            self.replica_received = received  # (a group without generators logs the rewards of what it trained)
+            made, made_advantages, made_tokens = spec.replica_makeup.rows(self, q.step)  # (shares no group held)
+            trained, total = [r for part in own for r in part[0]] + made, total + made_tokens
+            trained_advantages = torch.cat([part[1] for part in own if part[1] is not None]
+                                           + ([made_advantages] if made_advantages is not None else [])
+                                           or [torch.zeros(0)])
             old.clear()  # (pi_old of this attempt's rows: num_iterations is 1 with replica groups)
             result = (self._accumulate_gradients(trained, trained_advantages, old, step_tokens=total,
                                                  groups=group.participants)
                       if trained and not group.failed else (0.0, {}))  # (a failed count: this attempt does not commit)
-            group.average(self.spec.model)
+            group.average(spec.model)
             if group.commit():
                 break
-            self.spec.optimizer.zero_grad(set_to_none=True)  # the same rows again, with the next quorum
-        if rollouts and not rows:
-            group.discard(len(rollouts) // max(self.spec.num_generations, 1))
-        self.trained_rows[-1] = [r.row_index for r in trained[:: self.spec.num_generations]]
+            spec.optimizer.zero_grad(set_to_none=True)  # the same rows again, with the next quorum
+        if rollouts and not current:
+            group.discard(len(rollouts) // max(spec.num_generations, 1))
+        self.trained_rows[-1] = [r.row_index for r in trained[:: spec.num_generations]]
         self.replica_trained = (trained, trained_advantages)  # (what the group trained in the step: made-up shares too)
         return ((rollouts or trained) if total > 0 else []), result
 
@@ -545,6 +579,22 @@ class TrainerExecutor(Executor):
 
     def save_checkpoint(self) -> None:
         self.spec.save_checkpoint(self.version)
+
+
+def _by_share(rollouts: list[Rollout], advantages, rewards: list[float] | None, shares: list[int] | None,
+              own: int) -> dict[int, tuple]:
+    """Rollouts, their advantages and their rewards (`replica_exchange` hands them over with a share) by the share of
+    the global batch each belongs to (`shares`; None: all are the group's `own`)."""
+    if not rollouts:
+        return {}
+    shares = shares if shares is not None else [own] * len(rollouts)
+    rewards = rewards if rewards is not None else [math.nan] * len(rollouts)
+    out = {}
+    for h in sorted(set(shares)):
+        index = [i for i, s in enumerate(shares) if s == h]
+        out[h] = ([rollouts[i] for i in index], advantages[index] if advantages is not None else None,
+                  [rewards[i] for i in index])
+    return out
 
 
 def checked_loss(algorithm, out, with_grad: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
