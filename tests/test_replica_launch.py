@@ -64,6 +64,22 @@ def test_each_group_gets_its_share_of_the_gpus_this_process_may_use(monkeypatch)
     assert rl.shares(rl.visible_gpus(2), 2) == [["GPU-a"], ["GPU-b"]]
 
 
+def test_groups_sharing_group_0s_generators_get_shares_by_their_processes(monkeypatch):
+    """trainer_replica_shared_generators: group 0 (its trainer and generators) gets a share of the machine for each of
+    its processes, every other group (one trainer process, started without a launcher) one; hand cases."""
+    assert rl.shares(list(range(6)), [2, 1]) == [[0, 1, 2, 3], [4, 5]]
+    assert rl.shares(list(range(2)), [2, 1]) == [[0], [1]]  # (each at least one)
+    assert rl.shares(list(range(8)), [3, 1, 1]) == [[0, 1, 2, 3, 4, 5], [6], [7]]  # (what is left over: group 0's)
+    assert rl.shares(list(range(5)), [3, 1, 1]) == [[0, 1, 2], [3], [4]] and rl.shares([0, 1], [2, 1, 1]) == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    sup = rl.Supervisor([], 2, 1, "out", several=True, grace_s=1.0, lighthouse="x", gpus_per_group=2, shared=True,
+                        processes_per_group=2)
+    assert sup._gpus == [["0", "1"], ["2"]] and sup._several(0) and not sup._several(1)
+    assert sup.standby_after is not None  # (group 1 is one process: it has a standby; group 0, launched, none)
+    one = rl.group_argv(["--config", "r.yaml"], 1, "http://h:9", "out", several=sup._several(1))
+    assert one[one.index("--main_process_port") + 1] == "0"
+
+
 def test_when_a_groups_standby_starts(monkeypatch):
     """Its delay after the group's start (seconds, default 20) or none ("off"), and a clear error for a bad value."""
     monkeypatch.delenv(rl.ENV_STANDBY_AFTER, raising=False)

@@ -64,11 +64,12 @@ def await_go(job: dict) -> bool:
     the command ended this standby (end of input), its children are stopped."""
     config = job["recipe"].config
     start = time.monotonic()
-    prestarted = config.topology.prestart_children(config.output_dir)
+    prestarted = None if config.trainer_only else config.topology.prestart_children(config.output_dir)
+    children = ("no generator of its own: it shares group 0's" if config.trainer_only else
+                f"its generator children {'started' if prestarted is not None else 'start when it trains'}")
     print(f"hfllamarl train: standby of replica group {config.trainer_replica_group} ready (process {os.getpid()}, "
-          f"prepared in {time.monotonic() - STARTED:.1f} s; its generator children "
-          f"{'started' if prestarted is not None else 'start when it trains'}): it takes over when the group is "
-          "restarted", file=sys.stderr, flush=True)
+          f"prepared in {time.monotonic() - STARTED:.1f} s; {children}): it takes over when the group is restarted",
+          file=sys.stderr, flush=True)
     line = sys.stdin.readline()
     if line.strip() != "go":
         config.topology.release_prestarted()
@@ -165,12 +166,24 @@ def restarts_asked(argv: list[str]) -> int:
     return n
 
 
-def shares(items: list, groups: int) -> list[list]:
-    """`items` (cores or GPUs) cut into `groups` equal consecutive shares, or [] when there are fewer than groups."""
-    if len(items) < groups:
+def shares(items: list, groups: int | list[int]) -> list[list]:
+    """`items` (cores or GPUs) cut into consecutive shares, one a group: equal ones for `groups` groups (what is left
+    over unused), or in proportion to each group's weight (`groups` a list: its processes), each at least one item
+    and what is left over to group 0; [] when there are fewer items than groups."""
+    if isinstance(groups, int):
+        if len(items) < groups:
+            return []
+        size = len(items) // groups
+        return [items[g * size:(g + 1) * size] for g in range(groups)]
+    weights = list(groups)
+    if len(items) < len(weights):
         return []
-    size = len(items) // groups
-    return [items[g * size:(g + 1) * size] for g in range(groups)]
+    sizes = [max(1, len(items) * w // sum(weights)) for w in weights]
+    while sum(sizes) > len(items):
+        sizes[sizes.index(max(sizes))] -= 1
+    sizes[0] += len(items) - sum(sizes)
+    bounds = [sum(sizes[:g]) for g in range(len(sizes) + 1)]
+    return [items[bounds[g]:bounds[g + 1]] for g in range(len(sizes))]
 
 
 def visible_gpus(count: int) -> list[str]:
@@ -188,21 +201,29 @@ class Supervisor:
         argv: the `hfllamarl train` arguments (the recipe).
         groups: how many groups; max_restarts: restarts of each; output_dir: the run's (group 0's).
         several: a group is several processes (`accelerate launch`, which `hfllamarl train` starts itself).
+        shared: the groups share group 0's generators (`trainer_replica_shared_generators`): every other group is
+            one trainer process, started without a launcher, with a share of the machine for that one process.
         grace_s: how long a group may run on once another has finished the run.
         lighthouse: an address to join; None: start one here.
     """
 
     def __init__(self, argv: list[str], groups: int, max_restarts: int, output_dir: str, several: bool,
-                 grace_s: float, lighthouse: str | None = None, gpus_per_group: int = 0):
+                 grace_s: float, lighthouse: str | None = None, gpus_per_group: int = 0, shared: bool = False,
+                 processes_per_group: int = 2):
         self.argv, self.groups, self.max_restarts = list(argv), groups, max_restarts
-        self.output_dir, self.several, self.grace_s = output_dir, several, grace_s
+        self.output_dir, self.several, self.grace_s, self.shared = output_dir, several, grace_s, shared
         self._lighthouse_addr, self._lighthouse = lighthouse, None
         self.procs: dict[int, subprocess.Popen] = {}
         self.restarts = {g: 0 for g in range(groups)}
         self.started = {g: 0.0 for g in range(groups)}
         self.ended: dict[int, int] = {}  # group -> exit code, once it will not be started again
-        self._cpus = shares(sorted(os.sched_getaffinity(0)), groups) if hasattr(os, "sched_getaffinity") else []
-        self._gpus = shares(visible_gpus(gpus_per_group * groups), groups) if gpus_per_group else []
+        # (a group's share of the machine: equal ones, or with shared generators group 0's processes against the
+        # others' one each)
+        weights = [processes_per_group] + [1] * (groups - 1) if shared else groups
+        self._cpus = shares(sorted(os.sched_getaffinity(0)), weights) if hasattr(os, "sched_getaffinity") else []
+        gpus = gpus_per_group + (groups - 1) * (1 if shared else gpus_per_group)
+        self._gpus = shares(visible_gpus(gpus), [gpus_per_group] + [1] * (groups - 1) if shared else groups) \
+            if gpus_per_group else []
         self._stopping = 0  # the signal that asked to stop
         self._copiers: dict[int, list[threading.Thread]] = {}  # pid -> the threads copying its output
         self._prefix: dict[int, list[str]] = {}  # pid -> its lines' prefix (a standby's changes when it is used)
@@ -210,7 +231,7 @@ class Supervisor:
         # group -> its standby process (`await_go`), started `standby_after` s after the group; none for a group of
         # several processes (accelerate launch) or without restarts
         self.standbys: dict[int, subprocess.Popen] = {}
-        self.standby_after = standby_after_s() if max_restarts > 0 and not several else None
+        self.standby_after = standby_after_s() if max_restarts > 0 and not (several and not shared) else None
         self._standby_failed: set[int] = set()  # groups whose standby ended by itself: no other is started
 
     def lighthouse(self) -> str:
@@ -244,7 +265,7 @@ class Supervisor:
         if self._gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus[group])
         cmd = [sys.executable, "-m", "hfllamarl.cli", "train",
-               *group_argv(self.argv, group, self.lighthouse(), self.output_dir, self.several)]
+               *group_argv(self.argv, group, self.lighthouse(), self.output_dir, self._several(group))]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 stdin=subprocess.PIPE if standby else None,
                                 start_new_session=True, bufsize=1, errors="replace")
@@ -296,9 +317,14 @@ class Supervisor:
         now = time.monotonic()
         for g, proc in self.procs.items():
             if (g in self.ended or g in self.standbys or g in self._standby_failed or proc.poll() is not None
+                    or self._several(g)
                     or self.restarts[g] >= self.max_restarts or now - self.started[g] < self.standby_after):
                 continue
             self.standbys[g] = self._spawn(g, self.restarts[g] + 1, standby=True)
+
+    def _several(self, group: int) -> bool:
+        """Whether group `group` is several processes (under `accelerate launch`)."""
+        return self.several and not (self.shared and group > 0)
 
     def run(self) -> int:
         """Start every group and watch them until the run ends; returns the exit code."""

@@ -77,10 +77,13 @@ def start_groups(argv: list[str]) -> int:
 
         if torch.cuda.is_available() and not config.use_cpu:  # (a group's processes: its launch's, or 1 + generators)
             gpus = script.num_processes if job["launch"] else 1 + config.num_generator_processes
-            if torch.cuda.device_count() < gpus * groups:
-                raise RecipeError(f"trainer_replica_groups={groups} groups of {gpus} processes need {gpus * groups} GPUs "
-                                  f"on this machine, which has {torch.cuda.device_count()}; launch each group on its "
-                                  "own machines instead (docs: Elastic trainer replicas).")
+            other = 1 if config.trainer_replica_shared_generators else gpus  # (a group sharing group 0's: 1)
+            need = gpus + (groups - 1) * other
+            if torch.cuda.device_count() < need:
+                raise RecipeError(f"trainer_replica_groups={groups} groups (group 0 of {gpus} processes, the others of "
+                                  f"{other} each) need {need} GPUs on this machine, which has "
+                                  f"{torch.cuda.device_count()}; launch each group on its own machines instead (docs: "
+                                  "Elastic trainer replicas).")
         from hfllamarl.runtime.training.replica_quorum import import_torchft
 
         import_torchft()  # (before anything starts: the groups need it, and so does the lighthouse)
@@ -95,7 +98,10 @@ def start_groups(argv: list[str]) -> int:
         return 0
     grace = min(float(config.collective_timeout_s), 300.0)
     return Supervisor(argv, groups, restarts, config.output_dir, several=bool(job["launch"]), grace_s=grace,
-                      lighthouse=lighthouse, gpus_per_group=gpus).run()
+                      lighthouse=lighthouse, gpus_per_group=gpus,
+                      shared=bool(config.trainer_replica_shared_generators),
+                      processes_per_group=script.num_processes if job["launch"] else 1 + config.num_generator_processes
+                      ).run()
 
 
 def prepare_job(argv: list[str]) -> dict:
@@ -112,6 +118,8 @@ def prepare_job(argv: list[str]) -> dict:
 
     recipe = parse_recipe(argv)
     script, config, model = recipe.script, recipe.config, recipe.model
+    if config.trainer_only and not launched:  # (it shares group 0's generators: one trainer process, no launch)
+        script.num_processes, script.accelerate_config = 1, None
     launch = resolve(script, launched)
     check_layout(recipe, launched)
     if model.load_in_4bit or model.load_in_8bit:
@@ -186,6 +194,8 @@ def check_layout(recipe, launched: bool) -> None:
     if launched:
         return  # AsyncAIPOConfig checked the layout against the processes the launcher started
     n, g = recipe.script.num_processes, recipe.config.num_generator_processes
+    if recipe.config.trainer_only:
+        g = 0  # (a replica group sharing group 0's generators has none)
     if n and n <= g:
         raise RecipeError(f"num_processes={n} leaves no trainer rank beside num_generator_processes={g}.")
     tp, shard = recipe.config.trainer_tensor_parallel_size, recipe.config.trainer_fsdp_shard_size

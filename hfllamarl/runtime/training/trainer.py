@@ -242,7 +242,8 @@ class TrainerExecutor(Executor):
         self._check_staleness(groups)
         rollouts = [r for g in groups for r in g.rollouts]  # what the batch generated (its rewards are logged)
         rewards_t0 = time.perf_counter()
-        rewards, per_func = self._score(rollouts, [len(g.rollouts) for g in groups])
+        # (no groups: a replica group without generators, handed its share scored)
+        rewards, per_func = self._score(rollouts, [len(g.rollouts) for g in groups]) if groups else ([], {})
         reward_seconds = time.perf_counter() - rewards_t0
         logged, extra = spec.rewards.drain(len(rollouts))  # TRL's log_metric / log_extra calls of this step
         trained, trained_rewards, trained_scores, sampling = groups, rewards, per_func, {}
