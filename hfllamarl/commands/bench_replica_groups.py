@@ -1,7 +1,7 @@
 """`hfllamarl bench replica-groups`: what trainer replica groups cost a training run without failures, side by side
 with today's layout.
 
-    hfllamarl bench replica-groups [--steps 40] [--rounds 2] [--warmup 10] [--precision auto]
+    hfllamarl bench replica-groups [--steps 40] [--rounds 2] [--warmup 10] [--precision auto] [--shared-generators]
 
 The vs-TRL bench's task and model (a random-init Llama, 18.7M parameters by default; the digit-share reward; 4
 prompts x 4 completions of up to 96 tokens a step, constant learning rate 1e-4, max_staleness 1), trained by the
@@ -11,6 +11,11 @@ real trainer in two layouts of 2 trainer ranks and 2 generators, alternated `--r
   (hybrid sharding: FSDP2 averages the gradients in the backward pass) and 2 generator replicas of one process;
 - `groups` (fault-tolerant): 2 jobs of `torchrun --nproc-per-node 2` (1 trainer + 1 generator each) with
   `trainer_replica_groups=2`, joined per step by torchft's quorum through a lighthouse this process starts.
+
+With `--shared-generators`, 2 trainer ranks and 1 generator: `hybrid` is one job of 3 processes; `groups` is group 0
+(1 trainer + the generator, `torchrun --nproc-per-node 2`) and group 1 (one trainer process, started with plain
+`python`), with `trainer_replica_shared_generators=True`: group 0's generator samples both shares and group 0's
+trainer hands group 1 its share each step.
 
 Both train the same global batch a step (2 x 8 completions). It prints each layout's steady seconds a step (the
 first trainer's step ends from step `--warmup` on: the whole run's pace, generation and weight sync included), the
@@ -39,6 +44,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
+    parser.add_argument("--shared-generators", action="store_true",
+                        help="2 trainer ranks + 1 generator: the groups share group 0's (trainer_replica_shared_generators)")
     parser.add_argument("--output-dir", default="outputs/bench_replica_groups")
 
 
@@ -70,16 +77,19 @@ def child(job: dict) -> None:
 
 
 def _torchrun(nproc: int, job: dict, log: str) -> subprocess.Popen:
+    """One layout's job: `nproc` processes under torchrun (0: one process started with plain python)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.setdefault("RUST_LOG", "warn")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
-           __name__, json.dumps(job)]
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc else []
+    if not nproc:  # (one thread, as torchrun gives each of its ranks: not two processes' threads on one core)
+        env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, *launch, "-m", __name__, json.dumps(job)]
     with open(log, "w") as fh:
         return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
 
 
-def run_layout(layout: str, job: dict, out: str, round_: int) -> dict:
-    """One run of `layout`; the first trainer's result (group 0's for `groups`)."""
+def run_layout(layout: str, job: dict, out: str, round_: int, shared: bool = False) -> dict:
+    """One run of `layout`; the first trainer's result (group 0's for `groups`). `shared`: 1 generator (group 0's)."""
     lighthouse = None
     runs = []  # (process, log, result)
     if layout == "groups":
@@ -90,14 +100,15 @@ def run_layout(layout: str, job: dict, out: str, round_: int) -> dict:
         for g in range(2):
             where = os.path.join(out, f"{layout}-{round_}-g{g}")
             spec = dict(job, output_dir=where, result=where + ".json", layout_config={
-                "trainer_replica_groups": 2, "trainer_replica_group": g, "torchft_lighthouse": lighthouse.address()})
-            runs.append((_torchrun(2, spec, where + ".log"), where + ".log", spec["result"]))
+                "trainer_replica_groups": 2, "trainer_replica_group": g, "torchft_lighthouse": lighthouse.address(),
+                "trainer_replica_shared_generators": shared})
+            runs.append((_torchrun(0 if shared and g else 2, spec, where + ".log"), where + ".log", spec["result"]))
     else:
         where = os.path.join(out, f"{layout}-{round_}")
         spec = dict(job, output_dir=where, result=where + ".json",
-                    layout_config={"trainer_fsdp_shard_size": 1, "num_generator_processes": 2,
+                    layout_config={"trainer_fsdp_shard_size": 1, "num_generator_processes": 1 if shared else 2,
                                    "generator_tensor_parallel_size": 1})
-        runs.append((_torchrun(4, spec, where + ".log"), where + ".log", spec["result"]))
+        runs.append((_torchrun(3 if shared else 4, spec, where + ".log"), where + ".log", spec["result"]))
     try:
         for proc, _, _ in runs:
             proc.wait(timeout=1800)
@@ -142,7 +153,7 @@ def run(args) -> int:
         for round_ in range(args.rounds):
             for layout in ("hybrid", "groups"):
                 print(f"round {round_ + 1}: {layout} ...", flush=True)
-                r = run_layout(layout, job, out, round_)
+                r = run_layout(layout, job, out, round_, args.shared_generators)
                 paces[layout].append(pace(r, args.warmup))
                 print(f"  {paces[layout][-1]:.3f} s a step", flush=True)
                 if layout == "groups":
@@ -152,16 +163,19 @@ def run(args) -> int:
     mean = {k: statistics.mean(v) for k, v in paces.items()}
     ratio = mean["groups"] / mean["hybrid"]
     q_med, q_mean = statistics.median(quorum), statistics.mean(quorum)
-    print(f"\n2 trainer ranks + 2 generators, {2 * ROWS_PER_GROUP} completions of up to 96 tokens a step, {precision}, "
-          f"{args.rounds} x {args.steps} steps per layout (steps {args.warmup + 1}-{args.steps} timed)")
+    shared = args.shared_generators
+    print(f"\n2 trainer ranks + {1 if shared else 2} generator(s), {2 * ROWS_PER_GROUP} completions of up to 96 tokens "
+          f"a step, {precision}, {args.rounds} x {args.steps} steps per layout (steps {args.warmup + 1}-{args.steps} "
+          "timed)")
     print(f"  hybrid (one torchrun job, trainer_fsdp_shard_size=1)   {mean['hybrid']:.3f} s a step  "
           f"(runs: {', '.join(f'{p:.3f}' for p in paces['hybrid'])})")
-    print(f"  groups (2 torchrun jobs, torchft quorum)              {mean['groups']:.3f} s a step  "
+    groups = "2 jobs sharing group 0's generator" if shared else "2 torchrun jobs"
+    print(f"  groups ({groups}, torchft quorum){' ' * max(1, 38 - len(groups))}{mean['groups']:.3f} s a step  "
           f"(runs: {', '.join(f'{p:.3f}' for p in paces['groups'])})   {ratio:.3f}x")
     print(f"    the groups' quorum calls a step (with their waits for the slower group): median {q_med:.4f} s, "
           f"mean {q_mean:.4f} s ({q_mean / mean['groups']:.1%} of the step); gradient average: median "
           f"{statistics.median(average):.4f} s")
-    print(json.dumps({"precision": precision, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+    print(json.dumps({"precision": precision, "shared_generators": shared, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
                       "hybrid_step_s": round(mean["hybrid"], 4), "groups_step_s": round(mean["groups"], 4),
                       "ratio": round(ratio, 4), "quorum_median_s": round(q_med, 4), "quorum_mean_s": round(q_mean, 4),
                       "average_median_s": round(statistics.median(average), 4)}))

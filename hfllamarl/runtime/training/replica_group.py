@@ -78,6 +78,7 @@ class ReplicaGroup:
         self.rows_lost = 0  # rows of this group's shares that were sampled under an old offset, not trained
         self.missing: list[int] = []  # shares of the step's batch no participant holds (`step_tokens`)
         self.handed: dict[int, int] = {}  # shares handed from their holder to their own group: their bytes
+        self.shared_generators = False  # the groups share group 0's generators (set by the front-end)
         self.failed = False  # this attempt's count failed on a rank of the group: it does not commit, no work is done
         self.made_up = 0  # prompts of missing shares this group sampled and trained itself (`replica_makeup`)
         self.steps_missed = 0  # global steps this group was not part of (restarted or frozen)

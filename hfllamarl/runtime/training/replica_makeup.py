@@ -97,8 +97,7 @@ class ShareMakeup:
                 if group.is_main and self._last.get(share, -2) < global_batch - 1:
                     logger.warning("trainer replica group %d: from global step %d, samples the share of group %d "
                                    "itself while it is missing (%s)", group.group, global_batch + 1, share,
-                                   "that group holds nothing current for it" if share in group.members
-                                   else "that group is away")
+                                   _why_missing(group, share))
                 self._last[share] = global_batch
                 return groups
             why = "a prompt of it leaves no room for a whole completion within max_model_len"
@@ -110,3 +109,11 @@ class ShareMakeup:
                            "trained (the trainer cannot sample it: %s); logged once", group.group, share,
                            global_batch + 1, why)
         return None
+
+
+def _why_missing(group, share: int) -> str:
+    """Why share `share` is missing from the step (logged when a group starts to sample it itself)."""
+    if getattr(group, "shared_generators", False) and share != 0:  # (group 0's generators sample every share)
+        return ("group 0's generators, which sample it, hold nothing current" if 0 in group.members
+                else "group 0, whose generators sample it, is away")
+    return "that group holds nothing current for it" if share in group.members else "that group is away"
