@@ -73,6 +73,54 @@ def test_a_group_sharing_group_0s_generators_has_none_of_its_own():
     assert not zero.trainer_only and zero._topology.num_generators == 1
 
 
+MISMATCH = """
+import os, sys, torch
+from hfllamarl.runtime.training.replica_group import ReplicaGroup
+from hfllamarl.runtime.training.replica_quorum import group_store
+
+group, shared, lighthouse = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+model = torch.nn.Linear(4, 4)
+store, host, port = group_store()
+g = ReplicaGroup(group, 2, lighthouse, model, torch.optim.AdamW(model.parameters()), None, collective_timeout_s=20.0,
+                 device="cpu", store=(host, port), rank=0, world_size=1, peer_wait_s=30.0, shared_generators=shared)
+q = g.begin(0)
+try:
+    g.step_tokens({group: 10.0})
+    print("COUNTED", sorted(g.members), flush=True)
+except RuntimeError as e:
+    print("REFUSED", e, flush=True)
+os._exit(0)  # (torchft's server threads would hold the interpreter's exit)
+"""
+
+
+def test_groups_that_disagree_on_sharing_group_0s_generators_stop_with_what_to_do():
+    """Group 0 shares its generators, group 1 was started without the setting (it would sample its own share with its
+    own generators, and group 0 would sample it too): at the first step both stop with an error that names the
+    groups and the setting; started alike, they count the step together."""
+    import subprocess
+    import sys
+
+    from hfllamarl.runtime.training.replica_quorum import start_lighthouse
+
+    for flags, want in (((1, 0), "REFUSED"), ((1, 1), "COUNTED")):
+        lighthouse = start_lighthouse(min_replicas=2, heartbeat_timeout_s=2.0, join_timeout_s=5.0)
+        try:
+            procs = [subprocess.Popen([sys.executable, "-c", MISMATCH, str(g), str(flag), lighthouse.address()],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=dict(os.environ, RUST_LOG="warn")) for g, flag in enumerate(flags)]
+            outs = [p.communicate(timeout=120) for p in procs]
+        finally:
+            lighthouse.shutdown()
+        for out, err in outs:
+            line = out.strip().splitlines()[-1] if out.strip() else err[-2000:]
+            assert line.startswith(want), line
+            if want == "REFUSED":
+                assert "trainer replica groups [0] share group 0's generators" in line and "groups [1] do not" in line \
+                    and "set trainer_replica_shared_generators alike in every group's config" in line, line
+            else:
+                assert line == "COUNTED [0, 1]", line
+
+
 def _wait_for_steps(path, steps, proc, timeout=300):
     deadline = time.monotonic() + timeout
     while not (path.exists() and len(prompts_log(path)) >= steps):

@@ -295,15 +295,14 @@ def replica_group(trainer, model, optimizer, scheduler, device):
     from hfllamarl.runtime.training.replica_group import ReplicaGroup, lighthouse_address
 
     topo.store()
-    group = ReplicaGroup(args.trainer_replica_group, args.trainer_replica_groups,
+    return ReplicaGroup(args.trainer_replica_group, args.trainer_replica_groups,
                         lighthouse_address(args.torchft_lighthouse), model, optimizer, scheduler,
                         args.collective_timeout_s, device, store=tuple(topo.store_addr), rank=topo.local_rank,
                         world_size=topo.local_world_size, is_main=topo.rank == 0,
                         # (a group other than 0 alone at step 0 waits for a peer this long; its generators wait for its
                         # weights up to collective_timeout_s meanwhile)
-                        peer_wait_s=min(args.vllm_server_timeout, args.collective_timeout_s / 2))
-    group.shared_generators = bool(args.trainer_replica_shared_generators)
-    return group
+                        peer_wait_s=min(args.vllm_server_timeout, args.collective_timeout_s / 2),
+                        shared_generators=bool(args.trainer_replica_shared_generators))
 
 
 def replica_makeup(trainer, model, device):

@@ -15,7 +15,9 @@ which group g trains share g (`prompts.group_batch_rows`). Per optimizer step, o
    whatever the number of groups and whether a group trains rows at all), which groups take part, and which shares
    of the global batch they hold. A share no participant holds (its group away, or back but holding nothing
    current) is sampled by the group it is dealt to (`makes_up`), on its trainer, and trained in this step
-   (`replica_makeup`); `more_tokens` then counts those tokens too. So no prompt of a global batch is skipped.
+   (`replica_makeup`); `more_tokens` then counts those tokens too. So no prompt of a global batch is skipped. With
+   shared generators (`trainer_replica_shared_generators`) group 0 holds every share, and `exchange` hands each
+   present group its own in the step (`replica_exchange`); a share whose group is away is trained by group 0.
 3. forward and backward on the group's rows; `average(model)`: gradients averaged over the participants.
 4. `commit()`: every collective of the step succeeded on every participant; else the same rows are trained again
    with the next quorum (a group lost mid-step costs that attempt, nothing else).
@@ -57,11 +59,13 @@ class ReplicaGroup:
             step (only group 0 starts a run, or resumes it from its checkpoint: `_wait_for_peer`), then stops (the
             job's: the start-up budget, vllm_server_timeout, and at most half of collective_timeout_s, since its
             generators wait for its weights meanwhile).
+        shared_generators: the groups share group 0's generators (`trainer_replica_shared_generators`): checked
+            alike in every group at each step.
     """
 
     def __init__(self, group: int, groups: int, lighthouse: str, model, optimizer, scheduler,
                  collective_timeout_s: float, device, store: tuple[str, int], rank: int, world_size: int,
-                 is_main: bool = True, peer_wait_s: float = 240.0):
+                 is_main: bool = True, peer_wait_s: float = 240.0, shared_generators: bool = False):
         self.group, self.groups, self.is_main = int(group), int(groups), is_main
         self.peer_wait_s = float(peer_wait_s)
         # Built at the first step: from then on the lighthouse waits for this group at every quorum (up to its join
@@ -78,7 +82,7 @@ class ReplicaGroup:
         self.rows_lost = 0  # rows of this group's shares that were sampled under an old offset, not trained
         self.missing: list[int] = []  # shares of the step's batch no participant holds (`step_tokens`)
         self.handed: dict[int, int] = {}  # shares handed from their holder to their own group: their bytes
-        self.shared_generators = False  # the groups share group 0's generators (set by the front-end)
+        self.shared_generators = bool(shared_generators)  # the groups share group 0's (`replica_exchange`)
         self.failed = False  # this attempt's count failed on a rank of the group: it does not commit, no work is done
         self.made_up = 0  # prompts of missing shares this group sampled and trained itself (`replica_makeup`)
         self.steps_missed = 0  # global steps this group was not part of (restarted or frozen)
@@ -169,13 +173,14 @@ class ReplicaGroup:
         participant knows the shares `missing` from it and the ones `handed` from their holder to their own group
         (`sizes`: the bytes of each share this group holds for another, `exchange`), and logs a change."""
         q, groups = self._quorum, self.groups
-        vector = torch.zeros(1 + 3 * groups, dtype=torch.float64)
+        vector = torch.zeros(1 + 4 * groups, dtype=torch.float64)  # (tokens, members, holds, bytes, shared)
         vector[0] = float(sum(tokens.values()))
         vector[1 + self.group] = 1.0
         for h in tokens:
             vector[1 + groups + h] = 1.0
         for h, size in (sizes or {}).items():
             vector[1 + 2 * groups + h] = float(size)
+        vector[1 + 3 * groups + self.group] = float(self.shared_generators)
         with self._timed("quorum"):
             self.quorum.manager.allreduce(vector).wait()  # (AVG over the participants; a failure is recorded)
             # The group's ranks agree on whether the count failed: one that skipped its forward, or sampled a share
@@ -186,6 +191,12 @@ class ReplicaGroup:
             return float(sum(tokens.values()))
         vector *= q.participants
         members = {g for g in range(groups) if vector[1 + g] > 0.5}
+        sharing = sorted(g for g in members if vector[1 + 3 * groups + g] > 0.5)
+        if sharing and len(sharing) < len(members):
+            raise RuntimeError(
+                f"trainer replica groups {sharing} share group 0's generators (trainer_replica_shared_generators) and "
+                f"groups {sorted(members - set(sharing))} do not: set trainer_replica_shared_generators alike in every "
+                "group's config (or recipe), then start the groups again.")
         self.missing = [g for g in range(groups) if vector[1 + groups + g] < 0.5]
         self.handed = {h: int(round(float(vector[1 + 2 * groups + h]))) for h in sorted(members)
                        if vector[1 + groups + h] > 0.5 and vector[1 + 2 * groups + h] > 0.5}
