@@ -36,7 +36,7 @@ import replica_drill  # noqa: E402  (the drill's rows, model and loss: shared wi
 from hfllamarl.runtime.training.replica_rows import replica_slice, replica_step_shape  # noqa: E402
 
 STEPS, FAULT_AT = 24, 8
-TIMEOUT_S = 3.0  # the groups' collective timeout: a frozen group is dropped after it
+TIMEOUT_S = 9.0  # the groups' collective timeout: a group frozen in a collective is dropped after a third of it
 HEARTBEAT_S = 2.0  # the lighthouse's: a killed group is dropped after it
 PACE_S = 0.05  # per trained row: 0.2 s a step with both groups, 0.4 s alone
 FROZEN_S = 4.5  # longer than the collective timeout and the heartbeat: the survivor goes on alone meanwhile
@@ -97,7 +97,10 @@ def test_timeouts_follow_the_collective_timeout():
     from hfllamarl.runtime.training.replica_quorum import ReplicaTimeouts
 
     t = ReplicaTimeouts.from_collective_timeout(1800)
-    assert (t.collective, t.connect) == (1800, 60) and t.quorum > t.collective
+    # (all below the job's timeout: a group's generators wait for its trainer that long, and a trainer held by a
+    # frozen peer must drop it and go on before then)
+    assert (t.collective, t.quorum, t.connect) == (600, 1200, 60)
+    assert ReplicaTimeouts.from_collective_timeout(30).collective == 10
     with pytest.raises(ValueError):
         ReplicaTimeouts.from_collective_timeout(0)
 

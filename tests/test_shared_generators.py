@@ -179,6 +179,13 @@ def test_two_trainer_replicas_share_one_generator_and_survive_a_freeze_and_a_kil
     assert f"rejoined: 1 (absent for global steps {killed['global_step'] + 1}-{rejoined - 1}" in err0
     assert "copied the weights, optimizer and schedule from a peer" in err1
     assert "GENERATORS []" in err1 and "GENERATORS []" not in err0  # (group 1 started no generator process)
+    # (the counters group 0 logs: the prompts it handed group 1, and those of group 1's share it kept and trained
+    # while group 1 was away; never one made up)
+    last0 = json.loads(err0.split("LOG_HISTORY ", 1)[1].splitlines()[0])[-2]
+    away = (thawed["global_step"] - frozen["global_step"] - 1) + (rejoined - killed["global_step"] - 1)
+    assert sum(len(e["rows"]) == 8 for e in log0) == away
+    assert last0["replicas/trainer_prompts_kept"] == 4 * away and last0["replicas/trainer_prompts_made_up"] == 0
+    assert last0["replicas/trainer_prompts_handed"] == 4 * len(before + after), last0
     times = {e["global_step"]: e["time"] for e in log0}
     print(f"drill (2 trainer replicas + 1 generator): SIGSTOP group 1 after global step {frozen['global_step']} for "
           f"6 s: group 0's next step +{times[frozen['global_step'] + 1] - stopped_at:.1f} s, group 1 back in global "

@@ -2,7 +2,7 @@
 with AIPO's loss on fixed rows, its step's quorum, row share and gradient average from
 `hfllamarl.runtime.training.replica_quorum` / `replica_rows`.
 
-    python replica_drill.py MODEL OUT --replica 1 --lighthouse ADDR --steps 24 [--pace 0.1] [--timeout 3] [--fsdp]
+    python replica_drill.py MODEL OUT --replica 1 --lighthouse ADDR --steps 24 [--pace 0.1] [--timeout 9] [--fsdp]
 
 Prints one line per step attempt, `STEP t=<unix time> replica=.. step=.. index=.. parts=.. rows=a:b healed=0|1
 commit=0|1 quorum=.. sync_ms=..` (sync_ms: the time in the quorum, the gradient average and
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--lighthouse", required=True)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--pace", type=float, default=0.0, help="seconds per trained row")
-    ap.add_argument("--timeout", type=float, default=3.0)
+    ap.add_argument("--timeout", type=float, default=9.0)
     ap.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (DTensor gradients and state)")
     ap.add_argument("--start-after", default=None,
                     help="a file: imports done and the model loaded, wait until it exists before joining (a standby "

@@ -52,7 +52,8 @@ class ReplicaGroup:
         group, groups: this group's id and how many groups the job has (`trainer_replica_group(s)`).
         lighthouse: the torchft lighthouse's address.
         model, optimizer, scheduler: what a healing group copies from a peer (with the torch RNG).
-        collective_timeout_s: a frozen peer is dropped after this (`ReplicaTimeouts`).
+        collective_timeout_s: the job's; a peer frozen inside a collective is dropped after a third of it
+            (`ReplicaTimeouts`).
         store: (host, port) of this group's store; rank, world_size: this rank within its group's trainer ranks.
         is_main: logs the group's recoveries (its first trainer rank).
         peer_wait_s: how long a group other than 0 waits for a peer when it is alone at global step 0 at its first
@@ -85,6 +86,8 @@ class ReplicaGroup:
         self.shared_generators = bool(shared_generators)  # the groups share group 0's (`replica_exchange`)
         self.failed = False  # this attempt's count failed on a rank of the group: it does not commit, no work is done
         self.made_up = 0  # prompts of missing shares this group sampled and trained itself (`replica_makeup`)
+        self.handed_prompts = 0  # shared generators: prompts of shares this group handed to their group, or was handed
+        self.kept_prompts = 0  # and prompts of an away group's share this group held and trained itself
         self.steps_missed = 0  # global steps this group was not part of (restarted or frozen)
         self._failed_at: float | None = None  # when the first failed attempt of the current step ended
         self._attempts = 0  # failed attempts of the current step
@@ -306,6 +309,8 @@ class ReplicaGroup:
         out = {"replicas/trainer_groups": float(self.participants), "replicas/trainer_retries": float(self.retries),
                "replicas/trainer_rows_lost": float(self.rows_lost),
                "replicas/trainer_prompts_made_up": float(self.made_up),
+               "replicas/trainer_prompts_handed": float(self.handed_prompts),
+               "replicas/trainer_prompts_kept": float(self.kept_prompts),
                "replicas/trainer_steps_missed": float(self.steps_missed),
                "replicas/global_step": float(self.global_step),
                "time/replica_quorum": self._seconds["quorum"], "time/replica_average": self._seconds["average"]}

@@ -33,6 +33,7 @@ torchft is imported only when a quorum is built (`pip install torchft==0.2.0`). 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ from typing import Callable, Iterable
 import torch
 
 TORCHFT_VERSION = "0.2.0"
+logger = logging.getLogger("hfllamarl")
+
+QUORUM_TRIES = 3  # quorum calls that time out before the group gives up (one frozen in the call times out once)
 BUCKET_BYTES = 25 * 1024 * 1024  # one allreduce per bucket: per-tensor collectives cost a round trip each
 
 
@@ -67,11 +71,15 @@ def _not_about_nccl_on_a_cpu(record) -> bool:
 
 @dataclass(frozen=True)
 class ReplicaTimeouts:
-    """The quorum's waits, in seconds, from the job's `collective_timeout_s`.
+    """The quorum's waits, in seconds, from the job's `collective_timeout_s` (t).
 
-    collective: an allreduce, a commit vote or a state transfer (a frozen peer is dropped after this);
+    collective: an allreduce, a commit vote or a state transfer (a frozen peer is dropped after this): t / 3;
     quorum: forming the quorum (longer: the lighthouse first waits for a lost group's heartbeat to lapse, and a
-    group that heals sends its state inside the quorum); connect: reaching the lighthouse or a peer's manager.
+    group that heals sends its state inside the quorum): 2t / 3; connect: reaching the lighthouse or a peer's
+    manager. Both below t: a group's own generators wait for its trainer up to t, and a trainer held by a peer
+    frozen inside a collective must drop it, form the next quorum and go on before they give up on it (at t for
+    both, a peer frozen inside a collective for longer than t ended the survivor's group too: its generator timed
+    out waiting for the weights first).
     """
 
     collective: float
@@ -83,7 +91,7 @@ class ReplicaTimeouts:
         t = float(collective_timeout_s)
         if not t > 0:
             raise ValueError(f"collective_timeout_s={collective_timeout_s} must be positive")
-        return cls(collective=t, quorum=2.0 * t + 10.0, connect=min(t, 60.0))
+        return cls(collective=t / 3.0, quorum=2.0 * t / 3.0, connect=min(t / 3.0, 60.0))
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,7 @@ class ReplicaQuorum:
         from torchft.checkpointing.pg_transport import PGTransport
 
         self.model, self.optimizer, self.device = model, optimizer, torch.device(device)
+        self.replica_id, self.lighthouse_addr = replica_id, lighthouse_addr
         self.timeouts = ReplicaTimeouts.from_collective_timeout(collective_timeout_s)
         collective = timedelta(seconds=self.timeouts.collective)
         pg_class = torchft.ProcessGroupNCCL if self.device.type == "cuda" else torchft.ProcessGroupGloo
@@ -197,7 +206,19 @@ class ReplicaQuorum:
         here, before its forward pass."""
         self._healed = False
         self._collective_start = None
-        self.manager.start_quorum()  # (synchronous: the quorum, any healing, then return)
+        for attempt in range(1, QUORUM_TRIES + 1):
+            started = time.monotonic()
+            try:
+                self.manager.start_quorum()  # (synchronous: the quorum, any healing, then return)
+                break
+            except TimeoutError as exc:  # (a lighthouse that did not answer in time; or this group frozen in the call)
+                if attempt == QUORUM_TRIES:
+                    raise TimeoutError(
+                        f"trainer replica group {self.replica_id}: the lighthouse at {self.lighthouse_addr} formed no "
+                        f"quorum in {QUORUM_TRIES} tries of up to {self.timeouts.quorum:.0f} s (two thirds of "
+                        f"collective_timeout_s, each): is it running and reachable from here? ({exc})") from None
+                logger.warning("trainer replica group %s: no quorum after %.1f s (%s); asking the lighthouse again",
+                               self.replica_id, time.monotonic() - started, exc)
         return StepQuorum(step=self.manager.current_step(), index=self.manager.participating_rank(),
                           participants=self.manager.num_participants(), quorum_id=int(self.manager._quorum_id),
                           healed=self._healed)

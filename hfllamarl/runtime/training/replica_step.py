@@ -59,8 +59,13 @@ def replica_gradients(executor, rollouts: list[Rollout], advantages, old: list, 
         if group.commit():
             break
         spec.optimizer.zero_grad(set_to_none=True)  # the same rows again, with the next quorum
+    n = max(spec.num_generations, 1)
     if rollouts and not current:
-        group.discard(len(rollouts) // max(spec.num_generations, 1))
+        group.discard(len(rollouts) // n)
+    # (shared generators, the committed attempt's: shares handed over or received, an away group's share kept)
+    group.handed_prompts += sum(len(held[h][0]) // n for h in held if h in group.handed) \
+        + (len(received[0]) // n if received is not None else 0)
+    group.kept_prompts += sum(len(held[h][0]) // n for h in held if h != group.group and group.trains_held(h))
     executor.trained_rows[-1] = [r.row_index for r in trained[:: spec.num_generations]]
     executor.replica_trained = (trained, trained_advantages)  # (what the group trained in the step: made-up shares too)
     return ((rollouts or trained) if total > 0 else []), result
