@@ -4,7 +4,8 @@ share in the step (`replica_exchange`); group 1 starts no generator.
 
 The drill (slow): 2 trainer replicas (two groups of one trainer process) + 1 generator (group 0's), the tiny model,
 100 steps. Group 1 freezes (SIGSTOP) at the end of its 8th step for 6 s, then is let go (SIGCONT); later it
-SIGKILLs itself at the end of its 30th step and is started again by hand. Group 0 leaves it out at each failure and
+SIGKILLs itself at the end of its 30th step and is started again by hand; 10 steps after it is back, it is frozen
+from outside for 15 s, longer than group 0's collective_timeout_s (12 s), at whatever point of its step. Group 0 leaves it out at each failure and
 trains its share itself (it holds it: nothing is sampled again), group 1 rejoins by copying the policy from group 0
 and trains what it is handed from its first step back; at the end both hold the same weights bit for bit, every
 global step trained each prompt of its batch once, and the weights equal an independent replay of the same rows in
@@ -137,7 +138,8 @@ def test_two_trainer_replicas_share_one_generator_and_survive_a_freeze_and_a_kil
     log_path = out1 / "trained_prompts-group1-rank0.jsonl"
     procs = []
     try:
-        procs.append(_group(tiny_model, out0, 0, lighthouse.address(), "--steps", "100", config=SHARED))
+        procs.append(_group(tiny_model, out0, 0, lighthouse.address(), "--steps", "100", "--timeout", "12",
+                            config=SHARED))
         first = _group(tiny_model, out1, 1, lighthouse.address(), "--steps", "100", "--timeout", "60",
                        "--freeze-at-step", "8", "--kill-at-step", "30", config=SHARED)
         procs.append(first)
@@ -155,6 +157,15 @@ def test_two_trainer_replicas_share_one_generator_and_survive_a_freeze_and_a_kil
         killed_at = float((out1 / "killed_at").read_text())
         again = _group(tiny_model, out1, 1, lighthouse.address(), "--steps", "100", "--timeout", "60", config=SHARED)
         procs.append(again)
+        # a freeze from outside, longer than group 0's collective_timeout_s (12 s), wherever it lands: in the step's
+        # quorum (group 0 leaves group 1 out after the heartbeat timeout), in one of its collectives (after a third of
+        # collective_timeout_s) or in group 1's own work
+        log_lines = len(prompts_log(log_path))
+        _wait_for_steps(log_path, log_lines + 10, again)
+        os.kill(again.pid, signal.SIGSTOP)
+        held_at = time.time()
+        time.sleep(15.0)
+        os.kill(again.pid, signal.SIGCONT)
         again.wait(timeout=300)
         procs[0].wait(timeout=300)
     finally:
@@ -168,29 +179,41 @@ def test_two_trainer_replicas_share_one_generator_and_survive_a_freeze_and_a_kil
     for text in (err0, err1, err1_first):
         assert "samples the share of group" not in text, text[-3000:]
     before, after = prompts_log_runs(log1)
-    gaps = [(a, b) for a, b in zip(before, before[1:]) if b["global_step"] > a["global_step"] + 1]
-    assert len(gaps) == 1, [e["global_step"] for e in before]
-    (frozen, thawed), killed = gaps[0], before[-1]
+
+    def gaps(run):
+        return [(a, b) for a, b in zip(run, run[1:]) if b["global_step"] > a["global_step"] + 1]
+
+    assert len(gaps(before)) == 1 and len(gaps(after)) == 1, [e["global_step"] for e in before + after]
+    (frozen, thawed), killed, (held, let_go) = gaps(before)[0], before[-1], gaps(after)[0]
     rejoined = after[0]["global_step"]
-    assert killed["global_step"] + 1 < rejoined and [e["global_step"] for e in after] == list(range(rejoined, 101))
+    assert killed["global_step"] + 1 < rejoined and after[-1]["global_step"] == 100
     assert all(len(e["rows"]) == 4 for e in before + after)  # (its share, handed by group 0, every step it was in)
-    assert err0.count("left: [1]") == 2, err0[-3000:]
-    assert f"rejoined: 1 (absent for global steps {frozen['global_step'] + 1}-{thawed['global_step'] - 1}" in err0
-    assert f"rejoined: 1 (absent for global steps {killed['global_step'] + 1}-{rejoined - 1}" in err0
+    assert err0.count("left: [1]") == 3, err0[-3000:]
+    for left, back in ((frozen, thawed), (killed, after[0]), (held, let_go)):
+        assert f"rejoined: 1 (absent for global steps {left['global_step'] + 1}-{back['global_step'] - 1}" in err0
+    # group 0 never waited a whole collective_timeout_s (12 s) for the group frozen from outside: it left it out
+    # after a third of it (inside a collective) or the heartbeat timeout (in the quorum), and its generator, which
+    # waits for its trainer up to 12 s, did not give up on it (with torchft's waits at collective_timeout_s, a group
+    # frozen inside a collective for longer ended the other group's generator first, and so that group)
+    times = {e["global_step"]: e["time"] for e in log0}
+    longest = max(times[s + 1] - times[s] for s in range(held["global_step"], let_go["global_step"]))
+    assert longest < 8.0, longest
     assert "copied the weights, optimizer and schedule from a peer" in err1
     assert "GENERATORS []" in err1 and "GENERATORS []" not in err0  # (group 1 started no generator process)
     # (the counters group 0 logs: the prompts it handed group 1, and those of group 1's share it kept and trained
     # while group 1 was away; never one made up)
     last0 = json.loads(err0.split("LOG_HISTORY ", 1)[1].splitlines()[0])[-2]
-    away = (thawed["global_step"] - frozen["global_step"] - 1) + (rejoined - killed["global_step"] - 1)
+    away = sum(back["global_step"] - left["global_step"] - 1
+               for left, back in ((frozen, thawed), (killed, after[0]), (held, let_go)))
     assert sum(len(e["rows"]) == 8 for e in log0) == away
     assert last0["replicas/trainer_prompts_kept"] == 4 * away and last0["replicas/trainer_prompts_made_up"] == 0
     assert last0["replicas/trainer_prompts_handed"] == 4 * len(before + after), last0
-    times = {e["global_step"]: e["time"] for e in log0}
     print(f"drill (2 trainer replicas + 1 generator): SIGSTOP group 1 after global step {frozen['global_step']} for "
           f"6 s: group 0's next step +{times[frozen['global_step'] + 1] - stopped_at:.1f} s, group 1 back in global "
           f"step {thawed['global_step']} at +{thawed['time'] - stopped_at:.1f} s; SIGKILL group 1 after global step "
           f"{killed['global_step']}: group 0's next step +{times[killed['global_step'] + 1] - killed_at:.1f} s, group "
-          f"1 (restarted) back in global step {rejoined} at +{after[0]['time'] - killed_at:.1f} s; prompts lost or "
+          f"1 (restarted) back in global step {rejoined} at +{after[0]['time'] - killed_at:.1f} s; SIGSTOP from "
+          f"outside for 15 s after global step {held['global_step']}: group 0's longest step gap {longest:.1f} s, group "
+          f"1 back in global step {let_go['global_step']} at +{let_go['time'] - held_at:.1f} s; prompts lost or "
           f"sampled again: 0")
     _check_final_weights(tiny_model, out0, out1, log0 + log1, 100)
