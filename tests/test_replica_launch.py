@@ -131,6 +131,11 @@ def test_check_names_the_groups_and_starts_nothing(tmp_path, tiny_model):
     assert "recipe OK" in proc.stdout and "2 trainer replica groups started here, each as above, restarted up to 2 " \
         "time(s) each; lighthouse started here" in proc.stdout, proc.stdout
     assert not (tmp_path / "out").exists()
+    shared = subprocess.run(proc.args + ["--trainer_replica_shared_generators", "true"], cwd=str(tmp_path),
+                            capture_output=True, text=True, timeout=300)
+    assert shared.returncode == 0, shared.stderr[-3000:]
+    assert "group 0 as above, its generators sampling every group's share, and the other 1 as one trainer process " \
+        "each, without generators" in shared.stdout, shared.stdout
 
 
 SLOW_REWARD = '''

@@ -93,7 +93,10 @@ def start_groups(argv: list[str]) -> int:
     lighthouse = raw_fields(argv).get("torchft_lighthouse") or os.environ.get("TORCHFT_LIGHTHOUSE") or None
     if script.check:
         print(summary(job))
-        print(f"  groups:  {groups} trainer replica groups started here, each as above, restarted up to {restarts} "
+        each = ("group 0 as above, its generators sampling every group's share, and the other "
+                f"{groups - 1} as one trainer process each, without generators (trainer_replica_shared_generators)"
+                if config.trainer_replica_shared_generators else "each as above")
+        print(f"  groups:  {groups} trainer replica groups started here, {each}, restarted up to {restarts} "
               f"time(s) each; lighthouse {lighthouse or 'started here'}")
         return 0
     grace = min(float(config.collective_timeout_s), 300.0)
