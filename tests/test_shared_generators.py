@@ -203,8 +203,8 @@ def test_two_trainer_replicas_share_one_generator_and_survive_a_freeze_and_a_kil
     # (the counters group 0 logs: the prompts it handed group 1, and those of group 1's share it kept and trained
     # while group 1 was away; never one made up)
     last0 = json.loads(err0.split("LOG_HISTORY ", 1)[1].splitlines()[0])[-2]
-    away = sum(back["global_step"] - left["global_step"] - 1
-               for left, back in ((frozen, thawed), (killed, after[0]), (held, let_go)))
+    away = 100 - len(before + after)  # (the global steps group 1 did not train: its three absences, and on a loaded
+    # machine the first steps, when it was up after group 0 had started the run)
     assert sum(len(e["rows"]) == 8 for e in log0) == away
     assert last0["replicas/trainer_prompts_kept"] == 4 * away and last0["replicas/trainer_prompts_made_up"] == 0
     assert last0["replicas/trainer_prompts_handed"] == 4 * len(before + after), last0
