@@ -171,10 +171,14 @@ def test_a_turn_of_many_slow_calls_ends_within_the_rollouts_budget(tokenizer):
     assert bad.episode.ended_by == "time_budget" and budget <= bad.episode.tool_seconds < budget + 0.5
     made = bad.episode.tool_calls
     assert made == int(budget / SLEEP_S) - 1 or made == int(budget / SLEEP_S), made  # ~4 calls fit in 2 s
-    assert bad.episode.calls_refused == CALLS - made and ran.calls == made + 1  # +1: the one abandoned at the budget
+    # +1: the one abandoned at the budget; none when the 4th call ended just as the budget ran out (no 5th started:
+    # CI 65, made 4, 4 calls reached the environment)
+    abandoned = ran.calls - made
+    assert abandoned == 1 or (abandoned == 0 and made == int(budget / SLEEP_S)), (made, ran.calls)
+    assert bad.episode.calls_refused == CALLS - made
     # scored as usual: get_reward ran on its environment, which is not handed to another rollout (a call was left
-    # running in it)
-    assert bad.model_rewards["Slow"] == float(made + 1)
+    # running in it, or the turn was cut by the budget)
+    assert bad.model_rewards["Slow"] == float(ran.calls)
     assert all(env is not ran for env in mt.pool.free.get(None, []))
     # the other rollout finished its three quick turns long before the slow one's budget ran out
     quick_times = [t for name, t in STARTED if name == "quick"]
