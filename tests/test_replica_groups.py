@@ -119,7 +119,7 @@ def test_a_made_up_share_holds_that_groups_prompts_sampled_on_policy_and_split_o
     data = Dataset.from_dict({"prompt": [f"{n} + 1 =" for n in range(40)], "answer": [str(n + 1) for n in range(40)]})
     spec = SimpleNamespace(chat_template_kwargs={}, sampling=Sampling(temperature=0.8), max_completion_length=6,
                            max_model_len=128, prompts_per_batch=3, num_generations=2, seed=7, shuffle=True)
-    group = SimpleNamespace(group=0, groups=2, members={0}, is_main=True, made_up=0)
+    group = SimpleNamespace(group=0, groups=2, members={0}, is_main=True, made_up=0, shared_generators=False)
     sampler = BootstrapSampler(model, tok, data, spec, torch.device("cpu"), model.generation_config)
     ranks = [ShareMakeup(sampler, 2, d) for d in (0, 1)]
     parts = [m.sample(group, 1, 5, version=9) for m in ranks]
@@ -177,7 +177,7 @@ def test_a_share_the_trainer_cannot_sample_is_left_out_and_says_why(caplog):
     why = blocker(spec)
     assert "reward models score on the generator" in why and "generation_kwargs ['stop'] are vLLM options" in why
     assert blocker(SimpleNamespace(agent=None, reward_models=[], sampling=Sampling(), generation_kwargs={})) is None
-    group = SimpleNamespace(group=0, groups=2, members={0}, is_main=True, made_up=0)
+    group = SimpleNamespace(group=0, groups=2, members={0}, is_main=True, made_up=0, shared_generators=False)
     makeup = ShareMakeup(None, 1, 0, why)
     with caplog.at_level("WARNING", logger="hfllamarl"):
         assert makeup.sample(group, 1, 3, 3) == [] and makeup.sample(group, 1, 4, 4) == []

@@ -476,7 +476,7 @@ class AsyncAIPOTrainer:
             lora_adapter=({"config": adapter_config(self._peft_config), "rank": engine_rank(self._peft_config)}
                           if self.lora_sync == "adapter" else None),
             replica_group=a.trainer_replica_group, replica_groups=a.trainer_replica_groups,
-            shared_generators=bool(a.trainer_replica_shared_generators) and a.trainer_replica_groups > 1,
+            shared_generators=bool(a.trainer_replica_shared_generators),  # (refused with one group)
         )
 
     def _generator_dtype(self) -> str:

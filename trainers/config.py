@@ -454,8 +454,7 @@ class AsyncAIPOConfig(GRPOConfig):
     @property
     def trainer_only(self) -> bool:
         """A replica group other than 0 that shares group 0's generators: it starts none of its own."""
-        return bool(self.trainer_replica_shared_generators) and self.trainer_replica_groups > 1 \
-            and self.trainer_replica_group != 0
+        return bool(self.trainer_replica_shared_generators) and self.trainer_replica_group != 0
 
     @property
     def num_generator_replicas(self) -> int:

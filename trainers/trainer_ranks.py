@@ -275,7 +275,6 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
         ref_sync=(args.ref_model_mixup_alpha, args.ref_model_sync_steps) if args.sync_ref_model else None,
         replica_group=group, lookahead=args.sampler_lookahead == "adamw",
         replica_makeup=replica_makeup(trainer, model, device) if group is not None else None,
-        shared_generators=group is not None and bool(args.trainer_replica_shared_generators),
         trainer_only=args.trainer_only,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)

@@ -175,7 +175,8 @@ def run(args) -> int:
     print(f"    the groups' quorum calls a step (with their waits for the slower group): median {q_med:.4f} s, "
           f"mean {q_mean:.4f} s ({q_mean / mean['groups']:.1%} of the step); gradient average: median "
           f"{statistics.median(average):.4f} s")
-    print(json.dumps({"precision": precision, "shared_generators": shared, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+    print(json.dumps({"precision": precision, "shared_generators": shared, "steps": args.steps,
+                      "rounds": args.rounds, "warmup": args.warmup,
                       "hybrid_step_s": round(mean["hybrid"], 4), "groups_step_s": round(mean["groups"], 4),
                       "ratio": round(ratio, 4), "quorum_median_s": round(q_med, 4), "quorum_mean_s": round(q_mean, 4),
                       "average_median_s": round(statistics.median(average), 4)}))

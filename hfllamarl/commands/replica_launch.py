@@ -221,9 +221,8 @@ class Supervisor:
         # others' one each)
         weights = [processes_per_group] + [1] * (groups - 1) if shared else groups
         self._cpus = shares(sorted(os.sched_getaffinity(0)), weights) if hasattr(os, "sched_getaffinity") else []
-        gpus = gpus_per_group + (groups - 1) * (1 if shared else gpus_per_group)
-        self._gpus = shares(visible_gpus(gpus), [gpus_per_group] + [1] * (groups - 1) if shared else groups) \
-            if gpus_per_group else []
+        gpu_weights = [gpus_per_group] + [1 if shared else gpus_per_group] * (groups - 1)
+        self._gpus = shares(visible_gpus(sum(gpu_weights)), gpu_weights) if gpus_per_group else []
         self._stopping = 0  # the signal that asked to stop
         self._copiers: dict[int, list[threading.Thread]] = {}  # pid -> the threads copying its output
         self._prefix: dict[int, list[str]] = {}  # pid -> its lines' prefix (a standby's changes when it is used)
@@ -231,7 +230,8 @@ class Supervisor:
         # group -> its standby process (`await_go`), started `standby_after` s after the group; none for a group of
         # several processes (accelerate launch) or without restarts
         self.standbys: dict[int, subprocess.Popen] = {}
-        self.standby_after = standby_after_s() if max_restarts > 0 and not (several and not shared) else None
+        # (some group is one process: with shared generators, every group but 0)
+        self.standby_after = standby_after_s() if max_restarts > 0 and (not several or shared) else None
         self._standby_failed: set[int] = set()  # groups whose standby ended by itself: no other is started
 
     def lighthouse(self) -> str:

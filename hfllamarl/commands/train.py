@@ -72,11 +72,12 @@ def start_groups(argv: list[str]) -> int:
         restarts = restarts_asked(argv)
         job = prepare_job(check_argv(argv))
         config, script = job["recipe"].config, job["recipe"].script
+        processes = script.num_processes if job["launch"] else 1 + config.num_generator_processes  # (group 0's)
         gpus = 0
         import torch
 
-        if torch.cuda.is_available() and not config.use_cpu:  # (a group's processes: its launch's, or 1 + generators)
-            gpus = script.num_processes if job["launch"] else 1 + config.num_generator_processes
+        if torch.cuda.is_available() and not config.use_cpu:  # (one a process)
+            gpus = processes
             other = 1 if config.trainer_replica_shared_generators else gpus  # (a group sharing group 0's: 1)
             need = gpus + (groups - 1) * other
             if torch.cuda.device_count() < need:
@@ -103,8 +104,7 @@ def start_groups(argv: list[str]) -> int:
     return Supervisor(argv, groups, restarts, config.output_dir, several=bool(job["launch"]), grace_s=grace,
                       lighthouse=lighthouse, gpus_per_group=gpus,
                       shared=bool(config.trainer_replica_shared_generators),
-                      processes_per_group=script.num_processes if job["launch"] else 1 + config.num_generator_processes
-                      ).run()
+                      processes_per_group=processes).run()
 
 
 def prepare_job(argv: list[str]) -> dict:

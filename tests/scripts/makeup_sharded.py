@@ -30,7 +30,7 @@ def main() -> None:
     data = Dataset.from_dict({"prompt": [f"{n} + 1 =" for n in range(30)]})
     spec = SimpleNamespace(chat_template_kwargs={}, sampling=Sampling(temperature=1.0), max_completion_length=10,
                            max_model_len=128, prompts_per_batch=3, num_generations=4, seed=3, shuffle=True)
-    group = SimpleNamespace(group=1, groups=2, members={1}, is_main=rank == 0, made_up=0)
+    group = SimpleNamespace(group=1, groups=2, members={1}, is_main=rank == 0, made_up=0, shared_generators=False)
 
     def sample(model, data_parallel_size, data_rank):
         sampler = BootstrapSampler(model, tok, data, spec, torch.device("cpu"), model.generation_config)

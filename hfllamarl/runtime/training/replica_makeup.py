@@ -113,7 +113,7 @@ class ShareMakeup:
 
 def _why_missing(group, share: int) -> str:
     """Why share `share` is missing from the step (logged when a group starts to sample it itself)."""
-    if getattr(group, "shared_generators", False) and share != 0:  # (group 0's generators sample every share)
+    if group.shared_generators and share != 0:  # (group 0's generators sample every share)
         return ("group 0's generators, which sample it, hold nothing current" if 0 in group.members
                 else "group 0, whose generators sample it, is away")
     return "that group holds nothing current for it" if share in group.members else "that group is away"

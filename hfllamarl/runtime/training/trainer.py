@@ -93,8 +93,7 @@ class TrainerSpec:
     ref_sync: tuple[float, int] | None = None  # sync_ref_model: (ref_model_mixup_alpha, ref_model_sync_steps)
     replica_group: Any = None  # trainer_replica_groups > 1: this job's `replica_group.ReplicaGroup`
     replica_makeup: Any = None  # and its `replica_makeup.ShareMakeup` (the missing shares it samples itself)
-    shared_generators: bool = False  # the groups share group 0's generators (`replica_exchange`)
-    trainer_only: bool = False  # and this group is not group 0: it has none, and trains what group 0 hands it
+    trainer_only: bool = False  # a replica group sharing group 0's generators, not group 0: it has none
     lookahead: bool = False  # sampler_lookahead='adamw': the generator samples with predicted weights (lookahead.py)
     skip_flat_rows: bool = False  # no forward or backward for rows with advantage 0 where exact (`rows_to_train`)
     skip_flat_backward: bool = False  # no backward for rows with advantage 0 where exact (`forward_only_plan`)
@@ -260,7 +259,7 @@ class TrainerExecutor(Executor):
         batch_index = groups[0].batch_index if groups else 0
         sampled_offset = groups[0].data_offset if groups else self.data_offset  # (replica groups)
         shares = None  # (shared generators: each rollout's share of the global batch, its group's to train)
-        if spec.replica_group is not None and spec.shared_generators:
+        if spec.replica_group is not None and spec.replica_group.shared_generators:
             per_share = spec.schedule.prompts_per_batch // spec.replica_group.groups
             shares = [g.position // per_share for g in trained for _ in g.rollouts]
         old: list[torch.Tensor] = []  # pi_old per micro-batch: the first pass's log-probs, detached
