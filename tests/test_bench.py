@@ -90,6 +90,9 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     assert profile["forward + backward"] > 0 and profile["generation (generator core)"] > 0
     for key in ("flat groups, share", "rows run forward only, share", "rows skipped, share"):
         assert 0.0 <= profile[key] <= 1.0, (key, profile)
+    if "step (wall) / bound" in profile:  # (steps after the generator took over: the bound, and the larger one)
+        assert profile["work: busiest generator process, core-s"] == profile["work: generator processes, core-s"]
+        assert 0 < profile["step (wall) / larger bound"] <= profile["step (wall) / bound"], profile
     assert summary["profile_trl"]["generation"] > 0 and summary["profile_trl"]["forward + backward"] > 0
     # Each side's log history: the same steps, rewards from the same reward function.
     for name, steps in (("trl", 2), ("hfllamarl", 2), ("hfllamarl-lookahead", 3)):
@@ -105,6 +108,8 @@ def test_bench_learning_and_vs_trl_smoke(tmp_path, tool_model):
     # itself has no generator time
     history = json.load(open(tmp_path / "vs" / "hfllamarl.json"))["history"]
     assert all(h["time/cpu_seconds"] > 0 and h["generation/cpu_seconds"] >= 0 for h in history), history
+    # one generator process: the busiest one's work is all the generators' work
+    assert all(h["generation/busiest_cpu_seconds"] == h["generation/cpu_seconds"] for h in history), history
     # 64-token prompts, 4 completions of at most 8 tokens: the trainer computed each prompt once (at least 3 of the
     # 4 copies of a prompt are 3 x 64 of at most 4 x 72 tokens)
     assert all(h["shared_prompts/tokens_saved_frac"] >= 3 * 64 / (4 * 72) - 1e-6 for h in history), history

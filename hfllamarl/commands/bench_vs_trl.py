@@ -308,17 +308,26 @@ def _profile_rows(side: str, r: dict) -> dict[str, float]:
 def _work_rows(h: list[dict]) -> dict[str, float]:
     """The steps after the generators took over, in core-seconds measured in the same run (each process's CPU time,
     every thread, over the step: `generation/cpu_seconds`, `time/cpu_seconds`): the work, the bound a step cannot
-    beat on these cores (the work spread over all of them), and how far the step is from it."""
+    beat on these cores (the work spread over all of them), and how far the step is from it. Also the bound of this
+    design: the busiest generator process's own work (`generation/busiest_cpu_seconds`), which no core lent to it
+    shortens (a vLLM engine on a CPU runs on the threads it was built with), and the step against the larger of the
+    two."""
     if not h:
         return {}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    gen = sum(x["generation/cpu_seconds"] for x in h) / len(h)
-    train = sum(x.get("time/cpu_seconds", 0.0) for x in h) / len(h)
-    wall = sum(x.get("step_time", 0.0) for x in h) / len(h)
+
+    def mean(key):
+        return sum(x.get(key, 0.0) for x in h) / len(h)
+
+    gen, train, wall = mean("generation/cpu_seconds"), mean("time/cpu_seconds"), mean("step_time")
     bound = (gen + train) / cores
+    busiest = mean("generation/busiest_cpu_seconds")
+    serial = max(bound, busiest)
     return {"work: generator processes, core-s": gen, "work: trainer, core-s": train,
             f"bound: work / {cores} cores": bound, "step (wall) / bound": wall / bound if bound else 0.0,
-            "cores idle, share of the step": 1.0 - bound / wall if wall else 0.0}
+            "cores idle, share of the step": 1.0 - bound / wall if wall else 0.0,
+            "work: busiest generator process, core-s": busiest,
+            "step (wall) / larger bound": wall / serial if serial else 0.0}
 
 
 def _cpu_name() -> str:

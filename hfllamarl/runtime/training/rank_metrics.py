@@ -123,7 +123,11 @@ def step_metrics(spec, groups: list[RolloutGroup], rollouts: list[Rollout], rewa
     # The generator side of the last weight sync: its load into the engine (vLLM's reload, or the adapter's).
     metrics["weight_sync/load_seconds"] = max((g.weights_load_seconds for g in groups), default=0.0)
     # The generator processes' CPU time (core-seconds, every thread) over their ticks that closed this batch.
-    metrics["generation/cpu_seconds"] = sum({g.replica: g.cpu_seconds for g in groups}.values())
+    per_process = {g.replica: g.cpu_seconds for g in groups}
+    metrics["generation/cpu_seconds"] = sum(per_process.values())
+    # ... and the busiest one's: an engine samples on its own cores (vLLM's CPU kernels cannot take a core lent while
+    # it runs: docs/design/performance.md), so a step is at least this long whatever the other cores do
+    metrics["generation/busiest_cpu_seconds"] = max(per_process.values(), default=0.0)
     tokens = sum(v for k, v in per_replica.items() if k.endswith("/tokens/max"))
     metrics["generation/tokens_per_s"] = tokens / gen_seconds if gen_seconds > 0 else 0.0
     return metrics
