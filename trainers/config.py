@@ -17,7 +17,7 @@ from . import trainer_layout
 from .config_fields import UNSUPPORTED as _UNSUPPORTED
 from .config_fields import remember_written_fields, warn_written_use_vllm, written_fields
 from .sampling_fields import check_sampling
-from .schedule_fields import check_partial_rollouts, check_sampler_lookahead
+from .schedule_fields import check_head_start, check_partial_rollouts, check_sampler_lookahead
 from .tool_budget import check_tool_tick, default_tool_budget
 
 # vLLM quantization methods that quantize full-precision weights on load (so also at every weight sync).
@@ -142,6 +142,15 @@ class AsyncAIPOConfig(GRPOConfig):
                   "environments / rollout_func, reward models, partial rollouts, dynamic sampling, penalties, "
                   "generation_kwargs or eval_on_start; "
                   "never for a checkpointed or evaluated step, nor the last batch. False: the trainer waits."},
+    )
+    trainer_head_start: str = field(
+        default="auto",
+        metadata={"help": "A single-process job on a CPU: while the trainer waits for the generator's batch it samples "
+                  "the first tokens of every completion of the generator's next batch (with the policy version it "
+                  "sends next, as bootstrapping samples) and the generator goes on from them. 'auto': until the "
+                  "generator has finished its tick; a number N: exactly N tokens each tick (reproducible); 'off'. "
+                  "Not used (logged why) where bootstrapping is not, nor with partial rollouts, dynamic sampling, a "
+                  "sampler lookahead or max_staleness=0."},
     )
     aipo_rho: float = field(
         default=4.0,
@@ -393,6 +402,7 @@ class AsyncAIPOConfig(GRPOConfig):
                              f"choose one of {', '.join(map(repr, AGGREGATIONS))}.")
         check_partial_rollouts(self)
         check_sampler_lookahead(self)
+        check_head_start(self)
         check_sampling(self)
         if not (math.isfinite(self.aipo_rho) and self.aipo_rho >= 1.0):
             raise ValueError(

@@ -53,3 +53,14 @@ def check_sampler_lookahead(config) -> None:
                          f"{config.partial_rollout_tokens}): a carried completion continues under several versions, each "
                          "trained at another distance, so no one lookahead fits. Remove sampler_lookahead or "
                          "set partial_rollout_tokens=None.")
+
+
+def check_head_start(config) -> None:
+    """trainer_head_start: 'auto', 'off' or a number of tokens (normalised to text: a YAML recipe may give a number)."""
+    from hfllamarl.runtime.training.head_start import tokens_of
+
+    try:
+        tokens_of(config.trainer_head_start)
+    except ValueError as exc:
+        raise ValueError(f"AsyncAIPOConfig: {exc}.") from None
+    config.trainer_head_start = str(config.trainer_head_start).strip().lower()

@@ -278,12 +278,29 @@ def build_trainer_executor(trainer, backend, resume_dir: str | None = None,
         trainer_only=args.trainer_only,
     )
     executor = holder["executor"] = TrainerExecutor(spec, topo)
+    executor.head_start = head_start(trainer, model, device)
     os.makedirs(args.output_dir, exist_ok=True)
     if resume_dir:
         checkpoint.load_trainer_side(trainer, executor, resume_dir, unsampled)
     reporter.train_begin()
     reporter.step_begin()
     return executor
+
+
+def head_start(trainer, model, device):
+    """The trainer's head start on the generator's batches (`runtime.training.head_start`), or None (why: logged)."""
+    from hfllamarl.runtime.training import head_start as start
+    from hfllamarl.runtime.training.bootstrap import BootstrapSampler
+
+    topo, spec = trainer.topology, trainer._generator_spec()
+    why = start.blocker(trainer.args, spec, topo)
+    if why is not None:
+        if start.tokens_of(trainer.args.trainer_head_start) != 0:
+            logger.info("the trainer takes no head start on the generator's batches: %s", why)
+        return None
+    sampler = BootstrapSampler(model, trainer.processing_class, trainer.train_dataset, spec, device,
+                               generation_config=getattr(model, "generation_config", None))
+    return start.HeadStart(sampler, topo.core_lender.board, start.tokens_of(trainer.args.trainer_head_start))
 
 
 def replica_group(trainer, model, optimizer, scheduler, device):

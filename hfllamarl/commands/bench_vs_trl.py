@@ -285,7 +285,10 @@ def _profile_rows(side: str, r: dict) -> dict[str, float]:
     rows = {"generation (generator core)": mean("generation/seconds"), "reward": mean("reward_seconds"),
             "forward + backward": mean("time/forward_backward"), "optimizer": mean("time/optimizer"),
             "weight sync (transfer)": mean("weight_sync_seconds"),
-            "trainer waiting on channels": mean("time/channels"), "step (wall)": step,
+            "trainer waiting on channels": mean("time/channels"),
+            # the trainer's head start: the first tokens of the generator's next batch, sampled while it waited
+            "trainer's head start (sampling)": mean("time/head_start"),
+            "  its tokens a completion": mean("head_start/tokens"), "step (wall)": step,
             "start-up before step 1": r["first_step_after"] or 0.0,
             # rows with advantage 0: run forward only (the default) or skipped (skip_flat_rows), share of the rows
             "flat groups, share": mean("frac_reward_zero_std"),

@@ -32,7 +32,8 @@ from hfllamarl.runtime.loop.rollout import ROLLOUTS, UNFINISHED, InFlightBatch, 
 from hfllamarl.runtime.loop.sampling import Sampling
 from hfllamarl.runtime.loop.schedule import Schedule, replica_share
 from hfllamarl.runtime.world.topology import Topology
-from hfllamarl.runtime.loop.weights_channel import DATA_OFFSET, POLICY_WEIGHTS, REPLICAS, build_backend, verify_dir
+from hfllamarl.runtime.loop.weights_channel import (DATA_OFFSET, HEAD_START, POLICY_WEIGHTS, REPLICAS, build_backend,
+                                                    verify_dir)
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class GeneratorExecutor(Executor):
         self.tick = -1
         self.pending: list[RolloutGroup] = []  # finished batches, sent at the next rollouts channel
         self.in_flight: list[InFlightBatch] = []  # started batches with completions still carried
+        self.head_start_rows: dict | None = None  # this tick's first tokens from the trainer (`training.head_start`)
         self.weight_load_seconds = 0.0
         self.cpu_mark = time.process_time()  # (this process's CPU time when its last tick closed)
         self.eval_dataset = None  # `init` loads spec.eval_dataset
@@ -221,6 +223,9 @@ class GeneratorExecutor(Executor):
         if channel == DATA_OFFSET:  # trainer replica groups: the batches this job samples from now on
             self.data_offset = int(value)
             return None
+        if channel == HEAD_START:  # the trainer sampled the first tokens of this tick's batch
+            self.head_start_rows = value
+            return None
         if channel != POLICY_WEIGHTS:
             return super().put_input(channel, value)
         version, weights = value
@@ -296,11 +301,16 @@ class GeneratorExecutor(Executor):
         carried = [r for flight in self.in_flight for r in flight.unfinished()]
         asked = [min(budget, length - len(r.completion_ids)) for r in carried]
         requests = [(r.prompt_ids + r.completion_ids, self._sampling_params(1, n)) for r, n in zip(carried, asked)]
-        new = None
+        new, head = None, None
         if batch_index is not None:  # this replica's share of the batch's prompts (`schedule.replica_share`)
             indices, rows, positions = self.batch_prompts(batch_index)
             new = (indices, rows, [self.encoder.encode(row["prompt"]) for row in rows])
-            requests += [(ids, self._sampling_params(spec.num_generations, budget)) for ids in new[2]]
+            head = self._take_head_start(batch_index, indices)
+            if head is None:
+                requests += [(ids, self._sampling_params(spec.num_generations, budget)) for ids in new[2]]
+            else:  # each completion goes on from the trainer's first tokens, one request each
+                requests += [(ids + first, self._sampling_params(1, budget - len(first)))
+                             for ids, streams in zip(new[2], head) for first, _, why in streams if why == UNFINISHED]
         start = time.perf_counter()
         outputs = self.sample([ids for ids, _ in requests], [params for _, params in requests]) if requests else []
         seconds = time.perf_counter() - start
@@ -308,19 +318,45 @@ class GeneratorExecutor(Executor):
         for r, n, out in zip(carried, asked, outputs[:len(carried)]):
             tokens += self._extend(r, out.outputs[0], n)
         if new is not None:
-            groups = []
-            for index, row, ids, out in zip(*new, outputs[len(carried):]):
+            groups, results = [], iter(outputs[len(carried):])
+            for p, (index, row, ids) in enumerate(zip(*new)):
                 columns = {k: v for k, v in row.items() if k != "prompt"}
+                if head is None:
+                    streams = [(([], [], UNFINISHED), comp) for comp in next(results).outputs]
+                else:
+                    streams = [(first, next(results).outputs[0] if first[2] == UNFINISHED else None) for first in head[p]]
                 group = []
-                for comp in out.outputs:
-                    r = Rollout(prompt=row["prompt"], prompt_ids=list(ids), completion_ids=[], behavior_logprobs=[],
-                                versions=[], finish_reason=UNFINISHED, completion_text="", columns=columns,
-                                row_index=int(index), segments=0)
-                    tokens += self._extend(r, comp, budget)
+                for (first, logprobs, why), comp in streams:
+                    r = Rollout(prompt=row["prompt"], prompt_ids=list(ids), completion_ids=list(first),
+                                behavior_logprobs=list(logprobs), versions=[self.version] * len(first),
+                                finish_reason=UNFINISHED, completion_text="", columns=columns, row_index=int(index),
+                                segments=0)
+                    if comp is not None:
+                        tokens += self._extend(r, comp, budget - len(first))
+                    else:  # it ended within the trainer's head start
+                        r.segments, r.finish_reason = 1, why
+                        r.completion_text = self.encoder.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
                     group.append(r)
                 groups.append(group)
             self.in_flight.append(InFlightBatch(batch_index, self.version, groups, positions, self.data_offset))
         return self.close_tick(seconds, tokens)
+
+    def _take_head_start(self, batch_index: int, indices: list[int]) -> list[list[tuple]] | None:
+        """The trainer's first tokens of batch `batch_index` (`runtime.training.head_start`), per prompt its
+        `num_generations` streams (tokens, behaviour log-probs, "stop" / "length" / unfinished), when they were
+        sampled for exactly these prompts with the version this engine holds; else None (sampled from scratch)."""
+        head, self.head_start_rows = self.head_start_rows, None
+        if head is None:
+            return None
+        n = self.spec.num_generations
+        if (head.get("batch"), head.get("version"), head.get("indices")) != (batch_index, self.version, list(indices)) \
+                or len(head.get("rows", ())) != n * len(indices):
+            logger.warning("the trainer's head start of batch %s (policy version %s) is not this tick's batch %d at "
+                           "version %d: sampled from scratch", head.get("batch"), head.get("version"), batch_index,
+                           self.version)
+            return None
+        rows = [(list(map(int, first)), list(map(float, logprobs)), str(why)) for first, logprobs, why in head["rows"]]
+        return [rows[p * n:(p + 1) * n] for p in range(len(indices))]
 
     def batch_prompts(self, batch_index: int) -> tuple[list[int], list[dict], list[int]]:
         """This replica's share of generation batch `batch_index` (`schedule.replica_share`): the dataset indices,

@@ -22,6 +22,7 @@ from hfllamarl.runtime.world.topology import Topology
 POLICY_WEIGHTS = "policy_weights"
 REPLICAS = "replicas"  # what the generator executor is told each tick: the live replicas (`put_input`)
 DATA_OFFSET = "data_offset"  # trainer replica groups: the global batch of the job's batch 0 (`put_input`)
+HEAD_START = "head_start"  # the trainer's first tokens of the generator's next batch (`runtime.training.head_start`)
 
 
 def settle(waits) -> set[int]:
@@ -98,8 +99,13 @@ class WeightsChannel:
             stop = executor.stop_requested()  # (the trainer ranks agree on it)
             out = None if stop else executor.get_output(POLICY_WEIGHTS)
             live = self.dispatch.begin_tick(executor) if self.dispatch is not None else topo.live_replicas
+            # (the trainer's head start on the batch the generator samples next, while the generator finishes its
+            # tick: `runtime.training.head_start`)
+            head = None if stop or getattr(executor, "head_start", None) is None else executor.head_start.sample(executor)
             if topo.rank == 0:
                 header = {"version": None if out is None else out[1], "live": live, "stop": stop}
+                if head is not None:
+                    header[HEAD_START] = head
                 if getattr(executor, DATA_OFFSET, 0):  # (trainer replica groups, once a group healed: never 0 again)
                     header[DATA_OFFSET] = executor.data_offset
                 settle([w for r in live for g in topo.replica_ranks(r)
@@ -118,6 +124,8 @@ class WeightsChannel:
                 executor.put_input(REPLICAS, header["live"])
             if DATA_OFFSET in header:
                 executor.put_input(DATA_OFFSET, header[DATA_OFFSET])
+            if HEAD_START in header:
+                executor.put_input(HEAD_START, header[HEAD_START])
             ready = time.perf_counter()
             if header["version"] is not None:
                 self.backend.targets = header["live"]

@@ -33,7 +33,7 @@ import time
 import torch
 
 from hfllamarl.runtime.data.prompts import PromptEncoder, batch_rows
-from hfllamarl.runtime.loop.rollout import ROLLOUTS, Rollout, RolloutGroup
+from hfllamarl.runtime.loop.rollout import ROLLOUTS, UNFINISHED, Rollout, RolloutGroup
 from hfllamarl.runtime.loop.sampling import Sampling, processed_logits
 from hfllamarl.runtime.weights import checkpoint
 
@@ -139,12 +139,33 @@ class BootstrapSampler:
             groups.append(RolloutGroup(group, batch_index, version, seconds, total, position=position, replica=0))
         return groups
 
+    def head_start(self, batch_index: int, version: int, tokens: int, stop) -> dict | None:
+        """The first tokens of every completion of batch `batch_index` (its prompts as the generator encodes them,
+        `num_generations` streams each), sampled now by the policy at `version`: `tokens` of them, fewer if `stop()`
+        says so between two tokens (`runtime.training.head_start`). None when a prompt leaves no room for a whole
+        completion or the batch needs more than one chunk. JSON-ready: the dataset rows, and per stream its tokens,
+        their behaviour log-probs and why it ended ("stop", "length", or "" while it goes on)."""
+        spec = self.spec
+        indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
+        prompts = [self.encoder.encode(self.dataset[i]["prompt"]) for i in indices]
+        longest = max((len(ids) for ids in prompts), default=0)
+        streams = [ids for ids in prompts for _ in range(spec.num_generations)]
+        if not streams or longest + spec.max_completion_length > spec.max_model_len \
+                or len(streams) * (longest + spec.max_completion_length) > TOKENS_PER_CHUNK:
+            return None
+        generator = torch.Generator(device=self.device).manual_seed(spec.seed * 1_000_003 + batch_index + 500_009)
+        ids, logprobs, reasons = self._decode(streams, generator, tokens, stop)
+        return {"batch": batch_index, "version": version, "indices": [int(i) for i in indices],
+                "rows": [[row, lps, why] for row, lps, why in zip(ids, logprobs, reasons)]}
+
     @torch.no_grad()
-    def _decode(self, prompts: list[list[int]], generator: torch.Generator):
+    def _decode(self, prompts: list[list[int]], generator: torch.Generator, first: int | None = None, stop=None):
         """Sample a completion of each prompt (left-padded, one forward per token with the KV cache): its tokens,
         their log-probs under the processed distribution, and why it ended ("stop": an end-of-sequence token,
-        kept as vLLM keeps it; "length": max_completion_length)."""
+        kept as vLLM keeps it; "length": max_completion_length). With `first` (and `stop()`, asked after each
+        token), only the first tokens of each: a completion cut before its end has the reason "" (unfinished)."""
         model, n, length = self.model, len(prompts), self.spec.max_completion_length
+        cut = min(first, length) if first is not None else length
         width = max(len(p) for p in prompts)
         ids = torch.full((n, width), self.pad, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
@@ -165,7 +186,7 @@ class BootstrapSampler:
                 chosen_ids.append(choice)
                 chosen_logprobs.append(logp.gather(-1, choice[:, None])[:, 0])
                 open_ &= ~torch.isin(choice, eos)
-                if len(chosen_ids) == length or not bool(open_.any()):
+                if len(chosen_ids) == cut or not bool(open_.any()) or (stop is not None and stop()):
                     break
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=self.device)], dim=1)
                 positions = positions[:, -1:] + 1
@@ -178,7 +199,7 @@ class BootstrapSampler:
             end = next((t + 1 for t, token in enumerate(row) if token in self.eos), None)
             tokens.append(row[:end] if end else row)
             logprobs.append(row_logprobs[:end] if end else row_logprobs)
-            reasons.append("stop" if end else "length")
+            reasons.append("stop" if end else "length" if len(row) == length else UNFINISHED)
         return tokens, logprobs, reasons
 
 

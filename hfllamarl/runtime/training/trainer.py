@@ -120,6 +120,7 @@ class TrainerExecutor(Executor):
         self.startup_profile: dict[str, float] = {}  # where the start-up went (`world.startup`; first rank, step 1)
         self.sync_bytes = 0  # bytes of one weight sync (in the wire dtype), set by `init`
         self.channel_seconds = 0.0  # this tick's time in the channels, before `step`
+        self.head_start = None  # `runtime.training.head_start.HeadStart`: sampling in the weights channel, or None
         self.layout = Layout(spec)  # how micro-batches are laid out: padded until `prepare` checks the real model
         self.balancing = (balancing_loss_fn(spec.model)  # (router logits, token mask) -> an MoE's aux loss
                           if spec.router_aux_loss_coef else None)
@@ -207,6 +208,8 @@ class TrainerExecutor(Executor):
             return
         # (a bootstrapped batch waited for nothing: the time before this was its own sampling)
         self.channel_seconds = 0.0 if self.bootstrapping else time.perf_counter() - self._tick_started
+        if self.head_start is not None:  # (its sampling in the channel is work, logged as time/head_start)
+            self.channel_seconds = max(0.0, self.channel_seconds - self.head_start.seconds)
         groups = self.inbox.pop(batch_index, None)
         if not groups and self.spec.trainer_only:
             groups = []  # (a replica group without generators: group 0 hands it its share in the step)
@@ -334,6 +337,8 @@ class TrainerExecutor(Executor):
         out = {"loss": loss_total, "stats": stats, "time/channels": self.channel_seconds,
                "time/forward_backward": backward_seconds, "time/optimizer": optimizer_seconds, "grad_norm": grad_norm}
         self.channel_seconds = 0.0  # the batch's later passes wait for nothing
+        if self.head_start is not None:
+            out.update(self.head_start.metrics())
         lender = self.topology.core_lender if self.topology is not None else None
         if lender is not None:  # the generators finished first and lent their cores for the rest of this step
             out["time/borrowed_cores"] = float(lender.borrowed)
