@@ -149,8 +149,9 @@ class AsyncAIPOConfig(GRPOConfig):
                   "the first tokens of every completion of the generator's next batch (with the policy version it "
                   "sends next, as bootstrapping samples) and the generator goes on from them. 'auto': until the "
                   "generator has finished its tick; a number N: exactly N tokens each tick (reproducible); 'off'. "
-                  "Not used (logged why) where bootstrapping is not, nor with partial rollouts, dynamic sampling, a "
-                  "sampler lookahead or max_staleness=0."},
+                  "Not used (logged why) under a launcher, with more than one generator process, with tools / "
+                  "environments / rollout_func, reward models, penalties or generation_kwargs, nor with partial "
+                  "rollouts, dynamic sampling, a sampler lookahead or max_staleness=0."},
     )
     aipo_rho: float = field(
         default=4.0,
