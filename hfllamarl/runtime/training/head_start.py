@@ -20,11 +20,7 @@ parallelism, or anything the trainer's sampler cannot sample as vLLM does (`boot
 
 from __future__ import annotations
 
-import logging
 import time
-
-logger = logging.getLogger(__name__)
-
 
 
 def tokens_of(setting) -> int | None:
@@ -78,9 +74,8 @@ class HeadStart:
         if tick == self.first_tick or not schedule.generator_samples(tick):
             return None
         batch = schedule.generator_batch(tick)
-        if batch is None or batch >= schedule.num_batches:
+        if batch is None:
             return None
-
         topology = executor.topology
         liveness = getattr(topology, "liveness", None)
         start = time.perf_counter()
