@@ -102,9 +102,17 @@ class BootstrapSampler:
     def sample(self, batch_index: int, version: int) -> list[RolloutGroup] | None:
         """The groups of batch `batch_index`, sampled now by the policy at `version`; None when a prompt leaves no
         room for a whole completion (max_model_len: the generator decides what becomes of it)."""
+        return self.sample_rows(self._rows(batch_index), batch_index, version,
+                                self.spec.seed * 1_000_003 + batch_index)
+
+    def _rows(self, batch_index: int) -> list[int]:
+        """The dataset rows of batch `batch_index` (`prompts.batch_rows`, as the generator draws them)."""
         spec = self.spec
-        indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
-        return self.sample_rows(indices, batch_index, version, spec.seed * 1_000_003 + batch_index)
+        return batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
+
+    def _room(self, prompts: list[list[int]]) -> bool:
+        """Whether every prompt leaves room for a whole completion (max_model_len)."""
+        return all(len(ids) + self.spec.max_completion_length <= self.spec.max_model_len for ids in prompts)
 
     def sample_rows(self, indices: list[int], batch_index: int, version: int, seed: int) -> list[RolloutGroup] | None:
         """`sample` of the dataset rows `indices` (positions 0, 1, ... of batch `batch_index`), the sampler's random
@@ -112,7 +120,7 @@ class BootstrapSampler:
         spec = self.spec
         prompts = [(i, row, self.encoder.encode(row["prompt"])) for i, row in
                    zip(indices, (self.dataset[i] for i in indices))]
-        if any(len(ids) + spec.max_completion_length > spec.max_model_len for _, _, ids in prompts):
+        if not self._room([ids for _, _, ids in prompts]):
             return None
         start = time.perf_counter()
         streams = [ids for _, _, ids in prompts for _ in range(spec.num_generations)]
@@ -146,11 +154,11 @@ class BootstrapSampler:
         completion or the batch needs more than one chunk. JSON-ready: the dataset rows, and per stream its tokens,
         their behaviour log-probs and why it ended ("stop", "length", or "" while it goes on)."""
         spec = self.spec
-        indices = batch_rows(len(self.dataset), spec.prompts_per_batch, batch_index, spec.seed, spec.shuffle)
+        indices = self._rows(batch_index)
         prompts = [self.encoder.encode(self.dataset[i]["prompt"]) for i in indices]
-        longest = max((len(ids) for ids in prompts), default=0)
         streams = [ids for ids in prompts for _ in range(spec.num_generations)]
-        if not streams or longest + spec.max_completion_length > spec.max_model_len \
+        longest = max((len(ids) for ids in prompts), default=0)
+        if not streams or not self._room(prompts) \
                 or len(streams) * (longest + spec.max_completion_length) > TOKENS_PER_CHUNK:
             return None
         generator = torch.Generator(device=self.device).manual_seed(spec.seed * 1_000_003 + batch_index + 500_009)

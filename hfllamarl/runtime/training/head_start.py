@@ -14,8 +14,8 @@ either side. Every token keeps its log-prob and version: the loss's correction i
 `trainer_head_start`: "auto" (sample until the generator is done, at most the completion's length), a number N
 (exactly N tokens each tick, whatever the generator does: reproducible), or "off". Where it does not apply
 (`blocker` says why, logged once): not a single-process CPU job with one trainer and one generator process, the
-synchronous loop, partial rollouts, dynamic sampling, a sampler lookahead, trainer replica groups, trainer tensor
-parallelism, or anything the trainer's sampler cannot sample as vLLM does (`bootstrap.cannot_sample`).
+synchronous loop, partial rollouts, dynamic sampling, a sampler lookahead, trainer replica groups (trainer tensor
+parallelism has several trainer processes), or anything the trainer's sampler cannot sample as vLLM does (`bootstrap.cannot_sample`).
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ def blocker(args, spec, topology) -> str | None:
         (bool(args.drop_zero_variance_groups), "dynamic sampling draws from the generator's reserve"),
         (args.sampler_lookahead != "none", "the generator samples with weights moved ahead of the trainer's"),
         (spec.replica_groups > 1, "trainer replica groups"),
-        (getattr(topology, "trainer_tp", 1) > 1, "trainer tensor parallelism shards the vocabulary"),
-    ]
+    ]  # (trainer tensor parallelism has several trainer processes)
     why = cannot_sample(spec) + [text for hit, text in reasons if hit]
     return "; ".join(why) if why else None
 
@@ -68,13 +67,12 @@ class HeadStart:
     def sample(self, executor) -> dict | None:
         """The head start of the batch the generator samples in this tick (None: none), with the trainer's policy
         version (the one this tick's channel sends)."""
-        tick, schedule = executor.tick, executor.spec.schedule
+        tick = executor.tick
+        self.seconds, self.sampled = 0.0, 0  # (a tick whose step trains nothing logs none of an earlier one)
         if self.first_tick is None:
             self.first_tick = tick
-        if tick == self.first_tick or not schedule.generator_samples(tick):
-            return None
-        batch = schedule.generator_batch(tick)
-        if batch is None:
+        batch = executor.spec.schedule.generator_batch(tick)  # (None after the last batch)
+        if tick == self.first_tick or batch is None:
             return None
         topology = executor.topology
         liveness = getattr(topology, "liveness", None)
